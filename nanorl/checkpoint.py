@@ -1,0 +1,299 @@
+"""Checkpoints: everything a run needs to continue exactly, written atomically, resumed from the
+newest one that is whole (every save_every steps, after the optimizer step and weight sync).
+
+A crash, a kill or a full disk must cost at most the steps since the last checkpoint, and a resumed
+run must go on as if nothing had happened. `out_dir/checkpoints/step_NNNNNN/` holds the model and
+tokenizer (`save_pretrained`: safetensors, loadable as is by transformers / vLLM); trainer_state.pt
+(optimizer, scheduler, critic, every RNG state per rank); trainer_state.json (step, loader position,
+KL controller, counters, reward faults, config, length of metrics.jsonl); and manifest.json (size
+and sha256 of every other file) written LAST. Nothing is unpickled: JSON, safetensors, and
+`torch.load(weights_only=True)` (tensors and plain containers only). The reference model is the
+starting `--model`, not saved.
+
+Atomicity: files go to a hidden `.tmp-step_N-<pid>/`, are fsync'd, the manifest comes last, and one
+rename puts the directory in place: a reader sees a whole checkpoint or none. One damaged later (a
+truncated copy, a bad disk) fails its manifest check and is skipped with the reason; `--resume
+latest` falls back to the next older. A failed save (ENOSPC) deletes its temporary directory and
+raises `CheckpointError`, never touching older checkpoints. The newest `keep_checkpoints` are kept.
+
+Exact resume: 2N steps, and N steps + `--resume latest` + N steps, log identical per-step metrics
+(tests/test_reliability.py): every random stream is restored (python, numpy, torch CPU/CUDA, the
+engine's sampler), the loader restarts at the same row, train.py seeds its mini-batch shuffle by
+step, evaluation runs under `isolated_rng` so it never shifts the training stream, and
+metrics.jsonl is cut back to the checkpoint. Limits: bitwise for the HF engine on CPU at the same
+thread count. GPU kernels with atomics (some attention / scatter backwards) differ run to run unless
+`torch.use_deterministic_algorithms(True)`; vLLM has its own per-request sampling RNG and
+batch-shape-dependent kernels: it resumes from the right state, equal in distribution, not bitwise.
+
+Test hook: NANORL_CHECKPOINT_PAUSE=<seconds> sleeps between the weights and the trainer state, so a
+test can SIGKILL a save midway.        python -m pytest tests/test_reliability.py -q
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+from collections import Counter
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+FORMAT = "nanorl-checkpoint-1"
+MANIFEST = "manifest.json"
+PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+FREE_FIELDS = {"resume", "steps", "out_dir", "save_every", "eval_every", "eval_limit", "quiet", "threads",
+               "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k"}
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be written or read; the message says which and why."""
+
+
+def _engine_gen(run) -> torch.Generator | None:
+    gen = getattr(run.engine, "generator", None)
+    return gen if isinstance(gen, torch.Generator) else None
+
+
+def rng_state(run) -> dict:
+    """Every random stream of this process (tensors and plain values: loadable with weights_only)."""
+    npy = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (npy[0], npy[1].tolist(), *npy[2:]),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if _engine_gen(run) is not None:
+        state["engine"] = _engine_gen(run).get_state()
+    return state
+
+
+def set_rng_state(run, state: dict) -> None:
+    npy = state["numpy"]
+    random.setstate(state["python"])
+    np.random.set_state((npy[0], np.array(npy[1], dtype=np.uint32), *npy[2:]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "engine" in state and _engine_gen(run) is not None:
+        _engine_gen(run).set_state(state["engine"])
+
+
+@contextmanager
+def isolated_rng(run, seed: int):
+    """Evaluate from a fixed seed, then put every stream back: evaluation never shifts training's."""
+    saved = rng_state(run)
+    if _engine_gen(run) is not None:
+        _engine_gen(run).manual_seed(seed)
+    try:
+        yield
+    finally:
+        set_rng_state(run, saved)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def save(run) -> str:
+    """Checkpoint the current step (every rank calls it, rank 0 writes); returns the path."""
+    local = {"rng": rng_state(run), "reward_faults": dict(run.rewards.faults)}
+    ranks = [local] * run.world  # RNG streams differ by rank: collect them all
+    if run.world > 1:
+        torch.distributed.all_gather_object(ranks, local)
+    if run.rank != 0:
+        return ""
+    root = os.path.join(run.cfg.out_dir, "checkpoints")
+    final = os.path.join(root, f"step_{run.step:06d}")
+    tmp, trash = (os.path.join(root, f".{kind}-step_{run.step:06d}-{os.getpid()}") for kind in ("tmp", "trash"))
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):  # leftovers of a save that was killed: never valid, never read
+        if name.startswith((".tmp-", ".trash-")):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    try:
+        os.makedirs(tmp)
+        run.model.save_pretrained(tmp)
+        run.tokenizer.save_pretrained(tmp)
+        time.sleep(float(os.environ.get(PAUSE_ENV) or 0))  # test hook (module docstring)
+        torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
+                    "critic": run.critic.state_dict() if run.critic is not None else None,
+                    "rng": [r["rng"] for r in ranks]},
+                   os.path.join(tmp, "trainer_state.pt"))  # read back with weights_only=True
+        logfile = getattr(run.logger, "file", None)  # rank 0's metrics.jsonl
+        if logfile is not None:
+            logfile.flush()
+        _write_json(os.path.join(tmp, "trainer_state.json"), {
+            "format": FORMAT, "step": run.step, "config": dataclasses.asdict(run.cfg),
+            "loader": run.loader.state_dict(), "kl_ctl": run.kl_ctl.state_dict(), "counters": dict(run.counters),
+            "reward_faults": [r["reward_faults"] for r in ranks],
+            "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None})
+        files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, ns in os.walk(tmp) for n in ns)
+        for f in files:
+            _fsync(os.path.join(tmp, f))
+        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": run.step, "files": {
+            f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
+            for f in files}})  # last: its presence means "complete"
+        _fsync(tmp)
+        if os.path.exists(final):  # the same step saved again (save_every, then the end of the run)
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        _fsync(root)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            prev = [p for _, p in list_checkpoints(root)]
+            raise CheckpointError(f"could not write checkpoint {final}: {e}. Nothing was replaced: the "
+                                  f"previous checkpoint ({prev[0] if prev else 'none'}) is intact. Free disk "
+                                  "space, then resume with --resume latest.") from e
+        raise
+    shutil.rmtree(trash, ignore_errors=True)
+    complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+    for s, p in list_checkpoints(root):  # keep the newest K complete ones, delete everything older
+        if len(complete) >= run.cfg.keep_checkpoints and s < complete[run.cfg.keep_checkpoints - 1][0]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every step_N directory under root, newest first (validity not checked)."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := STEP_DIR.match(n))]
+    return sorted(found, reverse=True)
+
+
+def verify(path: str) -> dict:
+    """The manifest of a complete, intact checkpoint; else CheckpointError saying what is wrong."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: no {MANIFEST} (not a checkpoint, or its save was interrupted)") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: corrupt {MANIFEST} ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for name, meta in files.items():
+        p = os.path.join(path, name)
+        if not os.path.isfile(p):
+            raise CheckpointError(f"{path}: {name} is missing")
+        if os.path.getsize(p) != meta["bytes"] or _sha256(p) != meta["sha256"]:
+            raise CheckpointError(f"{path}: {name} is corrupt (size or sha256 differs from the manifest)")
+    return manifest
+
+
+def _read(path: str) -> tuple[dict, dict, list[dict]]:
+    """Verified trainer state, trainer tensors and model weight shards, all in memory."""
+    manifest = verify(path)
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+        # weights_only: tensors and plain containers only, no arbitrary unpickling
+        tensors = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
+        shards = sorted(f for f in manifest["files"] if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", f))
+        weights = [load_file(os.path.join(path, s)) for s in shards]
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    if not weights:
+        raise CheckpointError(f"{path}: has no model.safetensors")
+    return state, tensors, weights
+
+
+def resume(run, path_or_latest: str) -> str | None:
+    """Restore `run` from a checkpoint directory, or from the newest valid one under
+    out_dir/checkpoints ("latest"). Returns the path, or None when "latest" finds no checkpoint
+    at all (the run then starts from scratch)."""
+    log, root = run.logger.print, os.path.join(run.cfg.out_dir, "checkpoints")
+    latest = path_or_latest == "latest"
+    candidates = [p for _, p in list_checkpoints(root)] if latest else [path_or_latest]
+    if not candidates:
+        log(f"--resume latest: no checkpoint in {root}; starting from scratch")
+        _cut_metrics(run, root, 0)
+        return None
+    skipped = []
+    for path in candidates:
+        try:
+            loaded = _read(path)
+            break
+        except CheckpointError as e:
+            if not latest:  # a checkpoint named explicitly is that one or nothing
+                raise
+            log(f"skipping checkpoint: {e}")
+            skipped.append(str(e))
+    else:
+        raise CheckpointError(f"no valid checkpoint in {root}:\n  " + "\n  ".join(skipped))
+    _apply(run, path, *loaded)
+    log(f"resumed from {path} at step {run.step}")
+    return path
+
+
+def _load_weights(run, path: str, weights: list[dict], tensors: dict) -> None:
+    model_sd, loaded = run.model.state_dict(), set()
+    for sd in weights:
+        unexpected = run.model.load_state_dict(sd, strict=False).unexpected_keys
+        if unexpected:
+            raise CheckpointError(f"{path}: weights {unexpected[:5]} do not belong to this model")
+        loaded |= set(sd)
+    ptrs = {model_sd[k].data_ptr() for k in loaded}  # a tied weight (lm_head = embeddings) is saved once
+    missing = [k for k in model_sd if k not in loaded and model_sd[k].data_ptr() not in ptrs]
+    if missing:
+        raise CheckpointError(f"{path}: no weights for {missing[:5]}")
+    if run.critic is not None:
+        if tensors["critic"] is None:
+            raise CheckpointError(f"{path}: has no critic, but this run has one (--vf-coef > 0)")
+        run.critic.load_state_dict(tensors["critic"])
+
+
+def _apply(run, path: str, state: dict, tensors: dict, weights: list[dict]) -> None:
+    changed = {k: (v, getattr(run.cfg, k, None)) for k, v in state["config"].items()  # FREE_FIELDS: harmless
+               if k not in FREE_FIELDS and getattr(run.cfg, k, None) != v}
+    if changed:
+        run.logger.print(f"note: config differs from the checkpoint's (saved, now): {changed}")
+    try:
+        _load_weights(run, path, weights, tensors)
+        run.optimizer.load_state_dict(tensors["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as e:  # shapes / groups differ: another model or setup
+        raise CheckpointError(f"{path} does not fit this run (another model or --vf-coef?): {e}") from None
+    run.scheduler.load_state_dict(tensors["scheduler"])
+    run.kl_ctl.load_state_dict(state["kl_ctl"])
+    run.loader.load_state_dict(state["loader"])
+    run.counters.update(state["counters"])
+    run.step = int(state["step"])
+    if len(tensors["rng"]) == run.world:  # another world size: the streams stay as setup() seeded them
+        set_rng_state(run, tensors["rng"][run.rank])
+        run.rewards.faults = Counter(state["reward_faults"][run.rank])
+    run.engine.update_weights(run.model, version=run.step)
+    if state.get("metrics_bytes") is not None:
+        _cut_metrics(run, os.path.dirname(path), state["metrics_bytes"])
+
+
+def _cut_metrics(run, root: str, size: int) -> None:
+    """Cut this run's metrics.jsonl back to the checkpoint: steps logged after it are redone."""
+    logfile = getattr(run.logger, "file", None)
+    own = os.path.realpath(root) == os.path.realpath(os.path.join(run.cfg.out_dir, "checkpoints"))
+    if logfile is not None and own and os.path.getsize(logfile.name) >= size:
+        logfile.flush()
+        os.truncate(logfile.name, size)

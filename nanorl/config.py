@@ -1,0 +1,244 @@
+"""Configuration: one dataclass, a docstring per field, and `--algo` presets.
+
+Every flag of train.py is a field of `Config` (`--max-new-tokens 8` sets `max_new_tokens`). An
+`--algo` preset is a named set of field values (which estimator, which policy loss, where KL goes);
+flags given on the command line override the preset, and `__post_init__` rejects inconsistent or
+out-of-range values with a message naming the field.
+
+    python train.py --help        # every flag, with its docstring, and every preset
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+from dataclasses import dataclass, fields
+
+# name -> (one line for --help, field overrides). The defaults of Config are GRPO's.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "grpo": ("group-normalised advantages, PPO clip, K3 KL as a loss (DeepSeekMath)",
+             dict(advantage="grpo", kl_coef=0.001, kl_estimator="k3", loss_agg="seq-mean-token-mean")),
+    "dr_grpo": ("GRPO without std division or length bias (Dr. GRPO, Liu et al. 2025)",
+                dict(advantage="dr_grpo", loss_agg="seq-mean-token-sum-norm")),
+    "dapo": ("clip-higher 0.2/0.28, token-mean, drop zero-variance groups (DAPO, Yu et al. 2025)",
+             dict(advantage="grpo", clip_high=0.28, loss_agg="token-mean", filter_groups=True)),
+    "rloo": ("leave-one-out baseline (Ahmadian et al. 2024)", dict(advantage="rloo")),
+    "reinforce_pp": ("REINFORCE++: KL in the reward, batch-whitened returns (Hu 2025)",
+                     dict(advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True, kl_estimator="k1")),
+    "reinforce_pp_baseline": ("REINFORCE++ with a group-mean baseline, K3 KL as a loss",
+                              dict(advantage="reinforce_pp_baseline", kl_coef=0.001, kl_estimator="k3")),
+    "ppo": ("critic + GAE + clipped value loss (Schulman et al. 2017)",
+            dict(advantage="gae", lam=0.95, vf_coef=0.5, loss_agg="token-mean")),
+    "gspo": ("sequence-level ratio and clip (GSPO, Zheng et al. 2025)",
+             dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, loss_agg="seq-mean-token-mean")),
+    "cispo": ("clipped, stop-gradient IS weight times logprob (MiniMax-M1 2025)",
+              dict(policy_loss="cispo", clip_low=1.0, clip_high=4.0, loss_agg="token-mean")),
+    "gmpo": ("geometric mean of token ratios per sequence (GMPO, Zhao et al. 2025)",
+             dict(policy_loss="gmpo", clip_low=0.4, clip_high=0.4, loss_agg="seq-mean-token-mean")),
+    "opo": ("length-weighted group baseline (OPO, Hao et al. 2025)", dict(advantage="opo")),
+    "otb": ("optimal token baseline, variance-weighted per timestep", dict(advantage="otb")),
+    "gdpo": ("each reward component normalised in its group, then summed (GDPO)",
+             dict(advantage="gdpo", reward="exact_format")),
+}
+
+
+@dataclass
+class Config:
+    # --- what to train
+    algo: str = "grpo"
+    """Preset: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, gspo, cispo, gmpo, opo, otb, gdpo."""
+    model: str = ""
+    """Hugging Face name or local path of a causal LM; empty = the built-in tiny Qwen2 (nanorl/task.py)."""
+    train_data: str = ""
+    """Prompts: .jsonl, .parquet or a `datasets` name; empty = the built-in arithmetic task."""
+    test_data: str = ""
+    """Held-out prompts for evaluation (same formats); empty = the built-in held-out split."""
+    input_key: str = "prompt"
+    """Column holding the prompt text."""
+    label_key: str = "answer"
+    """Column holding the reference answer the reward checks."""
+    reward: str = "exact"
+    """Reward: exact, math, format, math_format, exact_format, or module:function / file.py:function."""
+    reward_timeout: float = 0.0
+    """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0."""
+    out_dir: str = "runs/nanorl"
+    """Where metrics, checkpoints and the built-in task files go."""
+    # --- rollout
+    engine: str = "hf"
+    """Rollout engine: hf (the trainer's own module) or vllm (in-process vLLM, weights hot-swapped)."""
+    prompts_per_step: int = 16
+    """Prompts sampled per optimizer step (over all ranks)."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the group size of GRPO/RLOO)."""
+    max_new_tokens: int = 4
+    """Longest response; longer ones are cut and marked truncated."""
+    max_prompt_len: int = 512
+    """Prompts longer than this (in tokens) are skipped and counted."""
+    temperature: float = 1.0
+    """Sampling temperature; the trainer scores tokens at the same temperature."""
+    top_k: int = 0
+    """Top-k filter at sampling (0 = off)."""
+    top_p: float = 1.0
+    """Top-p (nucleus) filter at sampling (1.0 = off)."""
+    keep_sampling_mask: bool = False
+    """Score every policy on the top-k/top-p support the sampler kept (nanorl/sampling.py)."""
+    support_cap: int = 64
+    """Most kept ids stored per token with keep_sampling_mask; a larger set falls back to full vocab."""
+    routing_replay: bool = False
+    """MoE only: replay the rollout's experts in every training forward (nanorl/moe_replay.py)."""
+    # --- advantage and loss
+    advantage: str = "grpo"
+    """Advantage estimator (nanorl/advantage.py ADVANTAGE_ESTIMATORS)."""
+    policy_loss: str = "ppo"
+    """Policy loss (nanorl/losses.py POLICY_LOSSES): ppo, gspo, cispo, gmpo, dppo_tv, dppo_kl."""
+    loss_agg: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    clip_low: float = 0.2
+    """Lower clip ε (ratio ≥ 1 − ε) or the loss's own lower bound."""
+    clip_high: float = 0.2
+    """Upper clip ε (ratio ≤ 1 + ε); DAPO's clip-higher raises it."""
+    dual_clip: float = 3.0
+    """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++)."""
+    lam: float = 1.0
+    """GAE λ."""
+    filter_groups: bool = False
+    """Drop groups whose rewards are all equal (no learning signal; DAPO dynamic sampling)."""
+    kl_coef: float = 0.0
+    """β of the KL to the reference policy (0 = no reference model at all)."""
+    kl_estimator: str = "k3"
+    """k1, k2, k3, abs, or a straight-through k1+/k3+ (nanorl/kl.py)."""
+    kl_in_reward: bool = False
+    """Put −β·KL in the per-token reward instead of the loss."""
+    kl_target: float = 0.0
+    """> 0: adapt β toward this KL per token (Ziegler et al. 2019)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    vf_coef: float = 0.0
+    """Value-loss coefficient; > 0 creates a critic (PPO)."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling cap C on π_old/π_rollout (0 = off)."""
+    # --- optimisation
+    steps: int = 100
+    """Optimizer steps (one rollout batch each, times ppo_epochs × mini_batches)."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch; > 1 makes later passes off-policy."""
+    mini_batches: int = 1
+    """Optimizer steps per epoch (the rollout batch is split into this many)."""
+    micro_batch_size: int = 0
+    """Samples per forward/backward (0 = all of a mini-batch)."""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: micro-batches by token budget, balanced (nanorl/batching.py); overrides micro_batch_size."""
+    old_logprobs: str = "auto"
+    """recompute (a forward before training), rollout (the engine's), or auto (skip when on-policy)."""
+    logprob_impl: str = "fused"
+    """fused (never materialise [tokens, vocab]) or naive (materialised log_softmax)."""
+    lr: float = 3e-4
+    """AdamW learning rate."""
+    warmup_steps: int = 20
+    """Linear warm-up steps (RL on a warm-started policy needs it: ../shared/FACTS.md)."""
+    schedule: str = "constant"
+    """After warm-up: constant or cosine."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Max global gradient norm."""
+    seed: int = 0
+    """Seeds data order, sampling and the built-in model."""
+    dtype: str = "float32"
+    """Model dtype: float32 or bfloat16 (RL math stays fp32)."""
+    threads: int = 0
+    """torch threads (0 = leave torch's default)."""
+    # --- evaluation, logging, saving
+    eval_every: int = 25
+    """Held-out greedy accuracy and pass@k every N steps (0 = only before and after)."""
+    pass_k: int = 4
+    """k of the pass@k evaluation (temperature sampling)."""
+    eval_limit: int = 0
+    """Evaluate on at most this many held-out prompts (0 = all)."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    resume: str = ""
+    """Resume from a checkpoint directory, or 'latest' in out_dir."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    tensorboard: bool = False
+    """Also log to TensorBoard under out_dir."""
+    wandb_project: str = ""
+    """Also log to this Weights & Biases project."""
+    quiet: bool = False
+    """No progress bar (metrics still go to out_dir/metrics.jsonl)."""
+
+    def __post_init__(self):
+        from nanorl.advantage import ADVANTAGE_ESTIMATORS
+        from nanorl.losses import AGG_MODES, POLICY_LOSSES
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(f"config: {msg}")
+
+        need(self.algo in PRESETS, f"unknown --algo {self.algo!r}; valid: {', '.join(PRESETS)}")
+        need(self.advantage in ADVANTAGE_ESTIMATORS,
+             f"unknown advantage {self.advantage!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
+        need(self.policy_loss in POLICY_LOSSES, f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
+        need(self.loss_agg in AGG_MODES, f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
+        need(self.engine in ("hf", "vllm"), f"engine must be hf or vllm, got {self.engine!r}")
+        need(self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs: auto, recompute or rollout")
+        need(self.logprob_impl in ("fused", "naive"), "logprob_impl: fused or naive")
+        need(self.schedule in ("constant", "cosine"), "schedule: constant or cosine")
+        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype: float32, bfloat16 or float16")
+        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
+                     "mini_batches", "max_prompt_len", "pass_k", "keep_checkpoints"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
+                     "save_every", "threads", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
+                     "tis_cap", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
+        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
+        need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+        need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
+        need(self.advantage != "gae" or self.vf_coef > 0, "advantage gae needs a critic: set vf_coef > 0")
+        need(self.prompts_per_step * self.samples_per_prompt >= self.mini_batches,
+             "mini_batches cannot exceed the number of samples per step")
+        need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
+
+    @property
+    def uses_reference(self) -> bool:
+        """A reference model exists only when a KL term is on."""
+        return self.kl_coef > 0
+
+
+def field_docs() -> dict[str, str]:
+    """The docstring under each field, read from this file's source (one source of truth for --help)."""
+    tree = ast.parse(inspect.getsource(Config))
+    body, docs = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Flags → Config: preset values first, then every flag the user actually gave."""
+    presets = "\n".join(f"  {k:<22} {v[0]}" for k, v in PRESETS.items())
+    parser = argparse.ArgumentParser(description="nanorl: RL for language models.",
+                                     epilog="presets (--algo):\n" + presets,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    docs = field_docs()
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=f"{docs.get(f.name, '')} (default {default})")
+        else:
+            parser.add_argument(flag, type=type(default), default=argparse.SUPPRESS, metavar=f.name.upper(),
+                                help=f"{docs.get(f.name, '')} (default {default!r})")
+    given = vars(parser.parse_args(argv))
+    algo = given.get("algo", Config.algo)
+    if algo not in PRESETS:
+        parser.error(f"unknown --algo {algo!r}; valid: {', '.join(PRESETS)}")
+    return Config(**{**PRESETS[algo][1], **given, "algo": algo})

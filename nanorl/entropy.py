@@ -1,0 +1,400 @@
+"""Per-token log-probability and entropy without materialising the [tokens, vocab] probabilities.
+
+Where it sits: rollout → reward → **logprob recompute** (old, ref and current policy) → advantage →
+loss → **backward** → optimizer step → weight sync. Every policy-gradient loss needs, for each response
+token, logprob = log softmax(x / T)[y] of the sampled token y, and many also want the entropy
+H = −Σ_j p_j log p_j of the same distribution. Done naively, `log_softmax` + `softmax` + their product
+keep several fp32 [N, V] tensors alive for backward; with V = 151936 that is the largest activation in
+LLM RL (a 0.6B model runs out of 20 GB doing this, TRL issue #3678).
+
+The math, per row x ∈ R^V with z = x / T (T = sampling temperature, applied here so the trainer scores
+tokens under the distribution the rollout sampled from), m = max_j z_j, s = Σ_j exp(z_j − m):
+    lse = m + log s                        — one pass with an online max (Milakov & Gimelshein 2018)
+    logprob = (z_y − m) − log s            (= z_y − lse; subtracting m first keeps fp32 digits)
+    H = lse − Σ_j p_j z_j = log s − d / s  with d = Σ_j exp(z_j − m)(z_j − m)
+and the exact gradient of g_lp·logprob + g_ent·H, with log p_j = z_j − lse:
+    dlogprob/dx_j = (δ_jy − p_j) / T
+    dH/dx_j       = −p_j (z_j − Σ_k p_k z_k) / T = −p_j (log p_j + H) / T
+Chosen deliberately: verl's `entropy_from_logits` computes lse − Σ p·x, which cancels catastrophically
+when logits are large and the distribution is peaked (off by ~1e-4 at |x| ≈ 1000, see the tests);
+accumulating d about the running max keeps every term small, and the backward uses log p_j + H.
+
+Two implementations of the same per-row math, chosen by `_backend`, inside one autograd.Function:
+  * Triton (CUDA tensors; on CPU the interpreter when TRITON_INTERPRET=1 was set before triton was
+    imported): one program per row, one pass over V in power-of-two blocks (masked tail) for the
+    forward; the backward recomputes softmax blockwise from the saved (m, log s). Nothing of size
+    [N, V] is allocated besides the input and its gradient.
+  * chunked torch (no triton, or CPU without the interpreter): rows in chunks so fp32 temporaries stay
+    within `_ROW_BUDGET_BYTES`; H = −Σ p log p with log p clamped far below any real value instead of
+    −inf, so 0·log 0 is 0 without extra masking passes.
+`fused_linear_logprobs_entropy` goes further, in the spirit of Liger Kernel's fused linear
+cross-entropy (Hsu et al. 2024, arXiv:2410.10989): it computes hidden @ weightᵀ for a chunk of tokens,
+runs the row kernel, drops the logits, and in backward recomputes each chunk's logits, overwrites them
+with their gradient and accumulates grad_hidden / grad_weight, so only one [chunk, V] block ever
+exists (price: one extra matmul, the recompute).
+
+Support mask (keep-sampling-mask): a row's logits outside its kept ids are set to −inf before
+normalising. The kernels treat −inf as "not in the distribution": p_j = 0, zero gradient, no NaN.
+Cost: a bool [rows, V] mask plus, in `logprobs_and_entropy`, one masked copy of the logits (autograd
+needs the original); the fused path masks each chunk's private logits in place (bool [chunk, V] only).
+A target outside the support gets logprob −inf (and no gradient): the sampler never produces one, so
+callers should treat it as a bug. Rows equal to ignore_index give logprob 0, entropy 0, zero gradient.
+
+Test: python -m pytest tests/test_entropy.py -q   (runs the Triton kernels in the interpreter)
+"""
+import math
+import os
+
+import torch
+
+try:  # triton is optional: without it (or without a GPU / interpreter) the torch path is used
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:
+    triton = tl = None
+    HAS_TRITON = False
+
+# Kernels are wrapped for the interpreter at decoration time, so read the flag once, at import.
+TRITON_INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
+_ROW_BUDGET_BYTES = 64 << 20      # torch path: fp32 temporaries per row chunk (~4 live [rows, V])
+_LINEAR_BUDGET_BYTES = 256 << 20  # fused-linear: bytes of one chunk's logits (+ its support mask)
+_MAX_BLOCK_V = 4096               # Triton: vocabulary block per loop step (power of two)
+_FAR = -1e20                      # torch path: stands in for log p = −inf where p = 0
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernels (one program per row). Written without helper functions so that the same Python
+# source compiles with `triton.compile` even when the module was imported under the interpreter.
+if HAS_TRITON:
+
+    @triton.jit
+    def _fwd_kernel(x_ptr, stride_x, tgt_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, V, inv_temp,
+                    ignore_index, BLOCK_V: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # int64: row * stride exceeds 2**31 for N·V ≈ 6e8
+        x_row = x_ptr + row * stride_x
+        m = float("-inf")  # running max of z
+        s = 0.0            # Σ exp(z − m)
+        d = 0.0            # Σ exp(z − m)(z − m)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
+            m_new = tl.maximum(m, tl.max(z, 0))
+            # Guard (−inf) − (−inf): while every z so far is −inf, shift by 0 (s = d = 0 anyway).
+            m_new_s = tl.where(m_new == float("-inf"), 0.0, m_new)
+            m_s = tl.where(m == float("-inf"), m_new_s, m)
+            alpha = tl.exp(m_s - m_new_s)
+            e = tl.exp(z - m_new_s)                                      # 0 on −inf columns
+            zc = tl.where(z == float("-inf"), 0.0, z - m_new_s)          # zero BEFORE multiplying
+            d = alpha * (d + s * (m_s - m_new_s)) + tl.sum(e * zc, 0)
+            s = alpha * s + tl.sum(e, 0)
+            m = m_new
+        m_fin = tl.where(m == float("-inf"), 0.0, m)
+        ls = tl.where(s > 0.0, tl.log(s), 0.0)   # lse = m + ls; a dead (all −inf) row keeps m = ls = 0
+        ent = tl.where(s > 0.0, ls - d / s, 0.0)
+        tgt = tl.load(tgt_ptr + row)
+        ignored = tgt == ignore_index
+        z_t = tl.load(x_row + tl.where(ignored, 0, tgt)).to(tl.float32) * inv_temp
+        # (z_t − m) − ls rather than z_t − lse: exact subtraction first keeps fp32 digits at |z| ≫ 1.
+        lp = tl.where(z_t == float("-inf"), float("-inf"), (z_t - m_fin) - ls)
+        tl.store(lp_ptr + row, tl.where(ignored, 0.0, lp))
+        tl.store(ent_ptr + row, tl.where(ignored, 0.0, ent))
+        tl.store(m_ptr + row, m_fin)
+        tl.store(ls_ptr + row, ls)
+
+    @triton.jit
+    def _bwd_kernel(x_ptr, stride_x, g_ptr, stride_g, tgt_ptr, m_ptr, ls_ptr, ent_ptr, glp_ptr,
+                    gent_ptr, V, inv_temp, ignore_index, BLOCK_V: tl.constexpr):
+        # g_ptr may alias x_ptr: each block is read before it is overwritten by the same program.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_x
+        g_row = g_ptr + row * stride_g
+        tgt = tl.load(tgt_ptr + row)
+        active = tgt != ignore_index
+        m = tl.load(m_ptr + row)
+        ls = tl.load(ls_ptr + row)
+        ent = tl.load(ent_ptr + row)
+        g_lp = tl.load(glp_ptr + row)
+        g_ent = tl.load(gent_ptr + row)
+        for start in range(0, V, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            in_row = cols < V
+            z = tl.load(x_row + cols, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temp
+            live = z != float("-inf")
+            logp = tl.where(live, (z - m) - ls, 0.0)                     # zero BEFORE multiplying
+            p = tl.where(live, tl.exp(logp), 0.0)
+            grad = g_lp * (tl.where(cols == tgt, 1.0, 0.0) - p) - g_ent * p * (logp + ent)
+            grad = tl.where(live & active, grad * inv_temp, 0.0)
+            tl.store(g_row + cols, grad.to(g_ptr.dtype.element_ty), mask=in_row)
+
+
+def _block_v(V):
+    return min(triton.next_power_of_2(V), _MAX_BLOCK_V)
+
+
+def _triton_forward(x, targets, inv_temp, ignore_index):
+    N, V = x.shape
+    lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
+    norm = torch.empty(2, N, device=x.device, dtype=torch.float32)
+    if N > 0:
+        _fwd_kernel[(N,)](x, x.stride(0), targets, lp, ent, norm[0], norm[1], V, inv_temp,
+                          ignore_index, BLOCK_V=_block_v(V), num_warps=8)
+    return lp, ent, norm
+
+
+def _triton_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
+    N, V = x.shape
+    if N > 0:
+        _bwd_kernel[(N,)](x, x.stride(0), out, out.stride(0), targets, norm[0], norm[1], ent, g_lp,
+                          g_ent, V, inv_temp, ignore_index, BLOCK_V=_block_v(V), num_warps=8)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Chunked torch: the same formulas, a few rows at a time so fp32 temporaries stay bounded.
+def _row_chunks(N, V):
+    step = max(1, _ROW_BUDGET_BYTES // (4 * 4 * max(V, 1)))
+    return [(i, min(i + step, N)) for i in range(0, N, step)]
+
+
+def _z(x_chunk, inv_temp):
+    z = x_chunk.float()                                                  # no copy when already fp32
+    return z * inv_temp if inv_temp != 1.0 else z
+
+
+def _torch_forward(x, targets, inv_temp, ignore_index):
+    N, V = x.shape
+    lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
+    norm = torch.empty(2, N, device=x.device, dtype=torch.float32)    # rows: m, ls (lse = m + ls)
+    for a, b in _row_chunks(N, V):
+        z = _z(x[a:b], inv_temp)                                         # [n, V]
+        m = z.amax(1)                                                    # [n]
+        m = torch.where(torch.isneginf(m), 0.0, m)                       # guard (−inf) − (−inf)
+        logp = z - m[:, None]                                            # [n, V]
+        p = logp.exp()                                                   # 0 on −inf columns
+        s = p.sum(1)                                                     # [n], 0 for a dead row
+        ls = torch.where(s > 0, s.log(), 0.0)                            # lse = m + ls
+        p.div_(torch.where(s > 0, s, 1.0)[:, None])
+        # Clamped far below any real log-prob: p·logp is then 0·finite, not 0·(−inf) = NaN.
+        logp.sub_(ls[:, None]).clamp_(min=_FAR)
+        ignored = targets[a:b] == ignore_index
+        z_t = z.gather(1, torch.where(ignored, 0, targets[a:b])[:, None]).squeeze(1)
+        lp_c = torch.where(z_t == float("-inf"), float("-inf"), (z_t - m) - ls)
+        lp[a:b] = torch.where(ignored, 0.0, lp_c)
+        ent[a:b] = torch.where(ignored, 0.0, -(p * logp).sum(1))
+        norm[0, a:b], norm[1, a:b] = m, ls
+    return lp, ent, norm
+
+
+def _torch_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
+    N, V = x.shape
+    for a, b in _row_chunks(N, V):
+        z = _z(x[a:b], inv_temp)                                         # [n, V]
+        t = targets[a:b]
+        active = t != ignore_index
+        # Per-row scalars, so the [n, V] work is p·(c0 + c1·log p) (−inf columns: p = 0 → 0).
+        gl = torch.where(active, g_lp[a:b], 0.0) * inv_temp              # [n]
+        ge = torch.where(active, g_ent[a:b], 0.0) * inv_temp             # [n]
+        logp = (z - norm[0, a:b, None]).sub_(norm[1, a:b, None])         # [n, V]
+        p = logp.exp()
+        grad = logp.clamp_(min=_FAR).mul_(-ge[:, None]).add_((-gl - ge * ent[a:b])[:, None]).mul_(p)
+        t_safe = torch.where(active, t, 0)[:, None]
+        live_t = z.gather(1, t_safe).squeeze(1) != float("-inf")
+        grad.scatter_add_(1, t_safe, torch.where(live_t, gl, 0.0)[:, None])  # the δ_jy term
+        out[a:b] = grad
+    return out
+
+
+def _backend(x, backend=None):
+    if backend is not None:
+        if backend not in ("triton", "torch"):
+            raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+        if backend == "triton" and not (HAS_TRITON and (x.is_cuda or TRITON_INTERPRETED)):
+            raise ValueError("backend='triton' needs triton and a CUDA tensor or TRITON_INTERPRET=1")
+        return backend
+    if HAS_TRITON and (x.is_cuda or TRITON_INTERPRETED):
+        return "triton"
+    return "torch"
+
+
+def _rows_forward(x, targets, inv_temp, ignore_index, backend):
+    fn = _triton_forward if backend == "triton" else _torch_forward
+    return fn(x, targets, inv_temp, ignore_index)
+
+
+def _rows_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out, backend):
+    fn = _triton_backward if backend == "triton" else _torch_backward
+    return fn(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out)
+
+
+def _grads_or_zeros(g_lp, g_ent, like):
+    g_lp = torch.zeros_like(like) if g_lp is None else g_lp.float().contiguous()
+    g_ent = torch.zeros_like(like) if g_ent is None else g_ent.float().contiguous()
+    return g_lp, g_ent
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, inv_temp, ignore_index, backend):
+        lp, ent, norm = _rows_forward(logits, targets, inv_temp, ignore_index, backend)
+        ctx.save_for_backward(logits, targets, norm, ent)
+        ctx.args = (inv_temp, ignore_index, backend)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        logits, targets, norm, ent = ctx.saved_tensors
+        inv_temp, ignore_index, backend = ctx.args
+        g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
+        grad = torch.empty_like(logits)
+        _rows_backward(logits, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, grad, backend)
+        return grad, None, None, None, None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Input checks and the support mask.
+def _check(logits_shape, targets, temperature, support, ignore_index):
+    N, V = logits_shape
+    if targets.dim() != 1 or targets.shape[0] != N:
+        raise ValueError(f"targets must have shape [{N}], got {list(targets.shape)}")
+    if targets.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"targets must be an integer tensor, got {targets.dtype}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= V))
+    if bool(bad.any()):
+        raise ValueError(f"targets out of range [0, {V}) (and not ignore_index={ignore_index})")
+    if support is not None:
+        if support.dim() != 2 or support.shape[0] != N:
+            raise ValueError(f"support must have shape [{N}, K], got {list(support.shape)}")
+        if bool(((support < -1) | (support >= V)).any()):
+            raise ValueError(f"support ids must lie in [0, {V}) or be -1 (padding)")
+
+
+def _support_keep(support, V):
+    """support [n, K] long (-1 pad) -> bool [n, V], True where kept; an all -1 row keeps everything."""
+    n = support.shape[0]
+    ids = torch.where(support < 0, V, support).long()                   # pads go to a spare column V
+    keep = torch.zeros(n, V + 1, dtype=torch.bool, device=support.device)
+    keep.scatter_(1, ids, True)
+    keep = keep[:, :V]
+    return keep | ~(support >= 0).any(1, keepdim=True)
+
+
+def naive_logprobs_entropy(logits, targets, temperature=1.0, support=None, ignore_index=-100):
+    """The materialised reference: log_softmax over the full [N, V]. Same args/returns as below."""
+    _check(logits.shape, targets, temperature, support, ignore_index)
+    z = logits.float() / temperature                                    # [N, V]
+    if support is not None:
+        z = z.masked_fill(~_support_keep(support, z.shape[1]), float("-inf"))
+    logp = torch.log_softmax(z, dim=-1)                                 # [N, V]
+    live = z != float("-inf")
+    logp_safe = torch.where(live, logp, 0.0)                            # zero BEFORE multiplying
+    ent = -(logp_safe.exp() * live * logp_safe).sum(-1)                 # [N]
+    ignored = targets == ignore_index
+    lp = logp.gather(1, torch.where(ignored, 0, targets).long()[:, None]).squeeze(1)
+    lp = torch.where(ignored, 0.0, lp)
+    return lp, torch.where(ignored | ~live.any(-1), 0.0, ent)
+
+
+def logprobs_and_entropy(logits, targets, temperature=1.0, support=None, ignore_index=-100, *,
+                         backend=None):
+    """Per-row logprob of `targets` and entropy under softmax(logits / temperature).
+
+    logits [N, V] (any float dtype; math in fp32), targets [N] long, support None or [N, K] long kept
+    ids (-1 pad). backend None = auto (CUDA → Triton, TRITON_INTERPRET=1 → interpreter, else torch),
+    or "triton" / "torch" to force one. Returns (logprobs [N] fp32, entropy [N] fp32), differentiable
+    w.r.t. logits.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {list(logits.shape)}")
+    _check(logits.shape, targets, temperature, support, ignore_index)
+    if support is not None:  # out of place: autograd keeps the original; costs one [N, V] copy
+        logits = logits.masked_fill(~_support_keep(support, logits.shape[1]), float("-inf"))
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    return _LogprobEntropy.apply(logits, targets.long().contiguous(), 1.0 / temperature,
+                                 int(ignore_index), _backend(logits, backend))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused linear: hidden [N, H] @ weight[V, H]ᵀ one token chunk at a time.
+def _chunk_rows(V, itemsize, with_support, chunk_size):
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        return int(chunk_size)
+    return max(1, _LINEAR_BUDGET_BYTES // (V * (itemsize + (1 if with_support else 0))))
+
+
+def _chunk_logits(hidden, weight, bias, support, a, b):
+    logits = hidden[a:b] @ weight.T                                      # [n, V]
+    if bias is not None:
+        logits += bias
+    if support is not None:  # in place: this buffer is private to the chunk
+        logits.masked_fill_(~_support_keep(support[a:b], logits.shape[1]), float("-inf"))
+    return logits
+
+
+class _FusedLinearLogprobEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, support, inv_temp, ignore_index, chunk, backend):
+        N = hidden.shape[0]
+        lp, ent = (torch.empty(N, device=hidden.device, dtype=torch.float32) for _ in range(2))
+        norm = torch.empty(2, N, device=hidden.device, dtype=torch.float32)
+        for a in range(0, N, chunk):
+            b = min(a + chunk, N)
+            logits = _chunk_logits(hidden, weight, bias, support, a, b)
+            out = _rows_forward(logits, targets[a:b], inv_temp, ignore_index, backend)
+            lp[a:b], ent[a:b], norm[:, a:b] = out
+        ctx.save_for_backward(hidden, weight, bias, targets, support, norm, ent)
+        ctx.args = (inv_temp, ignore_index, chunk, backend)
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, bias, targets, support, norm, ent = ctx.saved_tensors
+        inv_temp, ignore_index, chunk, backend = ctx.args
+        g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        # grad_w accumulates in the parameter dtype (an fp32 copy would cost another V·H·4 bytes).
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros(weight.shape[0], device=weight.device) if need_b else None  # fp32
+        for a in range(0, hidden.shape[0], chunk):
+            b = min(a + chunk, hidden.shape[0])
+            logits = _chunk_logits(hidden, weight, bias, support, a, b)  # recompute, then
+            _rows_backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b],
+                           inv_temp, ignore_index, logits, backend)      # overwrite with its grad
+            if need_h:
+                grad_h[a:b] = logits @ weight
+            if need_w:
+                grad_w.addmm_(logits.T, hidden[a:b])
+            if need_b:
+                grad_b += logits.float().sum(0)
+        grad_b = grad_b.to(bias.dtype) if need_b else None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+
+
+def fused_linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, support=None,
+                                  ignore_index=-100, chunk_size=None, *, bias=None, backend=None):
+    """logprobs_and_entropy(hidden @ weightᵀ + bias, ...) without ever holding the [N, V] logits.
+
+    hidden [N, H], weight [V, H] (the LM head, same dtype as hidden), bias None or [V], targets [N]
+    long, support None or [N, K] long. chunk_size = tokens per chunk; None picks it so one chunk's
+    logits fit in _LINEAR_BUDGET_BYTES. Returns (logprobs [N] fp32, entropy [N] fp32), differentiable
+    w.r.t. hidden, weight and bias.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [N, H] and weight [V, H], got {list(hidden.shape)} and "
+                         f"{list(weight.shape)}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+    V = weight.shape[0]
+    _check((hidden.shape[0], V), targets, temperature, support, ignore_index)
+    chunk = _chunk_rows(V, hidden.element_size(), support is not None, chunk_size)
+    support = None if support is None else support.long().contiguous()
+    return _FusedLinearLogprobEntropy.apply(hidden, weight, bias, targets.long().contiguous(), support,
+                                            1.0 / temperature, int(ignore_index), chunk,
+                                            _backend(hidden, backend))

@@ -1,0 +1,126 @@
+"""Observability: one JSONL line per step with every metric, a progress bar, optional TensorBoard and
+W&B, and a command that turns a run's JSONL into a PNG of the main curves.
+
+    python -m nanorl.logger runs/nanorl/metrics.jsonl runs/nanorl/curves.png
+
+Metrics worth watching (docs/tour.md has the debugging path): reward and accuracy go up; entropy
+falls slowly (a collapse to ~0 means the policy stopped exploring); pg_clipfrac and ppo_kl stay
+small (a jump means the update moved too far); logprob_diff_abs (train vs rollout logprobs) is ~0
+for the HF engine and small for vLLM — a rise means the two compute different distributions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+
+class PhaseTimer:
+    """Wall-clock seconds per phase of a step: `with timer("generate"): ...`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class Logger:
+    """Writes metrics to out_dir/metrics.jsonl (and TensorBoard / W&B when asked); rank 0 only."""
+
+    BAR_KEYS = (("reward", "reward_mean"), ("acc", "eval/accuracy"), ("s/step", "time/step"))
+
+    def __init__(self, out_dir: str, total_steps: int, enabled: bool = True, quiet: bool = False,
+                 tensorboard: bool = False, wandb_project: str = "", config: dict | None = None,
+                 resume: bool = False):
+        self.enabled, self.last = enabled, {}
+        if not enabled:
+            return
+        os.makedirs(out_dir, exist_ok=True)
+        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume else "w")
+        self.bar = None
+        if not quiet:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total_steps, dynamic_ncols=True, file=sys.stdout)
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+        self.wandb = None
+        if wandb_project:
+            import wandb
+            self.wandb = wandb.init(project=wandb_project, config=config or {})
+
+    def log(self, step: int, metrics: dict) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (float(v) if not isinstance(v, str) else v) for k, v in metrics.items()}
+        self.last.update(clean)
+        self.file.write(json.dumps({"step": step, **clean}) + "\n")
+        self.file.flush()
+        for k, v in clean.items():
+            if self.tb is not None and isinstance(v, float) and math.isfinite(v):
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.set_postfix({name: f"{self.last[k]:.3g}" for name, k in self.BAR_KEYS if k in self.last})
+            self.bar.refresh()
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            (self.bar.write if self.bar is not None else print)(text)
+
+    def close(self) -> None:
+        if self.enabled:
+            if self.bar is not None:
+                self.bar.close()
+            self.file.close()
+            if self.tb is not None:
+                self.tb.close()
+            if self.wandb is not None:
+                self.wandb.finish()
+
+
+CURVES = ("reward_mean", "eval/accuracy", "entropy", "pg_clipfrac", "ppo_kl", "logprob_diff_abs",
+          "response_length_mean", "grad_norm")
+
+
+def plot(jsonl_path: str, png_path: str) -> None:
+    """A grid of the main curves of a run (one panel per metric present in the file)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    keys = [k for k in CURVES if any(k in r for r in rows)]
+    if not keys:
+        raise ValueError(f"{jsonl_path}: none of {CURVES} is in the file")
+    cols = 4
+    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)),
+                             squeeze=False)
+    for ax, k in zip(axes.flat, keys):
+        pts = [(r["step"], r[k]) for r in rows if k in r]
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 30 else None)
+        ax.set_title(k)
+        ax.set_xlabel("step")
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        sys.exit("usage: python -m nanorl.logger METRICS.jsonl OUT.png")
+    plot(sys.argv[1], sys.argv[2])
+    print(f"wrote {sys.argv[2]}")

@@ -1,0 +1,115 @@
+"""Policy, reference and critic forwards: the logprob recompute link of the chain.
+
+    rollout → reward → logprob recompute → advantage → loss → ...
+                       ^^^^^^^^^^^^^^^^^
+
+The trainer scores every response token under three policies:
+- old policy  π_old: the weights that generated the batch (the denominator of the PPO ratio);
+- current policy π_θ: the weights being optimised (recomputed in every micro-batch, with gradient);
+- reference policy π_ref: the frozen starting model (for the KL term), only when KL is on.
+
+`response_logprobs` runs a Hugging Face causal LM on a collated batch (nanorl/trajectory.py layout:
+prompt left-padded to width P, response right-padded to T). Response token t sits at column P + t
+and is predicted by the hidden state at column P − 1 + t, so the hidden states of columns
+P − 1 … P + T − 2 go through the LM head. By default the head is fused with the log-softmax and the
+entropy (nanorl/entropy.py), so the [B·T, V] logits never exist at once — for a 150k vocabulary that
+tensor is the largest activation of the whole step. `impl="naive"` materialises them, for comparison.
+
+The critic for PPO (`ValueModel`) is a copy of the policy's transformer with a scalar head; the
+value at column P − 1 + t estimates V(s_t), the return expected before token t is chosen.
+"""
+from __future__ import annotations
+
+import copy
+from contextlib import nullcontext
+
+import torch
+
+from nanorl.entropy import fused_linear_logprobs_entropy, naive_logprobs_entropy
+from nanorl.trajectory import PaddedBatch
+
+IGNORE = -100
+
+
+def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
+    """Any causal LM by Hugging Face name or local path, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token_id is None:  # many base models ship without a pad token
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype))
+    model.to(device)
+    model.config.use_cache = False  # training forwards never need the KV cache
+    return model, tokenizer
+
+
+def _hidden(model, batch: PaddedBatch, replay=None) -> torch.Tensor:
+    """Hidden states of the columns that predict the response tokens: [B, T, H]."""
+    with replay if replay is not None else nullcontext():
+        h = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids, use_cache=False).last_hidden_state
+    P, T = batch.prompt_width, batch.response_ids.shape[1]
+    return h[:, P - 1:P - 1 + T]  # [B, T, H]
+
+
+def response_logprobs(model, batch: PaddedBatch, temperature: float = 1.0, *, entropy: bool = True,
+                      support: torch.Tensor | None = None, impl: str = "fused", replay=None):
+    """Per-token logprobs [B, T] (fp32) of the response tokens and their entropies [B, T] (or None).
+
+    support: [B, T, K] kept token ids (keep-sampling-mask), -1 padded; tokens outside get −inf.
+    replay: a context manager (nanorl/moe_replay.py) entered around the model forward.
+    Padding positions return 0 and get no gradient.
+    """
+    h = _hidden(model, batch, replay)  # [B, T, H]
+    B, T, H = h.shape
+    real = batch.attention_mask[:, batch.prompt_width:].bool()  # [B, T] real response tokens
+    targets = torch.where(real, batch.response_ids, torch.full_like(batch.response_ids, IGNORE))  # [B, T]
+    sup = support.reshape(B * T, -1) if support is not None else None  # [B*T, K]
+    lp, ent = head_logprobs(model, h.reshape(B * T, H), targets.reshape(-1), temperature, sup, impl)
+    return lp.view(B, T).float(), (ent.view(B, T).float() if entropy else None)
+
+
+def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  support: torch.Tensor | None = None, impl: str = "fused"):
+    """Score hidden states h [N, H] with the LM head: (logprobs [N], entropy [N]) of `targets` [N]
+    (IGNORE rows give 0). Fused by default; heads with a bias or a logit transform (Gemma's
+    soft-capping, Cohere's scale) fall back to materialised logits."""
+    head = model.get_output_embeddings()
+    if impl == "fused" and getattr(head, "bias", None) is None and not _has_logit_transform(model):
+        return fused_linear_logprobs_entropy(h, head.weight, targets, temperature=temperature, support=support)
+    logits = model.lm_head(h) if hasattr(model, "lm_head") else head(h)  # [N, V]
+    return naive_logprobs_entropy(logits.float(), targets, temperature=temperature, support=support)
+
+
+def _has_logit_transform(model) -> bool:
+    """Models whose logits are not just `hidden @ W.T` (Gemma's soft-capping, Cohere's scale)."""
+    cfg = model.config
+    return bool(getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None))
+
+
+class ValueModel(torch.nn.Module):
+    """PPO's critic: the policy's transformer (copied, trained separately) plus a scalar head."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.body = copy.deepcopy(policy.base_model)
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+        torch.nn.init.zeros_(self.head.weight)  # start at V = 0: no bias from a random head
+        torch.nn.init.zeros_(self.head.bias)
+
+    def forward(self, batch: PaddedBatch) -> torch.Tensor:
+        """Values [B, T] (fp32) of the states before each response token."""
+        h = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        P, T = batch.prompt_width, batch.response_ids.shape[1]
+        return self.head(h[:, P - 1:P - 1 + T]).squeeze(-1).float()  # [B, T]
+
+
+def frozen_copy(model):
+    """The reference policy: a deep copy with gradients off."""
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    ref.eval()
+    return ref
+

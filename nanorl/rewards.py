@@ -1,0 +1,244 @@
+"""Rewards: score each sampled response (the second link of the chain).
+
+    rollout → reward → logprob recompute → advantage → loss → ...
+              ^^^^^^
+
+In RL with verifiable rewards (RLVR) a reward is a program that checks the response against the
+label: 1 for the right answer, 0 otherwise, maybe a small bonus for the right format. A reward
+function here has the signature
+
+    fn(prompt: str, response: str, label: str) -> float | dict[str, float]
+
+A dict names several components (e.g. {"correct": 1.0, "format": 0.5}); they are logged separately,
+summed into the sample's total reward, and GDPO normalises each one on its own (nanorl/advantage.py).
+
+Built in: `exact` (the default task: the exact answer then the end of the response), `math` (the
+answer from \\boxed{...}, "#### x", or the last number, normalised), `format` (the answer is boxed),
+`math_format` (both, as components). Any user function is loaded from an explicit flag as
+`module:function` or `path/to/file.py:function` — never from data.
+
+A reward function is user code and must never take the run down: `RewardRunner` calls it, and a
+function that raises, returns NaN/None/a wrong type, or runs past its time limit gives reward 0 for
+that sample, is counted in the metrics, and its first traceback is logged. With `timeout > 0` rewards
+run in worker processes, so a hanging or crashing function is killed without touching the trainer.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import multiprocessing as mp
+import numbers
+import os
+import re
+import traceback
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
+
+# ----------------------------------------------------------------------------- answer extraction
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer: the last \\boxed{...} (nested braces allowed), else "#### x", else the
+    last number in the text. None when there is none."""
+    start = text.rfind("\\boxed{")
+    if start >= 0:
+        depth, i = 1, start + len("\\boxed{")
+        for j in range(i, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i:j]
+        return None  # an unclosed box is no answer
+    m = re.search(r"####\s*([^\n]+)", text)
+    if m:
+        return m.group(1).strip()
+    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?", text)
+    return nums[-1] if nums else None
+
+
+def normalize_answer(ans: str) -> str:
+    """Canonical string for comparison: no spaces, $, units or thousands commas; \\frac{a}{b} and
+    a/b as a reduced fraction; "12.0" as "12"."""
+    s = ans.strip().strip("$").replace("\\!", "").replace(" ", "")
+    s = re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)  # \text{cm}, \mathrm{kg}: units
+    s = re.sub(r"\^\{?\\circ\}?|°|%", "", s)
+    s = re.sub(r"\\d?frac\{([^}]*)\}\{([^}]*)\}", r"\1/\2", s)
+    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # 1,234 -> 1234
+    s = re.sub(r"[a-zA-Z]+$", "", s) if re.match(r"^-?[\d.]+[a-zA-Z]+$", s) else s  # "5cm" -> "5"
+    s = s.rstrip(".")
+    if len(s) > 200:  # no real answer is this long; int()/float() of it would raise (4300-digit cap)
+        return s
+    m = re.fullmatch(r"(-?\d+)/(-?\d+)", s)
+    if m and int(m.group(2)) != 0:
+        num, den = int(m.group(1)), int(m.group(2))
+        g = math.gcd(num, den) * (1 if den > 0 else -1)
+        num, den = num // g, den // g
+        s = str(num) if den == 1 else f"{num}/{den}"
+    elif re.fullmatch(r"-?\d+\.\d+", s):
+        f = float(s)
+        s = str(int(f)) if f == int(f) else repr(f)
+    return s
+
+
+# ----------------------------------------------------------------------------- built-in rewards
+
+
+def exact(prompt: str, response: str, label: str) -> float:
+    """The default task: the response is exactly the answer (the engine strips the EOS token)."""
+    return 1.0 if response.strip() == str(label).strip() else 0.0
+
+
+def math_reward(prompt: str, response: str, label: str) -> float:
+    """1 when the extracted, normalised answer equals the normalised label."""
+    ans = extract_answer(response)
+    return float(ans is not None and normalize_answer(ans) == normalize_answer(str(label)))
+
+
+def format_reward(prompt: str, response: str, label: str) -> float:
+    """1 when the response puts a final answer in \\boxed{...}."""
+    return 1.0 if re.search(r"\\boxed\{[^}]*\}", response) else 0.0
+
+
+def math_format(prompt: str, response: str, label: str) -> dict[str, float]:
+    """Correctness and format as two named components (for GDPO, or just to log them apart)."""
+    return {"correct": math_reward(prompt, response, label),
+            "format": 0.2 * format_reward(prompt, response, label)}
+
+
+def exact_format(prompt: str, response: str, label: str) -> dict[str, float]:
+    """The default task with two components: the exact answer, and a small bonus for answering
+    with digits only (GDPO normalises each component within its group on its own)."""
+    return {"correct": exact(prompt, response, label),
+            "format": 0.1 if re.fullmatch(r"-?\d+", response.strip()) else 0.0}
+
+
+BUILTIN = {"exact": exact, "exact_format": exact_format, "math": math_reward, "format": format_reward, "math_format": math_format}
+
+
+def load_reward_fn(spec: str):
+    """A built-in name, `package.module:function`, or `path/to/file.py:function`."""
+    if spec in BUILTIN:
+        return BUILTIN[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r}: expected one of {sorted(BUILTIN)}, 'module:function' "
+                         "or 'file.py:function'")
+    where, name = spec.rsplit(":", 1)
+    if where.endswith(".py"):
+        if not os.path.isfile(where):
+            raise FileNotFoundError(f"reward file {where!r} does not exist")
+        module_spec = importlib.util.spec_from_file_location(f"nanorl_user_reward_{abs(hash(where))}", where)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    if not callable(getattr(module, name, None)):
+        raise ValueError(f"reward {spec!r}: {where} has no callable {name!r}")
+    return getattr(module, name)
+
+
+# ----------------------------------------------------------------------------- the safe runner
+
+
+# Larger rewards are bugs, and would overflow the float32 group statistics (a std squares them).
+MAX_ABS_REWARD = 1e9
+
+
+def _checked(value) -> float | dict[str, float]:
+    """A reward value must be a finite real number (numpy scalars too) or a flat dict of them."""
+    if isinstance(value, dict):
+        return {str(k): _number(v) for k, v in value.items()}
+    return _number(value)
+
+
+def _number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"reward must be a float or a dict of floats, got {type(value).__name__}")
+    if not (isinstance(value, numbers.Integral) or math.isfinite(value)) or abs(value) > MAX_ABS_REWARD:
+        raise ValueError(f"reward is not finite or above {MAX_ABS_REWARD:g} in magnitude: {value}")
+    return float(value)
+
+
+def _call(fn, prompt, response, label):
+    """Runs in the worker (or in-process): the reward, or ("error", kind, traceback text)."""
+    try:
+        return ("ok", _checked(fn(prompt, response, label)))
+    except (Exception, SystemExit) as e:  # user code: any failure (even sys.exit) is a counted zero
+        return ("error", type(e).__name__, traceback.format_exc())
+
+
+_WORKER_FN = None  # the reward function inside a worker, inherited through fork (never pickled)
+
+
+def _set_worker_fn(fn) -> None:
+    global _WORKER_FN
+    _WORKER_FN = fn
+
+
+def _call_in_worker(prompt, response, label):
+    return _call(_WORKER_FN, prompt, response, label)
+
+
+class RewardRunner:
+    """Scores responses with one reward function, counting faults instead of crashing.
+
+    timeout > 0: calls run in `workers` processes ("fork" start method: the function need not be
+    importable by name) and a call that has not returned after `timeout` seconds scores 0; the pool
+    is then replaced, since a hung worker cannot be interrupted. timeout == 0: calls run in-process
+    (fastest, for trusted built-ins).
+    """
+
+    def __init__(self, fn, timeout: float = 0.0, workers: int = 1, log=print):
+        self.fn, self.timeout, self.workers, self.log = fn, timeout, workers, log
+        self.faults = Counter()  # kind -> count, over the whole run (checkpointed with the trainer)
+        self._pool = None
+        self._logged = False
+
+    def __call__(self, prompts: list[str], responses: list[str], labels: list) -> list[float | dict]:
+        if self.timeout <= 0:
+            results = [_call(self.fn, p, r, lab) for p, r, lab in zip(prompts, responses, labels)]
+        else:
+            results = self._in_workers(prompts, responses, labels)
+        out = [res[1] if res[0] == "ok" else self._fault(res[1], res[2]) for res in results]
+        names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r))
+        if any(isinstance(r, dict) for r in out):  # a failed sample scores a dict of zeros: one kind per batch
+            for i, r in enumerate(out):
+                if isinstance(r, float):
+                    self._fault("MixedTypes", f"reward returned {r!r} where other responses got a dict")
+                out[i] = r if isinstance(r, dict) else dict.fromkeys(names, 0.0)
+        return [0.0 if r is None else r for r in out]
+
+    def _fault(self, kind: str, text: str) -> None:
+        self.faults[kind] += 1
+        if not self._logged:  # the first traceback tells the user what is wrong; then just count
+            self._logged = True
+            self.log(f"reward function failed ({kind}); scoring 0 and counting. First error:\n{text}")
+
+    def _in_workers(self, prompts, responses, labels):
+        """Each call gets `timeout` seconds from when it starts waiting; after a timeout or a dead
+        worker the pool is replaced and the calls still pending are resubmitted to the new one."""
+        jobs = list(zip(prompts, responses, labels))
+        results, i = [None] * len(jobs), 0
+        while i < len(jobs):
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(self.workers, mp_context=mp.get_context("fork"),
+                                                 initializer=_set_worker_fn, initargs=(self.fn,))
+            futures = {j: self._pool.submit(_call_in_worker, *jobs[j]) for j in range(i, len(jobs))}
+            for j, f in futures.items():
+                try:
+                    results[j] = f.result(timeout=self.timeout)
+                    i = j + 1
+                except (FutureTimeout, BrokenProcessPool) as e:
+                    kind = "Timeout" if isinstance(e, FutureTimeout) else "WorkerCrash"
+                    results[j] = ("error", kind, f"reward call {kind.lower()} (limit {self.timeout}s)")
+                    i = j + 1
+                    self.close()  # the pool is stuck or dead: replace it, resubmit the rest
+                    break
+        return results
+
+    def close(self):
+        if self._pool is not None:
+            for proc in list(getattr(self._pool, "_processes", {}).values()):
+                proc.kill()  # a hung worker never returns: kill it rather than wait forever
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None

@@ -1,0 +1,156 @@
+"""Rollout: turn prompts into sampled responses (the first link of the chain).
+
+    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
+    ^^^^^^^
+
+A rollout engine takes prompt token ids and returns `Sample` records (nanorl/trajectory.py): the
+response tokens, their status (completed when a stop token was sampled, truncated when
+`max_new_tokens` ran out) and the log-probability of every sampled token *under exactly the
+distribution it was sampled from*. Those rollout logprobs are what the trainer later compares with
+its own recompute (the train/rollout logprob gap, TIS, ICEPOP), so their definition matters:
+
+    rollout_logprob = log softmax(logits / temperature)[token]              (default)
+    rollout_logprob = log softmax(mask_support(logits / temperature))[token] (--keep-sampling-mask)
+
+i.e. the temperature-scaled distribution over the full vocabulary — which is what the trainer
+recomputes — or, with keep-sampling-mask, over the top-k / top-p support the sampler kept (the
+trainer then recomputes on that same support; nanorl/sampling.py).
+
+Two engines implement the same two methods (`generate`, `update_weights`):
+- `HFEngine` (here): a plain batched sampling loop over a Hugging Face causal LM with a KV cache.
+  It shares the policy module with the trainer, so a weight "sync" is free and exact.
+- `VLLMEngine` (nanorl/vllm_engine.py): vLLM in-process, weights hot-swapped after each step.
+
+Try it: `python -m pytest tests/test_rollout.py -q`.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from nanorl.sampling import sample_next, stack_steps
+from nanorl.trajectory import Sample
+
+
+@dataclass
+class SamplingConfig:
+    """How to sample. top_k=0 and top_p=1.0 switch those filters off; temperature=0 is greedy."""
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    stop_token_ids: tuple[int, ...] = ()
+    keep_support: bool = False  # record the kept top-k/top-p support per token (keep-sampling-mask)
+    support_cap: int = 64  # at most this many kept ids stored per token (nanorl/sampling.py)
+    seed: int | None = None
+
+
+class RolloutEngine:
+    """The interface every engine implements."""
+
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
+        """`len(prompts) * n` samples; prompt i's n samples are consecutive with group_id = i."""
+        raise NotImplementedError
+
+    def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        """Load the trainer's current weights; samples generated afterwards carry `version`."""
+        raise NotImplementedError
+
+
+@dataclass
+class HFEngine(RolloutEngine):
+    """Batched sampling with a KV cache on a Hugging Face causal LM (the trainer's own module).
+
+    Prompts are left-padded so every row's next token sits in the last column; each decode step
+    feeds one token per row, with position ids counted from each row's first real token. A row stops
+    at its first stop token; the loop ends when every row has stopped or `max_new_tokens` is reached.
+    `record_routing` records the MoE experts of every prompt and response token (nanorl/moe_replay.py).
+    """
+    model: torch.nn.Module
+    pad_id: int
+    version: int = 0
+    record_routing: bool = False
+    max_batch: int = 512  # rows per forward; larger requests are generated in chunks
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+    def update_weights(self, model: torch.nn.Module, version: int) -> None:
+        # Same process, same module: the engine *is* the trainer's model, so there is nothing to copy
+        # and no way for the two to drift apart. (vLLM needs a real copy: nanorl/vllm_engine.py.)
+        self.model, self.version = model, version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
+        if sampling.seed is not None:
+            self.generator.manual_seed(sampling.seed)
+        rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
+        out = []
+        for start in range(0, len(rows), self.max_batch):
+            out += self._generate_rows(rows[start:start + self.max_batch], sampling)
+        return out
+
+    def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingConfig) -> list[Sample]:
+        from transformers import DynamicCache
+
+        device = next(self.model.parameters()).device
+        B, P = len(rows), max(len(p) for _, p in rows)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left-padded prompts
+        for b, (_, p) in enumerate(rows):
+            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        attn = torch.zeros(B, P, dtype=torch.long)  # [B, P]
+        for b, (_, p) in enumerate(rows):
+            attn[b, P - len(p):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P] positions count from each row's first token
+        stop = torch.tensor(sorted(set(sp.stop_token_ids)), dtype=torch.long, device=device)
+        cache = DynamicCache()
+        tokens, logps, supports = [], [], []
+        done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] row has sampled a stop token
+        step_ids, step_pos = ids, pos
+        recording = self._recorder()
+        with recording as rec:
+            for _ in range(sp.max_new_tokens):
+                out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
+                                 past_key_values=cache, use_cache=True)
+                cache = out.past_key_values
+                logits = out.logits[:, -1].float()  # [B, V] next-token logits, fp32 for sampling
+                tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p,
+                                           generator=self.generator if device.type == "cpu" else None,
+                                           record_support=sp.keep_support, support_cap=sp.support_cap)
+                tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)  # [B] finished rows pad
+                tokens.append(tok)
+                logps.append(lp)
+                supports.append(sup)
+                done = done | torch.isin(tok, stop)
+                if bool(done.all()):
+                    break
+                step_ids = tok[:, None]  # [B, 1]
+                step_pos = step_pos[:, -1:] + 1  # [B, 1]
+                attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
+        tokens = torch.stack(tokens, 1).cpu()  # [B, R]
+        logps = torch.stack(logps, 1).float().cpu()  # [B, R]
+        experts = rec.experts if rec is not None else None  # [B, P+R-1, L, k] or None
+        support = stack_steps(supports) if sp.keep_support else None  # [B, R, K], -1 padded
+        samples = []
+        for b, (g, prompt) in enumerate(rows):
+            resp = tokens[b].tolist()
+            hit = [i for i, t in enumerate(resp) if t in sp.stop_token_ids]
+            length = hit[0] + 1 if hit else len(resp)  # keep the stop token: the model learns to stop
+            s = Sample(prompt_ids=list(prompt), response_ids=resp[:length],
+                       rollout_logprobs=logps[b, :length].tolist(),
+                       status="completed" if hit else "truncated",
+                       weight_version=self.version, group_id=g)
+            if sp.keep_support:
+                s.sampling_support = support[b, :length].to(torch.int32).cpu()  # [R, K]
+            if experts is not None:  # drop the left padding: position 0 is the first prompt token
+                s.routed_experts = experts[b, P - len(prompt):P + length - 1].clone()
+            samples.append(s)
+        return samples
+
+    def _recorder(self):
+        """A routing recorder around the decode loop when asked for, else a no-op context."""
+        if not self.record_routing:
+            return nullcontext(None)
+        from nanorl import moe_replay
+        return moe_replay.record(self.model)

@@ -1,0 +1,135 @@
+"""The built-in default task and model: everything `python train.py --algo grpo` needs, made in code.
+
+No download is possible on a fresh laptop, so the default run builds its own world:
+
+1. A verifiable task: small-number arithmetic. A prompt is ``"3+4="`` and the answer is ``"7"``
+   followed by the end-of-sequence token. Problems are every ``a+b`` and ``a-b`` with one-digit
+   operands (``a-b`` only when the result is non-negative), split deterministically into a train and
+   a held-out set. The reward (nanorl/rewards.py, ``exact``) is 1 for the exact answer then EOS.
+2. A character-level tokenizer built with the ``tokenizers`` library and saved as a standard
+   Hugging Face ``PreTrainedTokenizerFast`` (so loading it is the same code path as any real model).
+3. A tiny Qwen2 (hidden 64, 2 layers, ~130k parameters) with random weights — a real Hugging Face
+   architecture, so the rollout engine, the logprob recompute and weight saving are the real ones.
+4. A short supervised warm-start on a part of the train problems, so the policy starts partially
+   right, as real RL starts from an SFT model (from random init the policy collapses to one answer:
+   most groups then have all-equal rewards and GRPO has no signal, see ../shared/FACTS.md).
+
+`make_default(out_dir, seed)` writes ``train.jsonl``, ``test.jsonl`` and the model directory (model
+and tokenizer, loadable by ``AutoModelForCausalLM`` / vLLM), and train.py then runs on those files
+exactly as it would on a user's data and model. Run it alone:
+
+    python -m nanorl.task runs/default
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+
+import torch
+
+PAD, EOS = "<pad>", "<eos>"
+# No space character: AutoTokenizer reloads a saved character-level tokenizer as the model type's
+# tokenizer class, which drops spaces when encoding (../shared/FACTS.md). The task needs none.
+CHARS = list("0123456789+-=")
+
+
+def problems(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
+    """All one-digit ``a+b`` and non-negative ``a-b`` problems, shuffled by `seed`, split train/test."""
+    import os, itertools
+    kind = os.environ.get("NANORL_TASK", "add")
+    if kind == "add":
+        items = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+        items += [{"prompt": f"{a}-{b}=", "answer": str(a - b)} for a in range(10) for b in range(a + 1)]
+    elif kind == "add100":
+        items = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
+        random.Random(seed).shuffle(items)
+        return items, items
+    elif kind == "sort":
+        items = [{"prompt": "".join(d) + "=", "answer": "".join(sorted(d))} for d in itertools.product("0123456789", repeat=3)]
+    else:
+        items = [{"prompt": "+".join(d) + "=", "answer": str(sum(map(int, d)))} for d in itertools.product("0123456789", repeat=3)]
+    random.Random(seed).shuffle(items)
+    n_test = int(len(items) * test_fraction)
+    return items[n_test:], items[:n_test]
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: one token per character, plus <pad> and <eos>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS] + CHARS)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # every char is a token
+    core.decoder = decoders.Fuse()  # decode joins characters back without spaces
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS)
+
+
+def build_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A tiny randomly initialised Qwen2 (tied embeddings, fp32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0,
+                         eos_token_id=1, bos_token_id=1)
+    return Qwen2ForCausalLM(config)
+
+
+def warm_start(model, tokenizer, items: list[dict], steps: int = 40, batch_size: int = 128,
+               lr: float = 1e-3, seed: int = 0) -> None:
+    """Supervised fine-tuning on (prompt, answer+EOS): cross-entropy on the answer tokens only."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [tokenizer(x["prompt"])["input_ids"] + tokenizer(x["answer"])["input_ids"] +
+            [tokenizer.eos_token_id] for x in items]
+    plen = [len(tokenizer(x["prompt"])["input_ids"]) for x in items]
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # [N, S] right-padded
+    labels = torch.full((len(rows), width), -100)  # [N, S] -100 = not trained on
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        labels[i, plen[i]:len(r)] = torch.tensor(r[plen[i]:])  # the answer and its EOS only
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(rows), (batch_size,), generator=gen)
+        loss = model(input_ids=ids[pick], attention_mask=(ids[pick] != tokenizer.pad_token_id).long(),
+                     labels=labels[pick]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+def make_default(out_dir: str, seed: int = 0, sft_steps: int = 40, sft_fraction: float = 1.0) -> dict:
+    """Write the default task (train/test JSONL) and a warm-started tiny model under `out_dir`.
+
+    Returns the paths: {"model": dir, "train": file, "test": file}. Idempotent: files already there
+    (same seed) are reused, so repeated runs start from the same model.
+    """
+    model_dir = os.path.join(out_dir, f"default-model-seed{seed}")
+    paths = {"model": model_dir, "train": os.path.join(out_dir, "train.jsonl"),
+             "test": os.path.join(out_dir, "test.jsonl")}
+    train, test = problems(seed=0)  # the split is fixed: held-out problems never change with the seed
+    os.makedirs(out_dir, exist_ok=True)
+    for split, items in (("train", train), ("test", test)):
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in items)
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        tokenizer = build_tokenizer()
+        model = build_model(len(tokenizer), seed=seed)
+        sft_items = train[: max(1, int(len(train) * sft_fraction))]
+        if os.environ.get("NANORL_SFT_ALL"): sft_items = train + test
+        warm_start(model, tokenizer, sft_items, steps=int(os.environ.get("NANORL_SFT_STEPS", sft_steps)), seed=seed)
+        tmp = model_dir + ".tmp"
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, model_dir)  # atomic: a half-written model dir is never picked up
+    return paths
+
+
+if __name__ == "__main__":
+    print(make_default(sys.argv[1] if len(sys.argv) > 1 else "runs/default"))

@@ -1,0 +1,88 @@
+"""bench.py: the CI smoke run (`python bench.py --quick --json ...`) and its bookkeeping.
+
+No speed thresholds: CI machines differ. What is checked is that every entry runs, the correctness
+checks inside the bench pass (loop vs chunked GAE, loop vs vectorised group advantages, reference vs
+total_loss), and the figures it reports are self-consistent (order statistics, ratios, shares).
+Run: python -m pytest tests/test_bench.py -q
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import bench  # noqa: E402
+
+ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
+           "padding", "ksm", "routing_replay"}
+
+
+def test_quick_run_reports_every_entry(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # time torch, not the interpreter
+    proc = subprocess.run([sys.executable, "bench.py", "--quick", "--threads", "1", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
+    assert set(bench.Bench.ENTRIES) == ENTRIES and {r["bench"] for r in rows} == ENTRIES
+    assert data["failed"] == []
+    assert sum(n.startswith("ok: gae") for n in data["notes"]) == 2  # both lengths checked
+    m = data["machine"]
+    assert m["cpu"] and m["torch_threads"] == 1 and m["torch"] == torch.__version__
+    assert "×base" in proc.stdout and "machine: cpu=" in proc.stdout
+
+    base = {(r["bench"], r["case"]): r for r in rows if r["baseline"]}
+    for r in rows:
+        if "q1" in r:  # timed rows: order statistics of >= 3 repetitions
+            assert r["reps"] >= 3 and 0 < r["min"] <= r["q1"] <= r["median"] <= r["q3"] <= r["max"]
+        if r.get("speedup") is not None:
+            b = base[(r["bench"], r["case"])]
+            assert math.isclose(r["speedup"], b["median"] / r["median"], rel_tol=1e-9)
+    for name in ("gae", "group_adv", "policy_loss", "logprob", "trainer"):  # every case has its baseline
+        cases = {r["case"] for r in rows if r["bench"] == name}
+        assert cases and all((name, c) in base for c in cases), name
+    assert all(r["peak_mib"] > 0 for r in rows if r["bench"] == "logprob")  # resident memory added
+    for axis in ("T", "B"):  # scaling series: one row per size, each with its ns/token
+        assert sum(r["case"] == f"total_loss vs {axis}" and "ns/token" in r["note"] for r in rows) == 3
+
+    phases = {r["impl"]: r["median"] for r in rows if r["bench"] == "grpo_step"}
+    assert set(phases) == {"generate", "reward", "logprob", "advantage", "train", "sync", "whole step"}
+    assert phases["generate"] + phases["train"] <= phases["whole step"] * 1.5  # medians of parts vs whole
+
+    shares = {r["impl"]: r["padding_share"] for r in rows if r["bench"] == "padding"}
+    assert shares["token budget, packed"] == 0.0
+    assert all(0 < s < 1 for k, s in shares.items() if "packed" not in k)
+
+
+def test_peak_mib_sees_a_large_cpu_allocation():
+    b = bench.Bench(quick=True, device=torch.device("cpu"), budget=0.0, threads=1, workdir="")
+    peak = b.peak_mib(lambda: torch.ones(64 << 20, dtype=torch.uint8).sum())  # 64 MiB, touched, freed
+    assert peak is None or 60 <= peak <= 200  # None off Linux
+
+
+def test_group_adv_loop_baseline_hand_computed():
+    # one group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3); RLOO: r_i - mean of the other three
+    scores, index, mask = torch.tensor([1.0, 0, 0, 1, 5]), torch.tensor([0, 0, 0, 0, 1]), torch.ones(5, 2)
+    grpo = bench.group_adv_loop(scores, mask, index)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    torch.testing.assert_close(grpo[:, 0], torch.tensor([a, -a, -a, a, 0.0]))  # group of one -> 0
+    rloo = bench.group_adv_loop(scores, mask, index, leave_one_out=True)
+    torch.testing.assert_close(rloo[:, 1], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3, 0.0]))
+
+
+def test_loss_reference_matches_total_loss():
+    x = bench.rl_inputs(3, 17, "cpu", seed=1)
+    torch.testing.assert_close(bench.loss_nanorl(x)[0], bench.loss_reference(x)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_table_ratio_is_baseline_over_impl():
+    rows = [dict(bench="b", case="c", impl="slow", baseline=True, median=2.0),
+            dict(bench="b", case="c", impl="fast", baseline=False, median=0.5, q1=0.4, q3=0.6)]
+    text = bench.table(rows)
+    assert "4.00×" in text and "base" in text and rows[1]["speedup"] == 4.0

@@ -1,0 +1,120 @@
+"""train.py end to end on the built-in task: presets, bad input, gradient-accumulation invariance,
+loading a model by path. (Learning tests live in tests/test_learning.py.)"""
+import copy
+import json
+
+import pytest
+import torch
+
+import train
+from nanorl.config import PRESETS, Config, parse_args
+from nanorl.losses import AGG_MODES
+from nanorl.trajectory import collate
+
+TINY = ["--steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0",
+        "--eval-limit", "8", "--quiet", "--pass-k", "2"]
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """One built-in task + warm-started model shared by every test here (built once, ~seconds)."""
+    out = tmp_path_factory.mktemp("task")
+    from nanorl.task import make_default
+    return make_default(str(out), seed=0)
+
+
+def args(task_dir, tmp_path, *extra):
+    return ["--model", task_dir["model"], "--train-data", task_dir["train"], "--test-data", task_dir["test"],
+            "--out-dir", str(tmp_path), *TINY, *extra]
+
+
+def test_presets_listed_and_flags_override():
+    cfg = parse_args(["--algo", "dapo", "--clip-high", "0.3"])
+    assert cfg.filter_groups and cfg.clip_high == 0.3 and cfg.loss_agg == "token-mean"
+    assert parse_args(["--algo", "ppo"]).vf_coef > 0
+    with pytest.raises(SystemExit):
+        parse_args(["--algo", "nope"])
+    with pytest.raises(ValueError, match="valid: grpo, dr_grpo"):
+        Config(algo="nope")
+    with pytest.raises(ValueError, match="top_p must be in"):
+        Config(top_p=0.0)
+    with pytest.raises(ValueError, match="gae needs a critic"):
+        Config(advantage="gae")
+
+
+@pytest.mark.parametrize("algo", list(PRESETS))
+def test_every_preset_runs(algo, task_dir, tmp_path):
+    res = train.main(args(task_dir, tmp_path, "--algo", algo))
+    assert res["step"] == 2
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    steps = [x for x in lines if "loss" in x]
+    assert len(steps) == 2 or PRESETS[algo][1].get("filter_groups")
+    for x in steps:  # every logged number is finite and the phases are timed
+        assert all(v == v and abs(v) != float("inf") for v in x.values() if isinstance(v, float))
+        assert {"time/generate", "time/reward", "time/train", "time/sync"} <= set(x)
+    assert "accuracy before:" not in json.dumps(lines)  # printed, not logged as text
+
+
+def test_bad_input_errors(task_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{not json}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        train.main(args(task_dir, tmp_path, "--train-data", str(bad)))
+    nokey = tmp_path / "nokey.jsonl"
+    nokey.write_text('{"question": "1+1=", "answer": "2"}\n')
+    with pytest.raises(ValueError, match="no key 'prompt'; keys present"):
+        train.main(args(task_dir, tmp_path, "--train-data", str(nokey)))
+
+
+def test_nonfinite_gradient_skips_update(task_dir, tmp_path, monkeypatch):
+    real = train.micro_step
+
+    def poisoned(run, mb, lcfg, n_tok, n_seq):
+        loss, m = real(run, mb, lcfg, n_tok, n_seq)
+        return loss * float("nan"), m
+    monkeypatch.setattr(train, "micro_step", poisoned)
+    res = train.main(args(task_dir, tmp_path))
+    assert res["counters"]["skipped_updates"] == 2 and res["step"] == 2
+
+
+def _grads(run, batch, rows_list, lcfg):
+    for p in run.model.parameters():
+        p.grad = None
+    mask = batch.response_mask
+    n_tok, n_seq = float((mask > 0).sum()), float((mask > 0).any(-1).sum())
+    for rows in rows_list:
+        loss, _ = train.micro_step(run, batch.select(rows), lcfg, n_tok, n_seq)
+        loss.backward()
+    return [p.grad.clone() for p in run.model.parameters() if p.grad is not None]
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
+    """One optimizer step's gradient is the same whether its batch is one micro-batch or several
+    (TRL #3021): denominators come from the whole step, not from each micro-batch."""
+    cfg = parse_args(args(task_dir, tmp_path, "--loss-agg", mode, "--kl-coef", "0.01", "--entropy-coef", "0.01",
+                          "--max-new-tokens", "6"))
+    run = train.setup(cfg)
+    samples = run.engine.generate([p.ids for p in run.loader.next_batch()], 4, train.SamplingConfig(
+        max_new_tokens=6, stop_token_ids=train.stop_tokens(run)))
+    for i, s in enumerate(samples):
+        s.reward = float(i % 3 == 0)
+    batch = collate(samples, run.tokenizer.pad_token_id)
+    assert len({s.response_length for s in samples}) > 1  # ragged lengths make the test meaningful
+    with torch.no_grad():
+        batch.token_data["ref_logprobs"] = train.forward(run, run.ref, batch, None)[0]
+        batch.token_data["old_logprobs"] = train.forward(run, run.model, batch, None)[0] - 0.05
+    batch.token_data["advantages"] = torch.randn_like(batch.rollout_logprobs)
+    lcfg = train.loss_config(run)
+    whole = _grads(run, batch, [list(range(16))], lcfg)
+    split = _grads(run, batch, [[0, 5, 9], [1, 2, 3, 4, 6], [7, 8], [10, 11, 12, 13, 14, 15]], lcfg)
+    for a, b in zip(whole, split):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
+
+
+def test_model_saved_loads_with_transformers(task_dir, tmp_path):
+    res = train.main(args(task_dir, tmp_path, "--steps", "1"))
+    from transformers import AutoModelForCausalLM
+    path = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
+    m = AutoModelForCausalLM.from_pretrained(path)
+    assert m.config.hidden_size == 64 and res["step"] == 1

