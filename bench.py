@@ -392,8 +392,8 @@ class Bench:
 def machine(device: torch.device) -> dict:
     return dict(cpu=_proc("/proc/cpuinfo", "model name") or platform.processor(), logical_cpus=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), device=str(device),
-                gpu=torch.cuda.get_device_name() if device.type == "cuda" else None, load_avg_1m=os.getloadavg()[0],
+                python=platform.python_version(), device=str(device), load_avg_1m=round(os.getloadavg()[0], 1),
+                gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
                 mem_available_gib=round(_kib("/proc/meminfo", "MemAvailable") / 2**30, 1))
 
 

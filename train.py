@@ -36,18 +36,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanorl import batching, checkpoint, moe_replay
+from nanorl import checkpoint, moe_replay
 from nanorl.advantage import compute_advantages, masked_whiten
 from nanorl.config import Config, parse_args
 from nanorl.data import PromptLoader, build_prompts, load_rows
 from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards
 from nanorl.logger import Logger, PhaseTimer
-from nanorl.losses import LossConfig, total_loss
-from nanorl.policy import ValueModel, frozen_copy, load_model, response_logprobs
+from nanorl.policy import ValueModel, frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.task import make_default
 from nanorl.trajectory import collate
+from nanorl.update import all_reduce, forward, routing_forward, train_on
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -82,12 +82,6 @@ def init_distributed() -> tuple[int, int]:
     return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
-def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -120,9 +114,12 @@ def setup(cfg: Config) -> Run:
                           cfg.max_prompt_len, source=cfg.test_data)[0] if cfg.test_data else [])
     if cfg.eval_limit:
         test = test[:cfg.eval_limit]
-    if cfg.engine == "vllm":
+    if cfg.engine == "auto":
+        cfg = dataclasses.replace(cfg, engine="vllm" if device.startswith("cuda") and vllm_importable() else "hf")
+    if cfg.engine == "vllm":  # its own copy of the weights, loaded from the same path, synced below
         from nanorl.vllm_engine import VLLMEngine
-        engine = VLLMEngine.from_trainer(model, tokenizer, cfg, device)
+        engine = VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
+                            gpu_memory_utilization=cfg.gpu_memory_utilization)
     else:
         engine = HFEngine(model, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay)
         engine.generator.manual_seed(cfg.seed * 1000 + rank)
@@ -145,6 +142,11 @@ def setup(cfg: Config) -> Run:
                         "prompts_skipped_too_long": skipped["too_long"]})
     engine.update_weights(model, version=0)
     return run
+
+
+def vllm_importable() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("vllm") is not None
 
 
 def lr_factor(cfg: Config, step: int) -> float:
@@ -266,6 +268,9 @@ def rl_step(run: Run) -> dict:
             raise RuntimeError(f"step {run.step + 1}: the {cfg.engine} engine failed to load the new weights "
                                f"({type(e).__name__}: {e}); resume from the last checkpoint with "
                                "--resume latest") from e
+        if cfg.sync_check_every and hasattr(run.engine, "check_sync") and (run.step + 1) % cfg.sync_check_every == 0:
+            # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
+            metrics["sync/max_abs_logprob_diff"] = run.engine.check_sync(run.model)
     if cfg.kl_target and run.ref is not None and math.isfinite(metrics.get("kl_loss", 0.0)):
         run.kl_ctl.update(metrics.get("kl_loss", 0.0), n_steps=len(samples))
     step_time = sum(timer.seconds.values())
@@ -292,159 +297,6 @@ def reward_metrics(samples) -> dict:
         for k in samples[0].reward:
             m[f"reward/{k}"] = torch.tensor([s.reward.get(k, 0.0) for s in samples]).mean()
     return {k: float(v) for k, v in m.items()}
-
-
-def forward(run: Run, model, batch, support):
-    """Logprobs and entropy [B, T] of the response tokens, replaying MoE routing when asked.
-
-    With a token budget (--max-tokens-per-micro-batch) the rows are packed into one sequence, so the
-    budget bounds the real tokens of a forward and no compute goes to padding (nanorl/batching.py)."""
-    replay_on = run.cfg.routing_replay and batch.routed_experts is not None
-    if run.cfg.max_tokens_per_micro_batch:
-        return batching.packed_response_logprobs(model, batch, run.cfg.temperature, support=support,
-                                                 impl=run.cfg.logprob_impl, replay=replay_on)
-    replay = None
-    if replay_on:
-        replay = moe_replay.replay(model, batch.routed_experts, batch.routed_mask)
-    return response_logprobs(model, batch, run.cfg.temperature, support=support,
-                             impl=run.cfg.logprob_impl, replay=replay)
-
-
-def routing_forward(run: Run, batch, support, metrics: dict) -> torch.Tensor:
-    """The old-logprob forward of an MoE run with --routing-replay; returns logprobs [B, T].
-
-    R3 (the engine recorded routing at rollout, as the HF engine does): replay it, and measure how
-    often the trainer's own router would have chosen differently — the mismatch replay removes.
-    R2 (the engine could not record, e.g. vLLM on CPU): record the routing in this forward, and
-    replay that in every later forward of the step (policy and reference)."""
-    cfg = run.cfg
-    if batch.routed_experts is not None:
-        with moe_replay.replay(run.model, batch.routed_experts, batch.routed_mask) as rep:
-            lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
-        metrics["routing/disagreement"] = moe_replay.routing_disagreement(
-            batch.routed_experts, rep.natural_experts, batch.routed_mask.cpu())
-        metrics["routing/replay_mode"] = 3.0
-        return lp
-    with moe_replay.record(run.model) as rec:
-        lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
-    batch.routed_experts = rec.experts.to(batch.input_ids.device)  # [B, P+T, L, k]
-    batch.routed_mask = batch.attention_mask.bool()  # [B, P+T]
-    metrics["routing/disagreement"] = 0.0  # recorded by the trainer itself: nothing to compare
-    metrics["routing/replay_mode"] = 2.0
-    return lp
-
-
-def micro_batches(run: Run, batch) -> list[list[int]]:
-    """Row groups of one mini-batch: by token budget (balanced), by sample count, or all at once."""
-    cfg, n = run.cfg, batch.input_ids.shape[0]
-    if cfg.max_tokens_per_micro_batch:
-        lengths = batch.attention_mask.sum(-1).tolist()
-        bins = batching.make_micro_batches(lengths, cfg.max_tokens_per_micro_batch)
-        agreed = batching.agree_num_micro_batches(len(bins))  # every rank runs the same count
-        return bins if agreed == len(bins) else batching.make_micro_batches(lengths, cfg.max_tokens_per_micro_batch, agreed)
-    if cfg.micro_batch_size:
-        return batching.split_fixed(n, cfg.micro_batch_size)
-    return [list(range(n))]
-
-
-def loss_config(run: Run) -> LossConfig:
-    c = run.cfg
-    return LossConfig(policy=c.policy_loss, clip_low=c.clip_low, clip_high=c.clip_high,
-                      dual_clip=c.dual_clip or None, agg_mode=c.loss_agg, norm_len=c.max_new_tokens,
-                      entropy_coef=c.entropy_coef, kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta,
-                      vf_coef=c.vf_coef, tis_cap=c.tis_cap or None)
-
-
-def train_on(run: Run, batch) -> dict:
-    """ppo_epochs × mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
-    cfg, B = run.cfg, batch.input_ids.shape[0]
-    params = [p for g in run.optimizer.param_groups for p in g["params"]]
-    lcfg, sums, steps = loss_config(run), {}, 0
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.chunk(cfg.mini_batches):
-            mini = batch.select(rows.tolist())
-            # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
-            dens = torch.tensor([(mini.response_mask > 0).sum(), (mini.response_mask > 0).any(-1).sum()],
-                                dtype=torch.float, device=mini.input_ids.device)
-            n_tok, n_seq = all_reduce(dens).tolist()
-            stats = {}
-            for mrows in micro_batches(run, mini):
-                mb = mini.select(mrows)
-                loss, m = micro_step(run, mb, lcfg, n_tok, n_seq)
-                loss.backward()
-                accumulate(stats, m)
-            grad_norm = sync_and_step(run, params)
-            stats = finish(stats)
-            stats["grad_norm"] = grad_norm
-            for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
-            steps += 1
-    out = {k: v / steps for k, v in sums.items()}
-    out.update(lr=run.scheduler.get_last_lr()[0], skipped_updates=run.counters["skipped_updates"])
-    return out
-
-
-def micro_step(run: Run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
-    cfg = run.cfg
-    support = mb.sampling_support if cfg.keep_sampling_mask else None
-    logp, ent = forward(run, run.model, mb, support)
-    td = mb.token_data
-    old = td.get("old_logprobs", logp.detach())  # on-policy: π_old is the current policy, detached
-    kl = None
-    if run.ref is not None and not cfg.kl_in_reward:
-        kl = kl_estimator(logp, td["ref_logprobs"], cfg.kl_estimator, mask=mb.response_mask)
-    values = run.critic(mb) if run.critic is not None else None
-    return total_loss(lcfg, logp, old, td["advantages"], mb.response_mask, entropy=ent, kl=kl,
-                      rollout_logp=mb.rollout_logprobs, values=values, old_values=td.get("old_values"),
-                      returns=td.get("returns") if values is not None else None,
-                      num_tokens=n_tok, num_seqs=n_seq)
-
-
-# Metrics of total_loss: loss contributions are summed over micro-batches, *_max are maxed, the rest
-# are token means weighted by each micro-batch's token count (opsm_maskfrac by sequence count).
-SUMMED = ("loss", "pg_loss", "kl_loss", "vf_loss")
-
-
-def accumulate(stats: dict, m: dict) -> None:
-    w_tok, w_seq = float(m["num_tokens"]), float(m["num_seqs"])
-    for k, v in m.items():
-        v = float(v)
-        if k in SUMMED or k in ("num_tokens", "num_seqs"):
-            stats[k] = stats.get(k, 0.0) + v
-        elif k.endswith("_max"):
-            stats[k] = max(stats.get(k, -math.inf), v)
-        else:
-            w = w_seq if k == "opsm_maskfrac" else w_tok
-            stats[k] = stats.get(k, 0.0) + v * w
-
-
-def finish(stats: dict) -> dict:
-    out = {}
-    for k, v in stats.items():
-        if k in SUMMED or k.endswith("_max") or k in ("num_tokens", "num_seqs"):
-            out[k] = v
-        else:
-            out[k] = v / max(stats["num_seqs" if k == "opsm_maskfrac" else "num_tokens"], 1.0)
-    return out
-
-
-def sync_and_step(run: Run, params) -> float:
-    """Sum gradients over ranks, clip, and step — unless the loss or a gradient is not finite."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if run.world > 1:
-        for g in grads:
-            all_reduce(g)
-    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
-    if torch.isfinite(norm):
-        run.optimizer.step()
-    else:  # one bad batch must not poison the weights: skip, count, go on
-        run.counters["skipped_updates"] += 1
-        run.logger.print(f"step {run.step}: non-finite gradient norm ({float(norm)}); update skipped")
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
-    return float(norm)
 
 
 # ----------------------------------------------------------------------------- main

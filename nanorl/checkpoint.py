@@ -287,7 +287,7 @@ def _apply(run, path: str, state: dict, tensors: dict, weights: list[dict]) -> N
         run.rewards.faults = Counter(state["reward_faults"][run.rank])
     run.engine.update_weights(run.model, version=run.step)
     if state.get("metrics_bytes") is not None:
-        _cut_metrics(run, os.path.dirname(path), state["metrics_bytes"])
+        _cut_metrics(run, os.path.dirname(os.path.normpath(path)), state["metrics_bytes"])
 
 
 def _cut_metrics(run, root: str, size: int) -> None:

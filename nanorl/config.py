@@ -64,8 +64,13 @@ class Config:
     out_dir: str = "runs/nanorl"
     """Where metrics, checkpoints and the built-in task files go."""
     # --- rollout
-    engine: str = "hf"
-    """Rollout engine: hf (the trainer's own module) or vllm (in-process vLLM, weights hot-swapped)."""
+    engine: str = "auto"
+    """hf (the trainer's own module), vllm (in-process, weights hot-swapped), or auto: vllm on a GPU
+    when importable, else hf (on CPU, vLLM's start-up and kernel compile cost more than a tiny run)."""
+    gpu_memory_utilization: float = 0.3
+    """vLLM: share of GPU memory for the engine (weights + KV cache); the trainer uses the rest."""
+    sync_check_every: int = 1
+    """vLLM: every N steps, check that the engine's logprobs match the trainer's after the sync (0 = off)."""
     prompts_per_step: int = 16
     """Prompts sampled per optimizer step (over all ranks)."""
     samples_per_prompt: int = 8
@@ -183,7 +188,8 @@ class Config:
              f"unknown advantage {self.advantage!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
         need(self.policy_loss in POLICY_LOSSES, f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
         need(self.loss_agg in AGG_MODES, f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
-        need(self.engine in ("hf", "vllm"), f"engine must be hf or vllm, got {self.engine!r}")
+        need(self.engine in ("auto", "hf", "vllm"), f"engine must be auto, hf or vllm, got {self.engine!r}")
+        need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
         need(self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs: auto, recompute or rollout")
         need(self.logprob_impl in ("fused", "naive"), "logprob_impl: fused or naive")
         need(self.schedule in ("constant", "cosine"), "schedule: constant or cosine")
@@ -192,7 +198,7 @@ class Config:
                      "mini_batches", "max_prompt_len", "pass_k", "keep_checkpoints"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
-                     "save_every", "threads", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
+                     "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
                      "tis_cap", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")

@@ -2,17 +2,22 @@
 
 No download is possible on a fresh laptop, so the default run builds its own world:
 
-1. A verifiable task: small-number arithmetic. A prompt is ``"3+4="`` and the answer is ``"7"``
-   followed by the end-of-sequence token. Problems are every ``a+b`` and ``a-b`` with one-digit
-   operands (``a-b`` only when the result is non-negative), split deterministically into a train and
-   a held-out set. The reward (nanorl/rewards.py, ``exact``) is 1 for the exact answer then EOS.
-2. A character-level tokenizer built with the ``tokenizers`` library and saved as a standard
-   Hugging Face ``PreTrainedTokenizerFast`` (so loading it is the same code path as any real model).
-3. A tiny Qwen2 (hidden 64, 2 layers, ~130k parameters) with random weights — a real Hugging Face
+1. A verifiable task: small-number arithmetic. A prompt is ``"3+4+9="`` and the answer is ``"16"``
+   followed by the end-of-sequence token: all 1000 sums of three one-digit numbers, split
+   deterministically into 800 train and 200 held-out problems. The held-out problems are never
+   trained on, so "accuracy" measures whether the policy learned to add, not a lookup table (with
+   one-digit ``a+b`` the tiny model memorises pairs and held-out accuracy stalls near 50%).
+   The reward (nanorl/rewards.py, ``exact``) is 1 for the exact answer then EOS, else 0.
+2. A character-level tokenizer (digits, ``+ - =``, <pad>, <eos>) built with the ``tokenizers``
+   library and saved as a standard ``PreTrainedTokenizerFast``, so loading it is the same code path
+   as any real model. A small vocabulary matters: with 45 tokens the warm-started policy sampled
+   junk characters at temperature 1 and GRPO saw almost no reward.
+3. A tiny Qwen2 (hidden 64, 2 layers, ~100k parameters) with random weights — a real Hugging Face
    architecture, so the rollout engine, the logprob recompute and weight saving are the real ones.
-4. A short supervised warm-start on a part of the train problems, so the policy starts partially
-   right, as real RL starts from an SFT model (from random init the policy collapses to one answer:
-   most groups then have all-equal rewards and GRPO has no signal, see ../shared/FACTS.md).
+4. A short supervised warm-start (100 steps of 128 examples, lr 1e-3) on the train problems, so the
+   policy starts partially right (~35-40% greedy accuracy), as real RL starts from an SFT model. From
+   random init the policy collapses to one answer: most groups then have all-equal rewards and
+   GRPO has no signal (../shared/FACTS.md).
 
 `make_default(out_dir, seed)` writes ``train.jsonl``, ``test.jsonl`` and the model directory (model
 and tokenizer, loadable by ``AutoModelForCausalLM`` / vLLM), and train.py then runs on those files
@@ -36,20 +41,9 @@ CHARS = list("0123456789+-=")
 
 
 def problems(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], list[dict]]:
-    """All one-digit ``a+b`` and non-negative ``a-b`` problems, shuffled by `seed`, split train/test."""
-    import os, itertools
-    kind = os.environ.get("NANORL_TASK", "add")
-    if kind == "add":
-        items = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
-        items += [{"prompt": f"{a}-{b}=", "answer": str(a - b)} for a in range(10) for b in range(a + 1)]
-    elif kind == "add100":
-        items = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10)]
-        random.Random(seed).shuffle(items)
-        return items, items
-    elif kind == "sort":
-        items = [{"prompt": "".join(d) + "=", "answer": "".join(sorted(d))} for d in itertools.product("0123456789", repeat=3)]
-    else:
-        items = [{"prompt": "+".join(d) + "=", "answer": str(sum(map(int, d)))} for d in itertools.product("0123456789", repeat=3)]
+    """All 1000 sums of three one-digit numbers, shuffled by `seed`, split into train and held-out."""
+    items = [{"prompt": f"{a}+{b}+{c}=", "answer": str(a + b + c)}
+             for a in range(10) for b in range(10) for c in range(10)]
     random.Random(seed).shuffle(items)
     n_test = int(len(items) * test_fraction)
     return items[n_test:], items[:n_test]
@@ -68,12 +62,12 @@ def build_tokenizer():
 
 
 def build_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
-    """A tiny randomly initialised Qwen2 (tied embeddings, fp32)."""
+    """A tiny randomly initialised Qwen2 (tied embeddings, fp32; head_dim 32, the smallest vLLM CPU runs)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=4 * hidden,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
                          max_position_embeddings=64, tie_word_embeddings=True, pad_token_id=0,
                          eos_token_id=1, bos_token_id=1)
     return Qwen2ForCausalLM(config)
@@ -104,13 +98,13 @@ def warm_start(model, tokenizer, items: list[dict], steps: int = 40, batch_size:
     model.eval()
 
 
-def make_default(out_dir: str, seed: int = 0, sft_steps: int = 40, sft_fraction: float = 1.0) -> dict:
+def make_default(out_dir: str, seed: int = 0, sft_steps: int = 100, sft_fraction: float = 1.0) -> dict:
     """Write the default task (train/test JSONL) and a warm-started tiny model under `out_dir`.
 
     Returns the paths: {"model": dir, "train": file, "test": file}. Idempotent: files already there
     (same seed) are reused, so repeated runs start from the same model.
     """
-    model_dir = os.path.join(out_dir, f"default-model-seed{seed}")
+    model_dir = os.path.join(out_dir, f"default-model-seed{seed}-sft{sft_steps}")
     paths = {"model": model_dir, "train": os.path.join(out_dir, "train.jsonl"),
              "test": os.path.join(out_dir, "test.jsonl")}
     train, test = problems(seed=0)  # the split is fixed: held-out problems never change with the seed
@@ -122,8 +116,7 @@ def make_default(out_dir: str, seed: int = 0, sft_steps: int = 40, sft_fraction:
         tokenizer = build_tokenizer()
         model = build_model(len(tokenizer), seed=seed)
         sft_items = train[: max(1, int(len(train) * sft_fraction))]
-        if os.environ.get("NANORL_SFT_ALL"): sft_items = train + test
-        warm_start(model, tokenizer, sft_items, steps=int(os.environ.get("NANORL_SFT_STEPS", sft_steps)), seed=seed)
+        warm_start(model, tokenizer, sft_items, steps=sft_steps, seed=seed)
         tmp = model_dir + ".tmp"
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)

@@ -242,21 +242,24 @@ def collate(samples: list[Sample], pad_id: int) -> PaddedBatch:
         raise ValueError(f"routed_experts [n, L, k] disagree on (L, k): "
                          f"{sorted({tuple(e.shape[1:]) for e in experts})}")
     supports = [s.sampling_support for s in samples if s.sampling_support is not None]
-    input_ids = torch.full((B, P + T), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, P + T, dtype=torch.long)
-    response_mask, rollout_logprobs = torch.zeros(B, T), torch.zeros(B, T)
+    # Build plain lists and convert once: one torch.tensor call per field, not one per sample.
+    ids, attn, resp_mask, logps = [], [], [], []
+    for s in samples:
+        p, r = len(s.prompt_ids), s.response_length
+        ids.append([pad_id] * (P - p) + list(s.prompt_ids) + list(s.response_ids) + [pad_id] * (T - r))
+        attn.append([0] * (P - p) + [1] * (p + r) + [0] * (T - r))
+        resp_mask.append((list(s.loss_mask) if s.loss_mask is not None else [1.0] * r) + [0.0] * (T - r))
+        logps.append((list(s.rollout_logprobs) if s.rollout_logprobs is not None else [0.0] * r) + [0.0] * (T - r))
+    input_ids = torch.tensor(ids, dtype=torch.long)                   # [B, P+T]
+    attention_mask = torch.tensor(attn, dtype=torch.long)             # [B, P+T]
+    response_mask = torch.tensor(resp_mask, dtype=torch.float32).reshape(B, T)   # [B, T]
+    rollout_logprobs = torch.tensor(logps, dtype=torch.float32).reshape(B, T)    # [B, T]
     routed = torch.zeros(B, P + T, *experts[0].shape[1:], dtype=torch.long) if experts else None
     routed_mask = torch.zeros(B, P + T, dtype=torch.bool) if experts else None
     K = max((x.shape[1] for x in supports), default=0)
     support = torch.full((B, T, K), -1, dtype=torch.long) if supports else None  # all -1: no restriction
     for b, s in enumerate(samples):
         p, r = len(s.prompt_ids), s.response_length
-        input_ids[b, P - p:P] = torch.tensor(s.prompt_ids, dtype=torch.long)
-        input_ids[b, P:P + r] = torch.tensor(s.response_ids, dtype=torch.long)
-        attention_mask[b, P - p:P + r] = 1
-        response_mask[b, :r] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
-        if s.rollout_logprobs is not None:
-            rollout_logprobs[b, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
         if s.routed_experts is not None:  # sample position i (prompt, then response) is column P - p + i
             n = s.routed_experts.shape[0]
             routed[b, P - p:P - p + n] = s.routed_experts.long()

@@ -45,10 +45,12 @@ def test_random_bytes_in_jsonl(tmp_path, lines):
         assert str(path) in res[1]
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                           lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
-                           max_leaves=8)
-rows = st.dictionaries(st.sampled_from(["prompt", "answer", "other"]), json_values | st.text(alphabet="0123456789+-=", max_size=8))
+scalars = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20)
+json_values = st.recursive(
+    scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=5), kids, max_size=3),
+    max_leaves=8)
+rows = st.dictionaries(st.sampled_from(["prompt", "answer", "other"]),
+                       json_values | st.text(alphabet="0123456789+-=", max_size=8))
 
 
 @SETTINGS
@@ -73,7 +75,8 @@ CASES = {  # name: (file content, expected error regex or None when it loads)
     "huge_garbage_line": (b"x" * 5_000_000 + b"\n", r":1: not a valid JSON line"),
     "huge_int": (b'{"prompt": "1+1=", "answer": ' + b"9" * 5000 + b"}\n", r":1: not a valid JSON line"),
     "json_array": (b"[1, 2]\n", r":1: expected a JSON object, got list"),
-    "missing_key": (b'{"question": "1+1=", "answer": "2"}\n', r"row 1 has no key 'prompt'; keys present: \['answer', 'question'\]"),
+    "missing_key": (b'{"question": "1+1=", "answer": "2"}\n',
+                    r"row 1 has no key 'prompt'; keys present: \['answer', 'question'\]"),
     "prompt_not_str": (b'{"prompt": 12, "answer": "2"}\n', r"row 1: 'prompt' must be a string, got int"),
     "null_label": (b'{"prompt": "1+1=", "answer": null}\n', r"row 1: 'answer' is null"),
     "lone_surrogate": (b'{"prompt": "\\ud800", "answer": "1"}\n', r"row 1: the tokenizer cannot encode 'prompt'"),
@@ -117,25 +120,32 @@ def test_unreadable_sources(tmp_path, name):
 # ----------------------------------------------------------------------------- rewards
 
 NASTY = ["\\boxed{" + "1" * 5000 + "/3}", "1" * 5000 + ".5", "#### " + "9" * 4500, "\\boxed{1/0}", "\\boxed{",
-         "\\frac{1}{0}", "-0.0", "1,234,567.000", "x" * 100_000 + "7", "\\boxed{\\boxed{2}}", "\x00\ud7ff\U0010ffff"]
+         "\\frac{1}{0}", "-0.0", "1,234,567.000", "x" * 100_000 + "7", "\\boxed{\\boxed{2}}",
+         "\x00\ud7ff\U0010ffff"]
+
+
+def flat(v) -> list:
+    return list(v.values()) if isinstance(v, dict) else [v]
 
 
 @pytest.mark.parametrize("name", list(rewards.BUILTIN))
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.text(max_size=40) | st.sampled_from(NASTY),
-                          st.text(max_size=10) | st.integers().map(str) | st.sampled_from(NASTY)), min_size=1, max_size=6))
+                          st.text(max_size=10) | st.integers().map(str) | st.sampled_from(NASTY)),
+                min_size=1, max_size=6))
 def test_builtin_rewards_never_fault(name, pairs):
     """Built-in rewards score any text: no exception (not even a counted one), results in [0, 1]."""
     runner = rewards.RewardRunner(rewards.BUILTIN[name], log=lambda s: None)
     out = runner([""] * len(pairs), [r for r, _ in pairs], [lab for _, lab in pairs])
     assert not runner.faults, dict(runner.faults)
     for v in out:
-        assert all(isinstance(x, float) and 0.0 <= x <= 1.0 for x in (v.values() if isinstance(v, dict) else [v])), v
+        assert all(isinstance(x, float) and 0.0 <= x <= 1.0 for x in flat(v)), v
 
 
-returned = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(), st.floats(-2e9, 2e9), st.text(max_size=5),
-                     st.lists(st.floats(), max_size=2), st.just(10**400),
-                     st.dictionaries(st.sampled_from(["correct", "format"]), st.floats() | st.text(max_size=3) | st.none(), max_size=2))
+returned = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(), st.floats(-2e9, 2e9),
+                     st.text(max_size=5), st.lists(st.floats(), max_size=2), st.just(10**400),
+                     st.dictionaries(st.sampled_from(["correct", "format"]),
+                                     st.floats() | st.text(max_size=3) | st.none(), max_size=2))
 
 
 @settings(max_examples=40, deadline=None)
@@ -148,11 +158,11 @@ def test_any_reward_return_value_is_a_valid_batch_or_a_counted_fault(values):
     out = runner([""] * len(values), [""] * len(values), [""] * len(values))
     assert len({isinstance(v, dict) for v in out}) == 1
     for v in out:
-        assert all(isinstance(x, float) and math.isfinite(x) for x in (v.values() if isinstance(v, dict) else [v]))
+        assert all(isinstance(x, float) and math.isfinite(x) for x in flat(v))
 
     def valid(v):
-        ok = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool) and abs(x) <= rewards.MAX_ABS_REWARD and math.isfinite(x)
-        return all(map(ok, v.values())) if isinstance(v, dict) else ok(v)
+        number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)
+        return all(number(x) and abs(x) <= rewards.MAX_ABS_REWARD and math.isfinite(x) for x in flat(v))
     scalars_among_dicts = any(isinstance(v, dict) and valid(v) for v in values)
     expected = sum(not valid(v) or (scalars_among_dicts and not isinstance(v, dict)) for v in values)
     assert sum(runner.faults.values()) == expected, (values, dict(runner.faults))

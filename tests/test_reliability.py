@@ -7,8 +7,8 @@ to kill. Run: python -m pytest tests/test_reliability.py -q
 import errno
 import json
 import math
-import re
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train
-from nanorl import checkpoint
+from nanorl import checkpoint, update
 from nanorl.checkpoint import CheckpointError
 from nanorl.config import parse_args
 from nanorl.task import make_default
@@ -96,7 +96,8 @@ def test_exact_resume_ppo_with_critic_kl_and_eval(task, tmp_path):
     sb = json.load(open(os.path.join(ckpt(b, 4), "trainer_state.json")))
     for key in ("loader", "kl_ctl", "counters", "reward_faults"):
         assert sa[key] == sb[key], key
-    ra, rb = (torch.load(os.path.join(ckpt(o, 4), "trainer_state.pt"), weights_only=True)["rng"][0] for o in (a, b))
+    ra, rb = (torch.load(os.path.join(ckpt(o, 4), "trainer_state.pt"), weights_only=True)["rng"][0]
+              for o in (a, b))
     assert torch.equal(ra["engine"], rb["engine"]) and ra["python"] == rb["python"]
 
 
@@ -313,7 +314,7 @@ def test_reward_faults_keep_the_run_going_and_are_counted(task, tmp_path, capsys
 
 
 def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
-    micro, step = train.micro_step, train.sync_and_step
+    micro, step = update.micro_step, update.sync_and_step
     changed = []
 
     def nan_loss(run, *a):
@@ -325,8 +326,8 @@ def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
         norm = step(run, params)
         changed.append(any(not torch.equal(b, p) for b, p in zip(before, params)))
         return norm
-    monkeypatch.setattr(train, "micro_step", nan_loss)
-    monkeypatch.setattr(train, "sync_and_step", watched)
+    monkeypatch.setattr(update, "micro_step", nan_loss)
+    monkeypatch.setattr(update, "sync_and_step", watched)
     out = tmp_path / "run"
     res = train.main(args(task, out, "--steps", "3"))
     assert changed == [True, False, True]
@@ -341,7 +342,7 @@ def test_engine_sync_failure_is_a_clear_error(task, tmp_path, monkeypatch):
         if version == 2:
             raise ConnectionError("engine went away")
     monkeypatch.setattr(train.HFEngine, "update_weights", broken)
-    with pytest.raises(RuntimeError, match="step 2: the hf engine failed to load the new weights.*engine went away"):
+    with pytest.raises(RuntimeError, match="step 2: the hf engine failed to load the new weights.*went away"):
         train.main(args(task, tmp_path / "run", "--steps", "3"))
 
 

@@ -1,6 +1,5 @@
 """Rewards: answer extraction and normalisation, user functions, and the fault-tolerant runner."""
 import math
-import textwrap
 
 import pytest
 

@@ -9,14 +9,15 @@
    is a `name` (or `Class.member`) and whose target is a .py file must name something defined in that
    file (def / class / assignment); in-page #anchors of the tour must match one of its headings.
 3. Every numbered concept section has a snippet and a link to the code.
-4. Every metric in the tour's "which metric tells me what" table is really logged: by total_loss
-   (checked on its returned keys) or by train.py (checked as a quoted string in its source).
+4. Every metric in the tour's "which metric tells me what" table is really logged: returned by
+   losses.total_loss (checked on its keys), or a quoted string in train.py or nanorl/*.py.
 
 Run: python -m pytest tests/test_tour.py -q
 """
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import time
 import traceback
@@ -85,9 +86,11 @@ def test_snippet_runs(heading, line, code):
     try:
         exec(compiled, {"__name__": "__tour__"})
     except Exception as e:  # report which snippet broke, where, and the snippet-level traceback
-        error = f"{type(e).__name__}: {e}\n" + "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        error = f"{type(e).__name__}: {e}\n{tb}"
     if error is not None:
-        pytest.fail(f"docs/tour.md snippet in section '{heading}' (line {line}) failed: {error}", pytrace=False)
+        pytest.fail(f"docs/tour.md snippet in section '{heading}' (line {line}) failed: {error}",
+                    pytrace=False)
     print(f"{heading}: {time.perf_counter() - start:.2f}s")
 
 
@@ -102,6 +105,7 @@ def test_tour_has_a_snippet_per_concept():
 
 
 # ----------------------------------------------------------------------------- 2. links resolve
+@functools.lru_cache(maxsize=None)
 def defined_names(py: Path) -> set[str]:
     """Top-level defs, classes and assigned names of a module, plus `Class.member` for class bodies."""
     names = set()
@@ -174,6 +178,6 @@ def test_metric_table_names_are_logged():
     x = torch.zeros(1, 2)
     _, loss_metrics = total_loss(LossConfig(tis_cap=2.0), x, x, x, torch.ones(1, 2), entropy=x, kl=x,
                                  rollout_logp=x)
-    train_src = (ROOT / "train.py").read_text()
-    missing = [n for n in names if n not in loss_metrics and f'"{n}"' not in train_src]
+    src = "\n".join(p.read_text() for p in [ROOT / "train.py", *sorted((ROOT / "nanorl").glob("*.py"))])
+    missing = [n for n in names if n not in loss_metrics and f'"{n}"' not in src]
     assert not missing, f"metrics in the tour's table that nothing logs: {missing}"

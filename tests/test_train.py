@@ -1,12 +1,12 @@
 """train.py end to end on the built-in task: presets, bad input, gradient-accumulation invariance,
 loading a model by path. (Learning tests live in tests/test_learning.py.)"""
-import copy
 import json
 
 import pytest
 import torch
 
 import train
+from nanorl import update
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import AGG_MODES
 from nanorl.trajectory import collate
@@ -67,12 +67,12 @@ def test_bad_input_errors(task_dir, tmp_path):
 
 
 def test_nonfinite_gradient_skips_update(task_dir, tmp_path, monkeypatch):
-    real = train.micro_step
+    real = update.micro_step
 
     def poisoned(run, mb, lcfg, n_tok, n_seq):
         loss, m = real(run, mb, lcfg, n_tok, n_seq)
         return loss * float("nan"), m
-    monkeypatch.setattr(train, "micro_step", poisoned)
+    monkeypatch.setattr(update, "micro_step", poisoned)
     res = train.main(args(task_dir, tmp_path))
     assert res["counters"]["skipped_updates"] == 2 and res["step"] == 2
 
@@ -83,7 +83,7 @@ def _grads(run, batch, rows_list, lcfg):
     mask = batch.response_mask
     n_tok, n_seq = float((mask > 0).sum()), float((mask > 0).any(-1).sum())
     for rows in rows_list:
-        loss, _ = train.micro_step(run, batch.select(rows), lcfg, n_tok, n_seq)
+        loss, _ = update.micro_step(run, batch.select(rows), lcfg, n_tok, n_seq)
         loss.backward()
     return [p.grad.clone() for p in run.model.parameters() if p.grad is not None]
 
@@ -102,10 +102,10 @@ def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
     batch = collate(samples, run.tokenizer.pad_token_id)
     assert len({s.response_length for s in samples}) > 1  # ragged lengths make the test meaningful
     with torch.no_grad():
-        batch.token_data["ref_logprobs"] = train.forward(run, run.ref, batch, None)[0]
-        batch.token_data["old_logprobs"] = train.forward(run, run.model, batch, None)[0] - 0.05
+        batch.token_data["ref_logprobs"] = update.forward(run, run.ref, batch, None)[0]
+        batch.token_data["old_logprobs"] = update.forward(run, run.model, batch, None)[0] - 0.05
     batch.token_data["advantages"] = torch.randn_like(batch.rollout_logprobs)
-    lcfg = train.loss_config(run)
+    lcfg = update.loss_config(run)
     whole = _grads(run, batch, [list(range(16))], lcfg)
     split = _grads(run, batch, [[0, 5, 9], [1, 2, 3, 4, 6], [7, 8], [10, 11, 12, 13, 14, 15]], lcfg)
     for a, b in zip(whole, split):

