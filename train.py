@@ -95,7 +95,7 @@ def setup(cfg: Config) -> Run:
     seed_everything(cfg.seed + rank)
     device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     if not cfg.model or not cfg.train_data:  # the built-in task: files and model made in code
-        default = make_default(os.path.join(cfg.out_dir, "task"), seed=cfg.seed) if rank == 0 else None
+        default = make_default(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
         if world > 1:
             box = [default]
             dist.broadcast_object_list(box, src=0)  # rank 0 builds, the others read the same files
@@ -302,6 +302,17 @@ def reward_metrics(samples) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def check_ranks_in_sync(run: Run) -> None:
+    """Fail loudly if ranks drifted apart: compare a checksum of every parameter across ranks."""
+    with torch.no_grad():
+        local = torch.stack([p.double().sum() for p in run.model.parameters()]).cpu()  # [n_params]
+    gathered = [torch.zeros_like(local) for _ in range(run.world)]
+    dist.all_gather(gathered, local)
+    if any(not torch.equal(gathered[0], g) for g in gathered[1:]):
+        raise RuntimeError("ranks hold different weights after training: gradient sync is broken")
+    run.logger.print(f"ranks in sync: parameters identical on {run.world} ranks")
+
+
 def reduce_metrics(run: Run, metrics: dict) -> dict:
     """Mean of every metric over ranks (max for *_max), so one line describes the whole step."""
     if run.world == 1:
@@ -324,7 +335,7 @@ def main(argv: list[str] | None = None) -> dict:
                 for sig in (signal.SIGINT, signal.SIGTERM)}                 # exit 0 with a resume hint
     before = evaluate(run) if run.rank == 0 else {}
     if before:
-        run.logger.print(f"accuracy before: {100 * before['eval/accuracy']:.1f}%")
+        run.logger.print(f"held-out greedy accuracy at step {run.step}: {100 * before['eval/accuracy']:.1f}%")
         run.logger.log(run.step, before)
     start = time.time()
     while run.step < cfg.steps and not stop["now"]:
@@ -335,6 +346,8 @@ def main(argv: list[str] | None = None) -> dict:
         run.logger.log(run.step, metrics)
         if cfg.save_every and run.step % cfg.save_every == 0:
             checkpoint.save(run)
+    if run.world > 1:  # every rank must hold (and have synced into its engine) the same weights
+        check_ranks_in_sync(run)
     after = evaluate(run) if run.rank == 0 and not stop["now"] else {}  # interrupted: save first, fast
     if after:
         run.logger.log(run.step, after)

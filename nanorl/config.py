@@ -125,7 +125,7 @@ class Config:
     tis_cap: float = 0.0
     """Truncated importance sampling cap C on π_old/π_rollout (0 = off)."""
     # --- optimisation
-    steps: int = 100
+    steps: int = 800
     """Optimizer steps (one rollout batch each, times ppo_epochs × mini_batches)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch; > 1 makes later passes off-policy."""
@@ -143,7 +143,7 @@ class Config:
     """AdamW learning rate."""
     warmup_steps: int = 20
     """Linear warm-up steps (RL on a warm-started policy needs it: ../shared/FACTS.md)."""
-    schedule: str = "constant"
+    schedule: str = "cosine"
     """After warm-up: constant or cosine."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
