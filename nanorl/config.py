@@ -124,6 +124,12 @@ class Config:
     """Value-loss coefficient; > 0 creates a critic (PPO)."""
     tis_cap: float = 0.0
     """Truncated importance sampling cap C on π_old/π_rollout (0 = off)."""
+    icepop_low: float = 0.0
+    """ICEPOP: zero the loss of tokens whose π_old/π_rollout is below this (needs icepop_high)."""
+    icepop_high: float = 0.0
+    """ICEPOP: ... or above this (0 = ICEPOP off; the paper's band is 0.5 to 5)."""
+    opsm_delta: float = 0.0
+    """OPSM: drop negative-advantage sequences whose mean KL to the rollout policy exceeds δ (0 = off)."""
     # --- optimisation
     steps: int = 800
     """Optimizer steps (one rollout batch each, times ppo_epochs × mini_batches)."""
@@ -199,7 +205,7 @@ class Config:
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
                      "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
-                     "tis_cap", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip"):
+                     "tis_cap", "icepop_low", "icepop_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
@@ -210,6 +216,8 @@ class Config:
         need(self.prompts_per_step * self.samples_per_prompt >= self.mini_batches,
              "mini_batches cannot exceed the number of samples per step")
         need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
+        need(not self.icepop_high or 0 <= self.icepop_low < 1 < self.icepop_high,
+             "ICEPOP band needs icepop_low < 1 < icepop_high")
 
     @property
     def uses_reference(self) -> bool:

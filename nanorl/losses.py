@@ -331,8 +331,8 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
     """loss = pg_loss − entropy_coef·entropy + kl_coef·kl (+ vf_coef·value loss), for ONE micro-batch.
 
     All tensors [B, T]: logp (grad) and old_logp of the sampled tokens, advantages, mask; entropy
-    (grad) per token; kl per token (e.g. kl.kl_estimator(logp, ref_logp, "k3+", mask=mask)); rollout_logp
-    from the inference engine (enables TIS/ICEPOP/OPSM and the mismatch metrics); values (grad),
+    (grad) per token; kl per token (e.g. kl.kl_estimator(logp, ref_logp, "k3+", mask=mask));
+    rollout_logp, the engine's logprobs (enables TIS/ICEPOP/OPSM and the mismatch metrics); values (grad),
     old_values, returns for the critic. Every term is aggregated with cfg.agg_mode and the same
     global denominators, so summing the returned losses over micro-batches equals the loss of
     the whole batch. Returns (loss, metrics): metrics are detached 0-d tensors; loss, pg_loss,

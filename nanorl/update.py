@@ -91,7 +91,8 @@ def loss_config(run) -> LossConfig:
     return LossConfig(policy=c.policy_loss, clip_low=c.clip_low, clip_high=c.clip_high,
                       dual_clip=c.dual_clip or None, agg_mode=c.loss_agg, norm_len=c.max_new_tokens,
                       entropy_coef=c.entropy_coef, kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta,
-                      vf_coef=c.vf_coef, tis_cap=c.tis_cap or None)
+                      vf_coef=c.vf_coef, tis_cap=c.tis_cap or None, opsm_delta=c.opsm_delta or None,
+                      icepop=(c.icepop_low, c.icepop_high) if c.icepop_high else None)
 
 
 def train_on(run, batch) -> dict:

@@ -12,8 +12,19 @@ import train
 COMMON = ["--quiet", "--eval-every", "0", "--seed", "0"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def task(tmp_path_factory):
+    """The built-in task and SFT checkpoint, built once for the whole module."""
+    from nanorl.task import make_default
+    global TASK
+    TASK = make_default(str(tmp_path_factory.mktemp("task")))
+
+
 def learn(out_dir, *flags):
-    res = train.main(["--out-dir", str(out_dir), *COMMON, *flags])
+    data = ["--train-data", TASK["train"], "--test-data", TASK["test"]]
+    if "--model" not in flags:
+        data += ["--model", TASK["model"]]
+    res = train.main(["--out-dir", str(out_dir), *COMMON, *data, *flags])
     before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
     print(f"{' '.join(flags)}: accuracy {before:.3f} -> {after:.3f}")
     return before, after
