@@ -299,6 +299,7 @@ class Bench:
         prompts = [p.ids for p in run.loader.next_batch()]
         n, sp = self.pick(8, 2), SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
         engines = {"hf": run.engine}
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
         try:
             from nanorl.vllm_engine import VLLMEngine
             engines["vllm"] = VLLMEngine(run.cfg.model, dtype="float32", seed=0)
@@ -348,8 +349,7 @@ class Bench:
 
     def ksm(self):
         """Keep-sampling-mask: GRPO step time with vs without (top_p=0.9, top_k=20); support bytes/token."""
-        kw = dict(top_p=0.9, top_k=20, engine="hf")
-        runs = {on: self.default_run(keep_sampling_mask=on, **kw) for on in (False, True)}
+        runs = {on: self.default_run(keep_sampling_mask=on, top_p=0.9, top_k=20, engine="hf") for on in (False, True)}
         sp = SamplingConfig(top_k=20, top_p=0.9, max_new_tokens=runs[True].cfg.max_new_tokens, keep_support=True,
                             stop_token_ids=(runs[True].tokenizer.eos_token_id,))
         b = collate(runs[True].engine.generate([p.ids for p in runs[True].loader.next_batch()], 4, sp), 0)
