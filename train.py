@@ -218,6 +218,9 @@ def rl_step(run: Run) -> dict:
         for s, r in zip(samples, score(run, prompts, samples)):
             s.reward = r
     metrics.update(reward_metrics(samples))
+    if cfg.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
+        stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
+        metrics["ksm/support_bytes_per_token"] = stored / max(1, sum(s.response_length for s in samples))
     metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
     if cfg.filter_groups:  # DAPO: a group whose rewards are all equal has zero advantage everywhere
         samples = [s for s in samples if group_has_signal(samples, s.group_id)]
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{' '.join(sys.argv[1:])} --resume latest")
     run.logger.close()
     run.rewards.close()
+    if hasattr(run.engine, "close"):  # vLLM: free the engine (one per process at a time)
+        run.engine.close()
     for sig, handler in previous.items():  # in-process callers (tests, notebooks) get theirs back
         signal.signal(sig, handler)
     return {"before": before, "after": after, "step": run.step, "last": run.logger.last,

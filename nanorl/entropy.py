@@ -204,7 +204,14 @@ def _torch_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, 
     return out
 
 
+# Auto-dispatch can be overridden process-wide: the test suite sets "torch" outside the kernel tests,
+# because TRITON_INTERPRET=1 (needed before triton's first import) would otherwise route every
+# trainer forward through the slow interpreter.
+DEFAULT_BACKEND: str | None = None
+
+
 def _backend(x, backend=None):
+    backend = backend if backend is not None else DEFAULT_BACKEND
     if backend is not None:
         if backend not in ("triton", "torch"):
             raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")

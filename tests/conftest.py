@@ -19,3 +19,13 @@ torch.set_num_threads(1)  # 2-core CI: one thread per test process avoids oversu
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _entropy_backend(request, monkeypatch):
+    """The Triton interpreter runs one Python program per row: right for the kernel tests, far too
+    slow for training runs. Everything but tests/test_entropy.py uses the torch path by default
+    (tests that want the kernel still pass backend="triton")."""
+    if request.node.path.name != "test_entropy.py":
+        from nanorl import entropy
+        monkeypatch.setattr(entropy, "DEFAULT_BACKEND", "torch")

