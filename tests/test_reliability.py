@@ -75,8 +75,10 @@ def test_exact_resume_ppo_with_critic_kl_and_eval(task, tmp_path):
     """2N steps == N steps + resume + N steps, metric by metric and weight by weight. PPO covers the
     critic and GAE, --kl-target the adaptive KL controller, --mini-batches the per-step shuffle, and
     --eval-every 1 evaluates at different steps in the two runs (it must not shift the RNG)."""
+    # A constant schedule: a cosine one depends on the planned total (--steps), so a 2-step run is not
+    # the first half of a 4-step run (an interrupted 4-step run is: the SIGTERM test below).
     extra = ("--algo", "ppo", "--kl-coef", "0.01", "--kl-target", "0.05", "--mini-batches", "2",
-             "--eval-every", "1", "--save-every", "1", "--keep-checkpoints", "2")
+             "--eval-every", "1", "--save-every", "1", "--keep-checkpoints", "2", "--schedule", "constant")
     a, b = tmp_path / "a", tmp_path / "b"
     train.main(args(task, a, "--steps", "4", *extra))
     train.main(args(task, b, "--steps", "2", *extra))

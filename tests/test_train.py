@@ -117,4 +117,4 @@ def test_model_saved_loads_with_transformers(task_dir, tmp_path):
     from transformers import AutoModelForCausalLM
     path = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
     m = AutoModelForCausalLM.from_pretrained(path)
-    assert m.config.hidden_size == 64 and res["step"] == 1
+    assert m.config.hidden_size == 128 and res["step"] == 1
