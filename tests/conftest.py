@@ -9,6 +9,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import ast  # noqa: E402
+import importlib.util  # noqa: E402
+import shutil  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -29,3 +35,27 @@ def _entropy_backend(request, monkeypatch):
     if request.node.path.name != "test_entropy.py":
         from nanorl import entropy
         monkeypatch.setattr(entropy, "DEFAULT_BACKEND", "torch")
+
+
+@pytest.fixture
+def copied_alone(tmp_path, monkeypatch):
+    """copied_alone("kl") -> nanorl/kl.py copied alone into an empty folder and imported from there,
+    after checking that it imports only torch and the standard library (users copy one file)."""
+    def load(name: str):
+        src = Path(__file__).resolve().parents[1] / "nanorl" / f"{name}.py"
+        roots = set()
+        for node in ast.walk(ast.parse(src.read_text())):
+            if isinstance(node, ast.Import):
+                roots |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                assert node.level == 0, f"{name}.py: relative import"
+                roots.add(node.module.split(".")[0])
+        assert roots <= set(sys.stdlib_module_names) | {"torch", "__future__"}, roots
+        dst = tmp_path / f"{name}_copy.py"
+        shutil.copy(src, dst)
+        spec = importlib.util.spec_from_file_location(dst.stem, dst)
+        mod = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, dst.stem, mod)  # dataclasses look their module up while building
+        spec.loader.exec_module(mod)
+        return mod
+    return load

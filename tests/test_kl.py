@@ -3,12 +3,7 @@
 Values are checked against hand computations; gradient claims against autograd, and the
 "unbiased" claims by exact enumeration over a small categorical (no sampling noise).
 """
-import ast
-import importlib.util
 import math
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -166,20 +161,7 @@ def test_controller_state_dict_round_trip():
     assert g.beta == 0.05
 
 
-def test_module_is_self_contained(tmp_path: Path, monkeypatch):
+def test_module_is_self_contained(copied_alone):
     """kl.py imports only torch + stdlib and, copied alone into an empty folder, loads and runs."""
-    src = Path(__file__).resolve().parents[1] / "nanorl" / "kl.py"
-    roots = set()
-    for node in ast.walk(ast.parse(src.read_text())):
-        if isinstance(node, ast.Import):
-            roots |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative import"
-            roots.add(node.module.split(".")[0])
-    assert roots <= set(sys.stdlib_module_names) | {"torch", "__future__"}, roots
-    shutil.copy(src, tmp_path / "kl_copy.py")
-    spec = importlib.util.spec_from_file_location("kl_copy", tmp_path / "kl_copy.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "kl_copy", mod)  # dataclasses look their module up while building
-    spec.loader.exec_module(mod)
+    mod = copied_alone("kl")
     assert mod.kl_estimator(torch.zeros(1, 2), torch.zeros(1, 2), "k3+").sum().item() == 0.0

@@ -3,12 +3,7 @@
 Hand-computed values for every branch; autograd for every gradient claim; the gradient-
 accumulation invariance (micro-batch losses sum to the full-batch loss) for every mode and loss.
 """
-import ast
-import importlib.util
 import math
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -338,22 +333,9 @@ def test_bad_input_gives_clear_errors():
         total_loss(LossConfig(), z, z, z, torch.ones(2, 3), values=z)
 
 
-def test_module_is_self_contained(tmp_path: Path, monkeypatch):
+def test_module_is_self_contained(copied_alone):
     """losses.py imports only torch + stdlib and, copied alone into an empty folder, loads and runs."""
-    src = Path(__file__).resolve().parents[1] / "nanorl" / "losses.py"
-    roots = set()
-    for node in ast.walk(ast.parse(src.read_text())):
-        if isinstance(node, ast.Import):
-            roots |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "relative import"
-            roots.add(node.module.split(".")[0])
-    assert roots <= set(sys.stdlib_module_names) | {"torch", "__future__"}, roots
-    shutil.copy(src, tmp_path / "losses_copy.py")
-    spec = importlib.util.spec_from_file_location("losses_copy", tmp_path / "losses_copy.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "losses_copy", mod)  # dataclasses look their module up while building
-    spec.loader.exec_module(mod)
+    mod = copied_alone("losses")
     z = torch.zeros(2, 3)
     loss, _ = mod.total_loss(mod.LossConfig(), z, z, torch.ones(2, 3), torch.ones(2, 3))
     assert loss.item() == pytest.approx(-1.0)
