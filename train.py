@@ -102,7 +102,7 @@ def setup(cfg: Config) -> Run:
             default = box[0]
         cfg = dataclasses.replace(cfg, model=cfg.model or default["model"],
                                   train_data=cfg.train_data or default["train"],
-                                  test_data=cfg.test_data or (default["test"] if not cfg.test_data else cfg.test_data))
+                                  test_data=cfg.test_data or default["test"])
     model, tokenizer = load_model(cfg.model, cfg.dtype, device)
     if cfg.routing_replay:
         if not moe_replay.is_moe(model):

@@ -95,12 +95,8 @@ class HFEngine(RolloutEngine):
 
         device = next(self.model.parameters()).device
         B, P = len(rows), max(len(p) for _, p in rows)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)  # [B, P] left-padded prompts
-        for b, (_, p) in enumerate(rows):
-            ids[b, P - len(p):] = torch.tensor(p, dtype=torch.long)
-        attn = torch.zeros(B, P, dtype=torch.long)  # [B, P]
-        for b, (_, p) in enumerate(rows):
-            attn[b, P - len(p):] = 1
+        ids = torch.tensor([[self.pad_id] * (P - len(p)) + p for _, p in rows])  # [B, P] left-padded
+        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for _, p in rows])  # [B, P]
         ids, attn = ids.to(device), attn.to(device)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P] positions count from each row's first token
         stop = torch.tensor(sorted(set(sp.stop_token_ids)), dtype=torch.long, device=device)
