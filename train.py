@@ -3,7 +3,7 @@
     python train.py --algo grpo                      # built-in task + tiny model, a laptop CPU, ~3 min
     python train.py --algo ppo --steps 200           # any preset; flags override the preset
     python train.py --model Qwen/Qwen2.5-0.5B-Instruct --train-data data.jsonl --reward math --engine vllm
-    accelerate launch --num_processes 2 train.py --algo grpo   # N ranks (DDP-style gradient sum)
+    accelerate launch --num_processes 2 train.py --algo grpo   # 2 GPUs, DDP (CPU: nanorl/distributed.py)
 
 One optimizer step of RL is one pass down the chain:
 
@@ -17,14 +17,17 @@ One optimizer step of RL is one pass down the chain:
 6. backward     per micro-batch, with denominators of the whole step so splitting changes nothing
 7. step         AdamW after gradient clipping; a non-finite loss or gradient skips the update
 8. sync         the engine gets the new weights (free for the HF engine; verified for vLLM)
+                (vLLM sleeps from after the rollout to here, giving its GPU memory to training)
 
 Multi-rank: every rank owns an engine and a disjoint shard of the prompts; a GRPO group never
-crosses ranks (group statistics stay local); loss denominators and gradients are summed over ranks,
-so N ranks compute exactly the gradient one rank would on the whole batch.
+crosses ranks (group statistics stay local); loss denominators are summed over ranks and accelerate's
+DDP sums the gradients, so N ranks take exactly the step one rank would on the whole batch.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import os
 import random
@@ -34,11 +37,11 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from nanorl import checkpoint, moe_replay
+from nanorl import checkpoint, distributed, moe_replay
 from nanorl.advantage import compute_advantages, masked_whiten
 from nanorl.config import Config, parse_args
+from nanorl.distributed import Trained
 from nanorl.data import PromptLoader, build_prompts, load_rows
 from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards
 from nanorl.logger import Logger, PhaseTimer
@@ -47,7 +50,7 @@ from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.task import make_default
 from nanorl.trajectory import collate
-from nanorl.update import all_reduce, forward, routing_forward, train_on
+from nanorl.update import forward, routing_forward, train_on
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -68,18 +71,11 @@ class Run:
     logger: Logger
     ref: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
+    trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
     rank: int = 0
     world: int = 1
     step: int = 0
     counters: dict = dataclasses.field(default_factory=dict)  # skipped updates, data skips, ...
-
-
-def init_distributed() -> tuple[int, int]:
-    """(rank, world). `accelerate launch` / `torchrun` set WORLD_SIZE; one process needs nothing."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    return (dist.get_rank(), world) if world > 1 else (0, 1)
 
 
 def seed_everything(seed: int) -> None:
@@ -89,16 +85,15 @@ def seed_everything(seed: int) -> None:
 
 
 def setup(cfg: Config) -> Run:
-    rank, world = init_distributed()
+    rank, world, device = distributed.init()  # `accelerate launch` / `torchrun` env, or one process
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed + rank)
-    device = f"cuda:{rank % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"
     if not cfg.model or not cfg.train_data:  # the built-in task: files and model made in code
         default = make_default(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
         if world > 1:
             box = [default]
-            dist.broadcast_object_list(box, src=0)  # rank 0 builds, the others read the same files
+            torch.distributed.broadcast_object_list(box, src=0)  # rank 0 builds, the others read the same files
             default = box[0]
         cfg = dataclasses.replace(cfg, model=cfg.model or default["model"],
                                   train_data=cfg.train_data or default["train"],
@@ -115,18 +110,24 @@ def setup(cfg: Config) -> Run:
     if cfg.eval_limit:
         test = test[:cfg.eval_limit]
     if cfg.engine == "auto":
-        cfg = dataclasses.replace(cfg, engine="vllm" if device.startswith("cuda") and vllm_importable() else "hf")
+        cfg = dataclasses.replace(cfg, engine="vllm" if device.type == "cuda" and vllm_importable() else "hf")
     if cfg.engine == "vllm":  # its own copy of the weights, loaded from the same path, synced below
         from nanorl.vllm_engine import VLLMEngine
         engine = VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
                             gpu_memory_utilization=cfg.gpu_memory_utilization)
-    else:
-        engine = HFEngine(model, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay)
+    else:  # --fsdp shards `model` below: the engine then generates from its own full copy
+        engine = HFEngine(copy.deepcopy(model) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
+                          record_routing=cfg.routing_replay)
         engine.generator.manual_seed(cfg.seed * 1000 + rank)
     critic = ValueModel(model).to(device) if cfg.vf_coef > 0 else None
-    ref = frozen_copy(model) if cfg.uses_reference else None
-    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
-    if critic is not None:
+    score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/update.py)
+    ref = Trained(frozen_copy(model), None, score) if cfg.uses_reference else None
+    if ref is not None and cfg.fsdp:
+        ref = distributed.shard(ref, device)
+    accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
+    trained = distributed.wrap(accelerator, Trained(model, critic, score), fsdp=cfg.fsdp)  # DDP / FSDP
+    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]  # after sharding (FSDP
+    if critic is not None:                                                      # swaps in sharded ones)
         params.append({"params": list(critic.parameters())})
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
@@ -137,7 +138,7 @@ def setup(cfg: Config) -> Run:
     rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print)
     loader = PromptLoader(train, cfg.prompts_per_step, seed=cfg.seed, rank=rank, world=world)
     run = Run(cfg, model, tokenizer, engine, loader, test, rewards, optimizer, scheduler, kl_ctl, logger,
-              ref=ref, critic=critic, rank=rank, world=world,
+              ref=ref, critic=critic, trained=trained, rank=rank, world=world,
               counters={"skipped_updates": 0, "prompts_skipped_empty": skipped["empty"],
                         "prompts_skipped_too_long": skipped["too_long"]})
     engine.update_weights(model, version=0)
@@ -225,8 +226,10 @@ def rl_step(run: Run) -> dict:
     if cfg.filter_groups:  # DAPO: a group whose rewards are all equal has zero advantage everywhere
         samples = [s for s in samples if group_has_signal(samples, s.group_id)]
         metrics["groups_kept_frac"] = len(samples) / (len(prompts) * cfg.samples_per_prompt)
-    if not samples:
+    if not enough_to_train(run, len(samples)):  # DAPO's filter can leave a rank with (next to) nothing
         return {**metrics, **{f"time/{k}": v for k, v in timer.seconds.items()}}
+    if cfg.sleep_level and hasattr(run.engine, "sleep"):  # vLLM: free its GPU memory until the sync
+        run.engine.sleep(cfg.sleep_level)
     device = next(run.model.parameters()).device
     batch = collate(samples, run.tokenizer.pad_token_id).to(device)
     mask = batch.response_mask  # [B, T] valid response tokens
@@ -237,14 +240,17 @@ def rl_step(run: Run) -> dict:
     with timer("logprob"), torch.no_grad():
         if cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
             batch.token_data["old_logprobs"] = routing_forward(run, batch, support, metrics)
-        elif need_old:
-            batch.token_data["old_logprobs"] = forward(run, run.model, batch, support)[0]
         elif cfg.old_logprobs == "rollout":
             batch.token_data["old_logprobs"] = batch.rollout_logprobs
+        recompute = need_old and "old_logprobs" not in batch.token_data
+        if recompute or run.critic is not None:  # through `trained`: FSDP gathers weights in its forward
+            old, _, values = run.trained(batch, support)
+            if recompute:
+                batch.token_data["old_logprobs"] = old
+            if values is not None:
+                batch.token_data["old_values"] = values
         if run.ref is not None:
-            batch.token_data["ref_logprobs"] = forward(run, run.ref, batch, support)[0]
-        if run.critic is not None:
-            batch.token_data["old_values"] = run.critic(batch)
+            batch.token_data["ref_logprobs"] = run.ref(batch, support)[0]
     # 4. advantage
     with timer("advantage"):
         token_rewards = None
@@ -265,6 +271,8 @@ def rl_step(run: Run) -> dict:
         metrics.update(train_on(run, batch))
     # 8. weight sync: the engine samples the next batch from the new weights
     with timer("sync"):
+        if hasattr(run.engine, "wake_up"):
+            run.engine.wake_up()  # level 2 dropped the weights: the update below reloads every one
         try:
             run.engine.update_weights(run.model, version=run.step + 1)
         except Exception as e:  # going on would sample from stale weights: silent divergence
@@ -273,7 +281,8 @@ def rl_step(run: Run) -> dict:
                                "--resume latest") from e
         if cfg.sync_check_every and hasattr(run.engine, "check_sync") and (run.step + 1) % cfg.sync_check_every == 0:
             # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
-            metrics["sync/max_abs_logprob_diff"] = run.engine.check_sync(run.model)
+            with distributed.root_gathered(run.trained):
+                metrics["sync/max_abs_logprob_diff"] = run.engine.check_sync(run.model)
     if cfg.kl_target and run.ref is not None and math.isfinite(metrics.get("kl_loss", 0.0)):
         run.kl_ctl.update(metrics.get("kl_loss", 0.0), n_steps=len(samples))
     step_time = sum(timer.seconds.values())
@@ -282,6 +291,15 @@ def rl_step(run: Run) -> dict:
     metrics["kl_beta"] = run.kl_ctl.beta
     metrics["advantage_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
     return metrics
+
+
+def enough_to_train(run: Run, n: int) -> bool:
+    """Every rank must take the same optimizer steps (each holds one DDP all-reduce), so all ranks
+    skip the update when any rank has fewer samples than mini-batches."""
+    if run.world == 1:
+        return n > 0
+    fewest = distributed.all_reduce(torch.tensor([n]), torch.distributed.ReduceOp.MIN)
+    return int(fewest) >= run.cfg.mini_batches
 
 
 def group_has_signal(samples, gid) -> bool:
@@ -305,29 +323,6 @@ def reward_metrics(samples) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
-def check_ranks_in_sync(run: Run) -> None:
-    """Fail loudly if ranks drifted apart: compare a checksum of every parameter across ranks."""
-    with torch.no_grad():
-        local = torch.stack([p.double().sum() for p in run.model.parameters()]).cpu()  # [n_params]
-    gathered = [torch.zeros_like(local) for _ in range(run.world)]
-    dist.all_gather(gathered, local)
-    if any(not torch.equal(gathered[0], g) for g in gathered[1:]):
-        raise RuntimeError("ranks hold different weights after training: gradient sync is broken")
-    run.logger.print(f"ranks in sync: parameters identical on {run.world} ranks")
-
-
-def reduce_metrics(run: Run, metrics: dict) -> dict:
-    """Mean of every metric over ranks (max for *_max), so one line describes the whole step."""
-    if run.world == 1:
-        return metrics
-    keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
-    maxes = vals.clone()
-    all_reduce(vals)
-    all_reduce(maxes, dist.ReduceOp.MAX)
-    return {k: float(maxes[i] if k.endswith("_max") else vals[i] / run.world) for i, k in enumerate(keys)}
-
-
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv) if not isinstance(argv, Config) else argv
     run = setup(cfg)
@@ -342,7 +337,7 @@ def main(argv: list[str] | None = None) -> dict:
         run.logger.log(run.step, before)
     start = time.time()
     while run.step < cfg.steps and not stop["now"]:
-        metrics = reduce_metrics(run, rl_step(run))
+        metrics = distributed.reduce_metrics(rl_step(run), run.world)
         run.step += 1
         if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and run.rank == 0:
             metrics.update(evaluate(run))
@@ -350,7 +345,8 @@ def main(argv: list[str] | None = None) -> dict:
         if cfg.save_every and run.step % cfg.save_every == 0:
             checkpoint.save(run)
     if run.world > 1:  # every rank must hold (and have synced into its engine) the same weights
-        check_ranks_in_sync(run)
+        distributed.check_ranks_in_sync(getattr(run.engine, "model", run.model), run.world)  # HF: what it samples
+        run.logger.print(f"ranks in sync: parameters identical on {run.world} ranks")
     after = evaluate(run) if run.rank == 0 and not stop["now"] else {}  # interrupted: save first, fast
     if after:
         run.logger.log(run.step, after)

@@ -46,6 +46,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
+from nanorl import distributed
+
 FORMAT = "nanorl-checkpoint-1"
 MANIFEST = "manifest.json"
 PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
@@ -124,6 +126,10 @@ def save(run) -> str:
     ranks = [local] * run.world  # RNG streams differ by rank: collect them all
     if run.world > 1:
         torch.distributed.all_gather_object(ranks, local)
+    # --fsdp: each rank holds shards; gather them in full (every rank takes part, rank 0 writes).
+    weights = distributed.full_state_dict(run.model) if run.cfg.fsdp else None  # None: the module's own
+    critic = distributed.full_state_dict(run.critic) if run.critic is not None else None
+    optim = distributed.optimizer_state(run.trained, run.optimizer, run.cfg.fsdp)
     if run.rank != 0:
         return ""
     root = os.path.join(run.cfg.out_dir, "checkpoints")
@@ -135,11 +141,10 @@ def save(run) -> str:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     try:
         os.makedirs(tmp)
-        run.model.save_pretrained(tmp)
+        run.model.save_pretrained(tmp, state_dict=weights)
         run.tokenizer.save_pretrained(tmp)
         time.sleep(float(os.environ.get(PAUSE_ENV) or 0))  # test hook (module docstring)
-        torch.save({"optimizer": run.optimizer.state_dict(), "scheduler": run.scheduler.state_dict(),
-                    "critic": run.critic.state_dict() if run.critic is not None else None,
+        torch.save({"optimizer": optim, "scheduler": run.scheduler.state_dict(), "critic": critic,
                     "rng": [r["rng"] for r in ranks]},
                    os.path.join(tmp, "trainer_state.pt"))  # read back with weights_only=True
         logfile = getattr(run.logger, "file", None)  # rank 0's metrics.jsonl
@@ -251,20 +256,25 @@ def resume(run, path_or_latest: str) -> str | None:
 
 
 def _load_weights(run, path: str, weights: list[dict], tensors: dict) -> None:
-    model_sd, loaded = run.model.state_dict(), set()
-    for sd in weights:
-        unexpected = run.model.load_state_dict(sd, strict=False).unexpected_keys
-        if unexpected:
-            raise CheckpointError(f"{path}: weights {unexpected[:5]} do not belong to this model")
-        loaded |= set(sd)
-    ptrs = {model_sd[k].data_ptr() for k in loaded}  # a tied weight (lm_head = embeddings) is saved once
-    missing = [k for k in model_sd if k not in loaded and model_sd[k].data_ptr() not in ptrs]
+    model_sd = run.model.state_dict()
+    full = {k: v for shard in weights for k, v in shard.items()}  # every safetensors shard, by name
+    unexpected = [k for k in full if k not in model_sd]
+    if unexpected:
+        raise CheckpointError(f"{path}: weights {unexpected[:5]} do not belong to this model")
+    saved = {_ptr(model_sd[k]): k for k in full}  # a tied weight (lm_head = embeddings) is saved once
+    full.update({k: full[saved[_ptr(v)]] for k, v in model_sd.items() if k not in full and _ptr(v) in saved})
+    missing = [k for k in model_sd if k not in full]
     if missing:
         raise CheckpointError(f"{path}: no weights for {missing[:5]}")
+    distributed.load_full_state_dict(run.model, full)  # --fsdp: each rank keeps its shards
     if run.critic is not None:
         if tensors["critic"] is None:
             raise CheckpointError(f"{path}: has no critic, but this run has one (--vf-coef > 0)")
-        run.critic.load_state_dict(tensors["critic"])
+        distributed.load_full_state_dict(run.critic, tensors["critic"])
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()  # FSDP: the local shard
 
 
 def _apply(run, path: str, state: dict, tensors: dict, weights: list[dict]) -> None:
@@ -274,7 +284,7 @@ def _apply(run, path: str, state: dict, tensors: dict, weights: list[dict]) -> N
         run.logger.print(f"note: config differs from the checkpoint's (saved, now): {changed}")
     try:
         _load_weights(run, path, weights, tensors)
-        run.optimizer.load_state_dict(tensors["optimizer"])
+        distributed.load_optimizer_state(run.trained, run.optimizer, tensors["optimizer"])
     except (RuntimeError, ValueError, KeyError) as e:  # shapes / groups differ: another model or setup
         raise CheckpointError(f"{path} does not fit this run (another model or --vf-coef?): {e}") from None
     run.scheduler.load_state_dict(tensors["scheduler"])

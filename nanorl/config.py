@@ -69,6 +69,10 @@ class Config:
     when importable, else hf (on CPU, vLLM's start-up and kernel compile cost more than a tiny run)."""
     gpu_memory_utilization: float = 0.3
     """vLLM: share of GPU memory for the engine (weights + KV cache); the trainer uses the rest."""
+    sleep_level: int = 1
+    """vLLM: sleep mode during logprob recompute and training, woken for the weight sync (1: weights to
+    CPU, KV cache dropped; 2: both dropped — the sync reloads every weight anyway; 0: stay resident).
+    Where vLLM has no sleep mode (CPU) it is skipped with one log line."""
     sync_check_every: int = 1
     """vLLM: every N steps, check that the engine's logprobs match the trainer's after the sync (0 = off)."""
     prompts_per_step: int = 16
@@ -161,6 +165,10 @@ class Config:
     """Model dtype: float32 or bfloat16 (RL math stays fp32)."""
     threads: int = 0
     """torch threads (0 = leave torch's default)."""
+    fsdp: bool = False
+    """Several ranks: shard weights, gradients and optimizer state (FSDP2) instead of replicating them
+    (DDP), for policies whose training state does not fit on one device. The HF engine then keeps a
+    full copy of the weights per rank for generation (nanorl/distributed.py)."""
     # --- evaluation, logging, saving
     eval_every: int = 25
     """Held-out greedy accuracy and pass@k every N steps (0 = only before and after)."""
@@ -196,6 +204,7 @@ class Config:
         need(self.loss_agg in AGG_MODES, f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
         need(self.engine in ("auto", "hf", "vllm"), f"engine must be auto, hf or vllm, got {self.engine!r}")
         need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
+        need(self.sleep_level in (0, 1, 2), f"sleep_level must be 0, 1 or 2, got {self.sleep_level}")
         need(self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs: auto, recompute or rollout")
         need(self.logprob_impl in ("fused", "naive"), "logprob_impl: fused or naive")
         need(self.schedule in ("constant", "cosine"), "schedule: constant or cosine")
@@ -213,6 +222,8 @@ class Config:
         need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
         need(self.advantage != "gae" or self.vf_coef > 0, "advantage gae needs a critic: set vf_coef > 0")
+        need(not (self.fsdp and self.routing_replay), "--fsdp with --routing-replay is not supported: routing"
+             " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
         need(self.prompts_per_step * self.samples_per_prompt >= self.mini_batches,
              "mini_batches cannot exceed the number of samples per step")
         need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")

@@ -78,7 +78,12 @@ class HFEngine(RolloutEngine):
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         # Same process, same module: the engine *is* the trainer's model, so there is nothing to copy
         # and no way for the two to drift apart. (vLLM needs a real copy: nanorl/vllm_engine.py.)
-        self.model, self.version = model, version
+        # With --fsdp the trainer's weights are sharded, so the engine holds its own full copy and
+        # every rank all-gathers the shards into it here (all ranks call this together).
+        if model is not self.model:
+            from nanorl.distributed import full_state_dict
+            self.model.load_state_dict(full_state_dict(model))
+        self.version = version
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:

@@ -7,9 +7,9 @@
 steps, each of those split into micro-batches that fit in memory (`micro_batches`: a sample count or
 a balanced token budget). The loss of every micro-batch is aggregated with the denominators of the
 WHOLE optimizer step (valid tokens and sequences, summed over micro-batches and ranks), so the
-accumulated gradient does not depend on how the step was split (TRL #3021). Gradients are then
-summed over ranks, clipped, and applied — unless the loss or a gradient is not finite, in which
-case the update is skipped and counted.
+accumulated gradient does not depend on how the step was split (TRL #3021). Gradients are
+summed over ranks by DDP (nanorl/distributed.py), clipped, and applied — unless the loss or a
+gradient is not finite, in which case the update is skipped and counted.
 
 `forward` scores the response tokens (nanorl/policy.py; packed when a token budget is set,
 nanorl/batching.py) and replays MoE routing when asked (nanorl/moe_replay.py).
@@ -19,34 +19,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
 from nanorl import batching, moe_replay
+from nanorl.distributed import all_reduce, loss_scale, sync_gradients_after
 from nanorl.kl import kl_estimator
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import response_logprobs
 
 
-def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
-
-
-def forward(run, model, batch, support):
+def forward(cfg, model, batch, support):
     """Logprobs and entropy [B, T] of the response tokens, replaying MoE routing when asked.
 
     With a token budget (--max-tokens-per-micro-batch) the rows are packed into one sequence, so the
     budget bounds the real tokens of a forward and no compute goes to padding (nanorl/batching.py)."""
-    replay_on = run.cfg.routing_replay and batch.routed_experts is not None
-    if run.cfg.max_tokens_per_micro_batch:
-        return batching.packed_response_logprobs(model, batch, run.cfg.temperature, support=support,
-                                                 impl=run.cfg.logprob_impl, replay=replay_on)
+    replay_on = cfg.routing_replay and batch.routed_experts is not None
+    if cfg.max_tokens_per_micro_batch:
+        return batching.packed_response_logprobs(model, batch, cfg.temperature, support=support,
+                                                 impl=cfg.logprob_impl, replay=replay_on)
     replay = None
     if replay_on:
         replay = moe_replay.replay(model, batch.routed_experts, batch.routed_mask)
-    return response_logprobs(model, batch, run.cfg.temperature, support=support,
-                             impl=run.cfg.logprob_impl, replay=replay)
+    return response_logprobs(model, batch, cfg.temperature, support=support,
+                             impl=cfg.logprob_impl, replay=replay)
 
 
 def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
@@ -103,17 +97,19 @@ def train_on(run, batch) -> dict:
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.chunk(cfg.mini_batches):
+        for rows in order.tensor_split(cfg.mini_batches):  # exactly mini_batches optimizer steps
+            if len(rows) == 0:  # fewer samples than mini-batches (one process; train.py guards ranks)
+                continue
             mini = batch.select(rows.tolist())
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             dens = torch.tensor([(mini.response_mask > 0).sum(), (mini.response_mask > 0).any(-1).sum()],
                                 dtype=torch.float, device=mini.input_ids.device)
             n_tok, n_seq = all_reduce(dens).tolist()
-            stats = {}
-            for mrows in micro_batches(run, mini):
-                mb = mini.select(mrows)
-                loss, m = micro_step(run, mb, lcfg, n_tok, n_seq)
-                loss.backward()
+            stats, groups = {}, micro_batches(run, mini)
+            for i, mrows in enumerate(groups):
+                with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # DDP: one all-reduce
+                    loss, m = micro_step(run, mini.select(mrows), lcfg, n_tok, n_seq)
+                    (loss * loss_scale(run.world)).backward()  # DDP's mean over ranks → the global sum
                 accumulate(stats, m)
             grad_norm = sync_and_step(run, params)
             stats = finish(stats)
@@ -129,13 +125,12 @@ def train_on(run, batch) -> dict:
 def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = run.cfg
     support = mb.sampling_support if cfg.keep_sampling_mask else None
-    logp, ent = forward(run, run.model, mb, support)
+    logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
     td = mb.token_data
     old = td.get("old_logprobs", logp.detach())  # on-policy: π_old is the current policy, detached
     kl = None
     if run.ref is not None and not cfg.kl_in_reward:
         kl = kl_estimator(logp, td["ref_logprobs"], cfg.kl_estimator, mask=mb.response_mask)
-    values = run.critic(mb) if run.critic is not None else None
     loss, m = total_loss(lcfg, logp, old, td["advantages"], mb.response_mask, entropy=ent, kl=kl,
                          rollout_logp=mb.rollout_logprobs, values=values, old_values=td.get("old_values"),
                          returns=td.get("returns") if values is not None else None,
@@ -177,12 +172,10 @@ def finish(stats: dict) -> dict:
 
 
 def sync_and_step(run, params) -> float:
-    """Sum gradients over ranks, clip, and step — unless the loss or a gradient is not finite."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if run.world > 1:
-        for g in grads:
-            all_reduce(g)
+    """Clip and step — unless the loss or a gradient is not finite. Gradients arrive summed over
+    ranks (DDP, in the last backward), so every rank clips the same norm and takes the same step."""
     norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
     if torch.isfinite(norm):
         run.optimizer.step()
     else:  # one bad batch must not poison the weights: skip, count, go on

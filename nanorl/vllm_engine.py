@@ -75,8 +75,9 @@ def _repack_fused_moe(model: torch.nn.Module) -> int:
 def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainer's tensors under saved-checkpoint names (what vLLM loads): transformers 5 fuses
     MoE experts in memory (gate_up_proj [E, 2I, H]); save_pretrained's reversal undoes that."""
-    model = getattr(model, "module", model)  # DDP / accelerate wrapper
-    state = {k: v.detach() for k, v in model.state_dict().items()}
+    from nanorl.distributed import full_state_dict, unwrap  # DDP wrapper off, FSDP shards gathered
+    model = unwrap(model)
+    state = {k: v.detach() for k, v in full_state_dict(model).items()}
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: in-memory names are the checkpoint names
@@ -101,6 +102,12 @@ class VLLMEngine:
 
         self.sleep_supported = current_platform.is_sleep_mode_available()
         set_threads = torch.set_num_threads  # vLLM's CPU worker disables it process-wide; restore
+        # A trainer's default group (torchrun, world N) is reused by vLLM 0.32 (its TP groups are
+        # singletons, one independent engine per rank; creating the engine is then a collective:
+        # every rank must create one). It must outlive the engine: see close().
+        self._trainer_pg = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if self._trainer_pg and torch.distributed.get_world_size() > 1:  # one engine per rank, on the
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")  # LOCAL_RANK device
         self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                        kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
@@ -174,7 +181,7 @@ class VLLMEngine:
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         """Stream the trainer's full parameters (HF names) into the engine; later Samples carry
-        `version`. A DDP/accelerate wrapper is unwrapped; FSDP callers must gather full tensors."""
+        `version`. A DDP wrapper is unwrapped; FSDP shards are all-gathered (every rank calls this)."""
         sync_weights(self.llm, checkpoint_tensors(model).items())
         self.version, self._weights_discarded = version, False
 
@@ -245,6 +252,17 @@ class VLLMEngine:
         if self.llm is None:
             return
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-        self.llm.llm_engine.engine_core.shutdown()
-        self.llm = None
-        cleanup_dist_env_and_memory()
+        destroy = torch.distributed.destroy_process_group
+
+        def keep_default_group(group=None):  # vLLM's own subgroups still go
+            if group is not None:
+                destroy(group)
+
+        if self._trainer_pg:  # vLLM 0.32's teardown also destroys the default group: keep the trainer's
+            torch.distributed.destroy_process_group = keep_default_group
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            cleanup_dist_env_and_memory()
+        finally:
+            torch.distributed.destroy_process_group = destroy

@@ -102,8 +102,8 @@ def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
     batch = collate(samples, run.tokenizer.pad_token_id)
     assert len({s.response_length for s in samples}) > 1  # ragged lengths make the test meaningful
     with torch.no_grad():
-        batch.token_data["ref_logprobs"] = update.forward(run, run.ref, batch, None)[0]
-        batch.token_data["old_logprobs"] = update.forward(run, run.model, batch, None)[0] - 0.05
+        batch.token_data["ref_logprobs"] = run.ref(batch, None)[0]
+        batch.token_data["old_logprobs"] = update.forward(run.cfg, run.model, batch, None)[0] - 0.05
     batch.token_data["advantages"] = torch.randn_like(batch.rollout_logprobs)
     lcfg = update.loss_config(run)
     whole = _grads(run, batch, [list(range(16))], lcfg)
@@ -118,3 +118,33 @@ def test_model_saved_loads_with_transformers(task_dir, tmp_path):
     path = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
     m = AutoModelForCausalLM.from_pretrained(path)
     assert m.config.hidden_size == 128 and res["step"] == 1
+
+
+def test_engine_sleeps_through_training_and_wakes_for_the_sync(task_dir, tmp_path, monkeypatch):
+    """Issue 4: an engine with a sleep mode (vLLM on GPU) gives its memory back from after the rollout
+    until the weight sync: generate → sleep → train → wake_up → update_weights, every step."""
+    events = []
+
+    class SleepyEngine(train.HFEngine):
+        def generate(self, *a, **k):
+            assert not events or events[-1] != "sleep", "generated while asleep"
+            events.append("generate")
+            return super().generate(*a, **k)
+
+        def sleep(self, level):
+            events.append(f"sleep{level}")
+
+        def wake_up(self):
+            events.append("wake_up")
+
+        def update_weights(self, model, version):
+            events.append("update_weights")
+            super().update_weights(model, version)
+
+    real_train = train.train_on
+    monkeypatch.setattr(train, "HFEngine", SleepyEngine)
+    monkeypatch.setattr(train, "train_on", lambda run, batch: events.append("train") or real_train(run, batch))
+    train.main(args(task_dir, tmp_path, "--sleep-level", "2"))
+    step = ["generate", "sleep2", "train", "wake_up", "update_weights"]
+    evaluation = ["generate", "generate"]  # held-out greedy + pass@k, before and after, engine awake
+    assert events == ["update_weights"] + evaluation + step + step + evaluation  # first: setup's sync

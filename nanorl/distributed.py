@@ -1,0 +1,230 @@
+"""Multi-rank training: one process per device, gradients summed by accelerate's DDP (or FSDP2).
+
+    accelerate launch --num_processes 2 train.py --algo grpo                        # 2 GPUs (NCCL)
+    accelerate launch --multi_gpu --num_processes 2 train.py --algo grpo --threads 1  # 2 CPU processes (gloo)
+    torchrun --nproc_per_node 2 train.py --algo grpo                                 # same, torch's launcher
+
+(On a CPU-only machine accelerate 1.15 spawns N processes only with `--multi_gpu`: without it, it
+starts one; the flag just selects torch's launcher, and `Accelerator(cpu=True)` then picks gloo.)
+A single process needs no launcher and no accelerate config: every call here is then a no-op.
+
+What each rank does (train.py): it owns a rollout engine and a disjoint shard of every step's prompts
+(nanorl/data.py); a GRPO group never crosses ranks, so group statistics stay local. The trained
+modules — policy and, for PPO, critic — sit behind one `Trained.forward` that accelerate wraps in
+DistributedDataParallel: DDP reduces a parameter's gradient only in a backward that follows a
+forward *through the wrapper*, and nanorl's fused LM head reads `lm_head.weight` outside the HF
+model's own forward, so the wrapper must wrap the whole scoring function, not the HF model.
+
+Gradient scale. The loss of every micro-batch is divided by the token (or sequence) count of the
+whole optimizer step summed over ranks (nanorl/update.py), so the gradient of the global batch is
+the SUM of the ranks' gradients. DDP averages; `loss_scale` (= world size) turns its mean back into
+that sum, and N ranks apply exactly the update one rank would on the whole batch (tested).
+
+FSDP (`--fsdp`, `shard`): weights, gradients and Adam state are split over the ranks instead of
+replicated — for a policy whose training state does not fit on one device. Every forward still goes
+through `Trained.forward` (old logprobs and values too; the reference model has its own sharded
+`Trained`); the HF engine samples from a full copy per rank, refreshed by all-gathering the shards
+(`full_state_dict`) after each step, as the vLLM engine's own copy is; checkpoints gather full
+tensors (the saved model is an ordinary HF directory) and load them back into shards.
+Not with `--routing-replay` (its record/replay forwards call the HF model directly).
+
+Test: python -m pytest tests/test_multirank.py -q   (2 CPU processes over gloo)
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+
+
+def init() -> tuple[int, int, torch.device]:
+    """(rank, world, device) of this process; joins the process group the launcher set up (its env:
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). One process: (0, 1, cuda:0 or cpu)."""
+    from accelerate import PartialState
+
+    state = PartialState(cpu=not torch.cuda.is_available())
+    return state.process_index, state.num_processes, torch.device(state.device)
+
+
+def make_accelerator(find_unused_parameters: bool = False):
+    """The process's Accelerator: gloo on CPU, NCCL on GPU, rank and world from the launcher's env.
+
+    find_unused_parameters: in an MoE model whose experts are separate modules (transformers 4,
+    custom models) an expert that no token of a step reached gets no gradient, and DDP must be told
+    or it fails the next step. transformers 5 fuses a layer's experts into one tensor: never unused."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
+    # mixed_precision "no": the model's dtype is --dtype's, whatever an `accelerate config` file says
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=[ddp])
+
+
+class Trained(torch.nn.Module):
+    """The modules the optimizer trains, behind the one forward that a data-parallel wrapper sees.
+
+    forward(batch, support) → (logprobs [B, T], entropy [B, T], values [B, T] or None), where
+    `score(model, batch, support)` is nanorl/update.py's scoring function (padded or packed, with
+    MoE routing replay) and the critic is PPO's value model (nanorl/policy.py)."""
+
+    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module | None, score):
+        super().__init__()
+        self.policy, self.critic, self._score = policy, critic, score
+
+    def forward(self, batch, support=None):
+        logp, ent = self._score(self.policy, batch, support)
+        values = self.critic(batch) if self.critic is not None else None
+        return logp, ent, values
+
+
+def wrap(accelerator, trained: Trained, fsdp: bool = False) -> torch.nn.Module:
+    """DDP around `trained` when there are several ranks (or FSDP sharding); `trained` itself for one."""
+    if fsdp:
+        return shard(trained, accelerator.device)
+    if accelerator.num_processes == 1:
+        return trained
+    return accelerator.prepare_model(trained)
+
+
+def shard(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """FSDP2: shard parameters, gradients and optimizer state over the ranks (ZeRO-3), in place.
+
+    Each transformer block is its own unit (its weights are all-gathered just before its forward and
+    freed after; its gradients reduce-scattered in backward), and `module` is the root unit holding
+    what is left (embeddings, final norm, LM head, value head). Every forward must therefore enter
+    through `module.forward` — as Trained's does — for the root's weights to be gathered. Like DDP,
+    FSDP averages gradients over ranks, so `loss_scale` applies unchanged.
+
+    accelerate 1.15 turns FSDP on only for GPU-type backends; `fully_shard` (torch ≥ 2.6) runs on
+    CPU over gloo too, so nanorl calls it directly and the same code is tested on CPU and runs on GPU."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    block_names = set()
+    for m in module.modules():  # HF models name their transformer-block classes in _no_split_modules
+        block_names |= set(getattr(m, "_no_split_modules", None) or [])
+    blocks = [m for m in module.modules() if type(m).__name__ in block_names]
+    if not blocks:
+        raise ValueError("--fsdp: found no transformer blocks (_no_split_modules) to shard")
+    for block in blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
+
+
+@contextmanager
+def root_gathered(module: torch.nn.Module):
+    """Run a forward of the HF model that bypasses `module.forward` (vLLM's sync probe): FSDP's root
+    weights (embeddings, LM head) are all-gathered for the duration; the blocks gather themselves."""
+    if not hasattr(module, "unshard"):  # not FSDP-sharded: nothing to gather
+        yield
+        return
+    module.unshard()
+    try:
+        yield
+    finally:
+        module.reshard()
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    return getattr(module, "module", module)  # DDP keeps the module in .module; FSDP2 shards in place
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor of `model` in full (FSDP shards all-gathered: every rank must call this). Tied
+    weights (lm_head = embeddings) stay one tensor under both names, as in the module."""
+    state = unwrap(model).state_dict(keep_vars=True)  # the Parameters themselves: tied ones are one
+    full: dict[int, torch.Tensor] = {}
+    for v in state.values():
+        if hasattr(v, "full_tensor") and id(v) not in full:
+            full[id(v)] = v.full_tensor()
+    return {k: full.get(id(v), v).detach() for k, v in state.items()}
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load full tensors into `model`, sharding them where FSDP sharded its parameters."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(unwrap(model), state, options=StateDictOptions(full_state_dict=True))
+
+
+def optimizer_state(trained: torch.nn.Module, optimizer, fsdp: bool) -> dict:
+    """The optimizer state to checkpoint. FSDP: gathered in full, keyed by parameter name (rank 0
+    gets it, every rank takes part); empty before the first step, as torch's helper would otherwise
+    take a zero-gradient step to create it. Else the optimizer's own state_dict."""
+    if not fsdp:
+        return optimizer.state_dict()
+    if not optimizer.state:
+        return {}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(unwrap(trained), optimizer, options=opts)
+
+
+def load_optimizer_state(trained: torch.nn.Module, optimizer, state: dict) -> None:
+    """Load what `optimizer_state` saved (either layout: keyed by name, FSDP; or by index)."""
+    if not state:
+        return
+    groups = state["param_groups"]
+    if not any(isinstance(i, str) for g in groups for i in g["params"]):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(unwrap(trained), optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def loss_scale(world: int) -> float:
+    """DDP averages gradients over ranks; nanorl's denominators are already global (see above)."""
+    return float(world)
+
+
+def sync_gradients_after(model: torch.nn.Module, last: bool):
+    """Accumulate micro-batch gradients locally; DDP all-reduces once, in the last backward.
+
+    Every rank must run the same number of optimizer steps, each with exactly one synced backward;
+    the count of local (no_sync) micro-batches before it may differ between ranks."""
+    if last or not hasattr(model, "no_sync"):
+        return nullcontext()
+    return model.no_sync()
+
+
+def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
+    """In-place SUM (or `op`) over ranks; a no-op in a single process. NCCL reduces CUDA tensors
+    only, gloo CPU ones: `t` travels to the backend's device and back when they differ."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dev = comm_device()
+        moved = t.to(dev)
+        dist.all_reduce(moved, op=op or dist.ReduceOp.SUM)
+        if moved is not t:
+            t.copy_(moved)
+    return t
+
+
+def comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def reduce_metrics(metrics: dict, world: int) -> dict:
+    """Mean of every metric over ranks (max for *_max), so one logged line describes the whole step."""
+    if world == 1:
+        return metrics
+    keys = sorted(metrics)
+    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)  # [K]
+    maxes = vals.clone()
+    all_reduce(vals)
+    all_reduce(maxes, dist.ReduceOp.MAX)
+    return {k: float(maxes[i] if k.endswith("_max") else vals[i] / world) for i, k in enumerate(keys)}
+
+
+def check_ranks_in_sync(model: torch.nn.Module, world: int) -> None:
+    """Fail loudly if ranks drifted apart: compare a checksum of every tensor of `model` across ranks.
+    Pass what each rank's engine samples from: under FSDP the trainer's shards are one copy by
+    construction, but the engines' full copies are loaded by each rank and could differ."""
+    with torch.no_grad():
+        local = torch.stack([t.double().sum() for t in full_state_dict(model).values()]).to(comm_device())  # [n]
+    gathered = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(gathered, local)
+    if any(not torch.equal(gathered[0], g) for g in gathered[1:]):
+        raise RuntimeError("ranks hold different weights after training: gradient sync is broken")
