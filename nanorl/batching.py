@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from nanorl.distributed import comm_device
 from nanorl.policy import head_logprobs
 from nanorl.trajectory import PaddedBatch, pack, packed_response_index
 
@@ -251,16 +252,11 @@ def split_fixed(n: int, micro_batch_size: int) -> Bins:
     return [list(range(s, min(s + micro_batch_size, n))) for s in range(0, n, micro_batch_size)]
 
 
-def _dist_device(group=None) -> torch.device:  # NCCL only reduces CUDA tensors, gloo CPU ones
-    nccl = dist.get_backend(group) == "nccl"
-    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-
 def agree_num_micro_batches(n: int, group=None) -> int:
     """All ranks must run the same number of micro-batches (collectives in backward): all-reduce MAX."""
     if not (dist.is_available() and dist.is_initialized()):
         return int(n)
-    t = torch.tensor([n], dtype=torch.long, device=_dist_device(group))
+    t = torch.tensor([n], dtype=torch.long, device=comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
 
@@ -402,7 +398,7 @@ def global_denominators(batch_masks: list[torch.Tensor], group=None) -> tuple[in
         counts[0] += int(valid.sum())
         counts[1] += int(valid.any(-1).sum())
     if dist.is_available() and dist.is_initialized():
-        t = torch.tensor(counts, dtype=torch.long, device=_dist_device(group))
+        t = torch.tensor(counts, dtype=torch.long, device=comm_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         counts = t.tolist()
     return counts[0], counts[1]

@@ -202,8 +202,10 @@ def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
     return t
 
 
-def comm_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+def comm_device(group=None) -> torch.device:
+    """Where a collective's tensor must live: CUDA for NCCL, CPU for gloo."""
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
 def reduce_metrics(metrics: dict, world: int) -> dict:

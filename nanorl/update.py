@@ -21,7 +21,7 @@ import math
 import torch
 
 from nanorl import batching, moe_replay
-from nanorl.distributed import all_reduce, loss_scale, sync_gradients_after
+from nanorl.distributed import loss_scale, sync_gradients_after
 from nanorl.kl import kl_estimator
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import response_logprobs
@@ -102,9 +102,7 @@ def train_on(run, batch) -> dict:
                 continue
             mini = batch.select(rows.tolist())
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
-            dens = torch.tensor([(mini.response_mask > 0).sum(), (mini.response_mask > 0).any(-1).sum()],
-                                dtype=torch.float, device=mini.input_ids.device)
-            n_tok, n_seq = all_reduce(dens).tolist()
+            n_tok, n_seq = batching.global_denominators([mini.response_mask])
             stats, groups = {}, micro_batches(run, mini)
             for i, mrows in enumerate(groups):
                 with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # DDP: one all-reduce

@@ -77,7 +77,7 @@ def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     MoE experts in memory (gate_up_proj [E, 2I, H]); save_pretrained's reversal undoes that."""
     from nanorl.distributed import full_state_dict, unwrap  # DDP wrapper off, FSDP shards gathered
     model = unwrap(model)
-    state = {k: v.detach() for k, v in full_state_dict(model).items()}
+    state = full_state_dict(model)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: in-memory names are the checkpoint names
