@@ -38,7 +38,7 @@ import time
 import numpy as np
 import torch
 
-from nanorl import checkpoint, distributed, moe_replay
+from nanorl import checkpoint, distributed, moe_replay, precision
 from nanorl.advantage import compute_advantages, masked_whiten
 from nanorl.config import Config, parse_args
 from nanorl.distributed import Trained
@@ -50,7 +50,7 @@ from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.task import make_default
 from nanorl.trajectory import collate
-from nanorl.update import forward, routing_forward, train_on
+from nanorl.update import forward, routing_forward, score_batch, train_on
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -72,6 +72,7 @@ class Run:
     ref: torch.nn.Module | None = None
     critic: torch.nn.Module | None = None
     trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
+    scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
     rank: int = 0
     world: int = 1
     step: int = 0
@@ -98,11 +99,18 @@ def setup(cfg: Config) -> Run:
         cfg = dataclasses.replace(cfg, model=cfg.model or default["model"],
                                   train_data=cfg.train_data or default["train"],
                                   test_data=cfg.test_data or default["test"])
-    model, tokenizer = load_model(cfg.model, cfg.dtype, device)
+    precision.setup_device(device)  # TF32 on CUDA
+    dtype = precision.compute_dtype(cfg.dtype)  # compute dtype; `model` holds the fp32 master weights
+    model, tokenizer = load_model(cfg.model, device)
     if cfg.routing_replay:
         if not moe_replay.is_moe(model):
             raise ValueError("--routing-replay needs a mixture-of-experts model")
         moe_replay.patch(model)
+    if cfg.fp32_lm_head:
+        precision.keep_lm_head_fp32(model)
+    if cfg.gradient_checkpointing:
+        precision.enable_gradient_checkpointing(model, routing_replay=cfg.routing_replay)
+    model.train()  # Hugging Face checkpoints only in train mode; dropout is 0 in these models
     train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
                                    cfg.max_prompt_len, source=cfg.train_data)
     test = (build_prompts(load_rows(cfg.test_data, split="test"), tokenizer, cfg.input_key, cfg.label_key,
@@ -113,23 +121,30 @@ def setup(cfg: Config) -> Run:
         cfg = dataclasses.replace(cfg, engine="vllm" if device.type == "cuda" and vllm_importable() else "hf")
     if cfg.engine == "vllm":  # its own copy of the weights, loaded from the same path, synced below
         from nanorl.vllm_engine import VLLMEngine
+        longest = max(len(p.ids) for p in train + test)  # the run's longest request, not the model's context
         engine = VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
-                            gpu_memory_utilization=cfg.gpu_memory_utilization)
+                            max_model_len=cfg.max_model_len or longest + cfg.max_new_tokens,
+                            kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,  # None: GPU share / CPU default
+                            gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                            record_routing=cfg.routing_replay)
     else:  # --fsdp shards `model` below: the engine then generates from its own full copy
-        engine = HFEngine(copy.deepcopy(model) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
-                          record_routing=cfg.routing_replay)
+        engine = HFEngine(copy.deepcopy(model).to(dtype) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
+                          record_routing=cfg.routing_replay, compute_dtype=dtype)
         engine.generator.manual_seed(cfg.seed * 1000 + rank)
     critic = ValueModel(model).to(device) if cfg.vf_coef > 0 else None
     score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/update.py)
-    ref = Trained(frozen_copy(model), None, score) if cfg.uses_reference else None
+    ref = Trained(frozen_copy(model, dtype), None, score, dtype) if cfg.uses_reference else None
     if ref is not None and cfg.fsdp:
         ref = distributed.shard(ref, device)
     accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
-    trained = distributed.wrap(accelerator, Trained(model, critic, score), fsdp=cfg.fsdp)  # DDP / FSDP
+    trained = distributed.wrap(accelerator, Trained(model, critic, score, dtype), fsdp=cfg.fsdp)  # DDP / FSDP
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]  # after sharding (FSDP
     if critic is not None:                                                      # swaps in sharded ones)
         params.append({"params": list(critic.parameters())})
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay)
+    # fused AdamW: one kernel over all tensors, no full-size temporaries (10x faster than foreach on
+    # a 166M-parameter CPU model here); FSDP's sharded DTensors keep the default implementation.
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay,
+                                  fused=not cfg.fsdp)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, horizon=10_000) if cfg.kl_target
               else FixedKLController(cfg.kl_coef))
@@ -138,7 +153,8 @@ def setup(cfg: Config) -> Run:
     rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print)
     loader = PromptLoader(train, cfg.prompts_per_step, seed=cfg.seed, rank=rank, world=world)
     run = Run(cfg, model, tokenizer, engine, loader, test, rewards, optimizer, scheduler, kl_ctl, logger,
-              ref=ref, critic=critic, trained=trained, rank=rank, world=world,
+              ref=ref, critic=critic, trained=trained, scaler=precision.grad_scaler(dtype, device),
+              rank=rank, world=world,
               counters={"skipped_updates": 0, "prompts_skipped_empty": skipped["empty"],
                         "prompts_skipped_too_long": skipped["too_long"]})
     engine.update_weights(model, version=0)
@@ -231,6 +247,7 @@ def rl_step(run: Run) -> dict:
     if cfg.sleep_level and hasattr(run.engine, "sleep"):  # vLLM: free its GPU memory until the sync
         run.engine.sleep(cfg.sleep_level)
     device = next(run.model.parameters()).device
+    precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
     batch = collate(samples, run.tokenizer.pad_token_id).to(device)
     mask = batch.response_mask  # [B, T] valid response tokens
     support = batch.sampling_support if cfg.keep_sampling_mask else None
@@ -244,13 +261,13 @@ def rl_step(run: Run) -> dict:
             batch.token_data["old_logprobs"] = batch.rollout_logprobs
         recompute = need_old and "old_logprobs" not in batch.token_data
         if recompute or run.critic is not None:  # through `trained`: FSDP gathers weights in its forward
-            old, _, values = run.trained(batch, support)
+            old, values = score_batch(run, run.trained, batch, support)  # micro-batched as training
             if recompute:
                 batch.token_data["old_logprobs"] = old
             if values is not None:
                 batch.token_data["old_values"] = values
         if run.ref is not None:
-            batch.token_data["ref_logprobs"] = run.ref(batch, support)[0]
+            batch.token_data["ref_logprobs"] = score_batch(run, run.ref, batch, support)[0]
     # 4. advantage
     with timer("advantage"):
         token_rewards = None
@@ -269,11 +286,10 @@ def rl_step(run: Run) -> dict:
     # 5-7. loss, backward, optimizer step — ppo_epochs passes, mini_batches optimizer steps each
     with timer("train"):
         metrics.update(train_on(run, batch))
+    precision.free_cached_memory(device)  # training's activations go back before the engine wakes
     # 8. weight sync: the engine samples the next batch from the new weights
     with timer("sync"):
-        if hasattr(run.engine, "wake_up"):
-            run.engine.wake_up()  # level 2 dropped the weights: the update below reloads every one
-        try:
+        try:  # vLLM asleep: it wakes its weights, streams them in, then wakes its KV cache
             run.engine.update_weights(run.model, version=run.step + 1)
         except Exception as e:  # going on would sample from stale weights: silent divergence
             raise RuntimeError(f"step {run.step + 1}: the {cfg.engine} engine failed to load the new weights "
@@ -282,7 +298,7 @@ def rl_step(run: Run) -> dict:
         if cfg.sync_check_every and hasattr(run.engine, "check_sync") and (run.step + 1) % cfg.sync_check_every == 0:
             # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
             with distributed.root_gathered(run.trained):
-                metrics["sync/max_abs_logprob_diff"] = run.engine.check_sync(run.model)
+                metrics.update({f"sync/{k}": v for k, v in run.engine.check_sync(run.model).items()})
     if cfg.kl_target and run.ref is not None and math.isfinite(metrics.get("kl_loss", 0.0)):
         run.kl_ctl.update(metrics.get("kl_loss", 0.0), n_steps=len(samples))
     step_time = sum(timer.seconds.values())

@@ -245,6 +245,36 @@ def make_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: i
     return sorted(bins, key=lambda b: (-sum(lengths[i] for i in b), b[0]))
 
 
+def make_padded_micro_batches(prompt_lens: list[int], response_lens: list[int], max_tokens: int,
+                              num_micro_batches: int | None = None) -> Bins:
+    """Token-budgeted micro-batches for a PADDED forward (no varlen kernel to pack with): a micro-batch
+    costs rows × (longest prompt + longest response) — the collated tensor attention and the MLP
+    really run over (PaddedBatch.select trims the rest) — and that padded size is what the budget
+    caps, so memory per micro-batch is bounded whatever the length mix. Samples sorted longest first
+    fill micro-batches in turn (similar lengths share one: little padding); a sample over the budget
+    runs alone. num_micro_batches (agreed across ranks) is reached by halving the fullest ones."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    n = len(prompt_lens)
+    if num_micro_batches is not None and not 1 <= num_micro_batches <= n:
+        raise ValueError(f"imposed num_micro_batches={num_micro_batches} needs 1 <= count <= number of samples "
+                         f"({n}): a micro-batch cannot be empty")
+    order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+    bins: Bins = []
+    width_p = width_r = 0
+    for i in order:
+        p, r = max(width_p, prompt_lens[i]), max(width_r, response_lens[i])
+        if not bins or (len(bins[-1]) + 1) * (p + r) > max_tokens:
+            bins.append([])
+            p, r = prompt_lens[i], response_lens[i]
+        bins[-1].append(i)
+        width_p, width_r = p, r
+    while num_micro_batches is not None and len(bins) < num_micro_batches:
+        j = max(range(len(bins)), key=lambda j: len(bins[j]))  # halving never raises a padded size
+        bins[j:j + 1] = [bins[j][: len(bins[j]) // 2], bins[j][len(bins[j]) // 2:]]
+    return [sorted(b) for b in bins]
+
+
 def split_fixed(n: int, micro_batch_size: int) -> Bins:
     """The classic split by sample count: [[0..m-1], [m..2m-1], ...], the last one possibly shorter."""
     if micro_batch_size < 1:
@@ -305,6 +335,13 @@ def best_attn_implementation() -> str:
     """'flash_attention_2' on CUDA with flash-attn installed (varlen packing), else 'sdpa'."""
     flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
     return "flash_attention_2" if flash else "sdpa"
+
+
+def packs_varlen(model) -> bool:
+    """Whether training forwards run packed: only with a varlen attention kernel (flash-attention).
+    Without one a packed row needs the dense [N, N] mask below — O(N²) memory (77 GB at N = 196k in
+    bf16) — so training falls back to padded micro-batches (make_padded_micro_batches)."""
+    return "flash" in (getattr(model.config, "_attn_implementation", None) or "")
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:

@@ -42,6 +42,20 @@ PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
+# Defaults for a pretrained policy (--model with hidden size >= PRETRAINED_HIDDEN), below presets and
+# flags. The Config defaults are tuned for the built-in tiny task; these are for real checkpoints:
+PRETRAINED_DEFAULTS: dict[str, tuple[object, str]] = {
+    "lr": (1e-6, "TRL GRPOConfig's default; verl's GRPO examples; DAPO (Yu et al. 2025)"),
+    "warmup_steps": (10, "DAPO: linear warm-up over 10 rollout steps"),
+    "schedule": ("constant", "DAPO and verl's default (constant after warm-up)"),
+    "dtype": ("bfloat16", "verl FSDP mixed precision: bf16 compute, fp32 master weights"),
+    "gradient_checkpointing": (True, "verl's GRPO examples enable it"),
+    "max_tokens_per_micro_batch": (16384, "verl's ppo_max_token_len_per_gpu default"),
+    "max_new_tokens": (1024, "verl's GSM8K GRPO example: max_response_length 1024"),
+}
+PRETRAINED_HIDDEN = 512  # every pretrained LM from ~100M parameters up; nanorl's tiny models are <= 256
+
+
 @dataclass
 class Config:
     # --- what to train
@@ -68,13 +82,19 @@ class Config:
     """hf (the trainer's own module), vllm (in-process, weights hot-swapped), or auto: vllm on a GPU
     when importable, else hf (on CPU, vLLM's start-up and kernel compile cost more than a tiny run)."""
     gpu_memory_utilization: float = 0.3
-    """vLLM: share of GPU memory for the engine (weights + KV cache); the trainer uses the rest."""
-    sleep_level: int = 1
-    """vLLM: sleep mode during logprob recompute and training, woken for the weight sync (1: weights to
-    CPU, KV cache dropped; 2: both dropped — the sync reloads every weight anyway; 0: stay resident).
-    Where vLLM has no sleep mode (CPU) it is skipped with one log line."""
+    """vLLM: share of GPU memory for the engine (weights + KV cache, which it sizes unless kv_cache_gb > 0)."""
+    sleep_level: int = 2
+    """vLLM: sleep mode from after the rollout to the weight sync (2: weights and KV cache dropped — the
+    sync reloads every weight anyway; 1: weights kept on CPU and copied back, then overwritten; 0: stay
+    resident). Where vLLM has no sleep mode (CPU) it is skipped with one log line."""
     sync_check_every: int = 1
     """vLLM: every N steps, check that the engine's logprobs match the trainer's after the sync (0 = off)."""
+    max_model_len: int = 0
+    """vLLM: longest sequence the engine holds (0 = the longest prompt of the data + max_new_tokens)."""
+    kv_cache_gb: float = 0.0
+    """vLLM KV cache in GiB (0 = GPU: sized by gpu_memory_utilization; CPU: 0.25); > 0 fixes it, also on GPU."""
+    enforce_eager: bool = False
+    """vLLM: no CUDA graphs on GPU (slower decoding, faster start-up); CPU always runs eager."""
     prompts_per_step: int = 16
     """Prompts sampled per optimizer step (over all ranks)."""
     samples_per_prompt: int = 8
@@ -144,7 +164,9 @@ class Config:
     micro_batch_size: int = 0
     """Samples per forward/backward (0 = all of a mini-batch)."""
     max_tokens_per_micro_batch: int = 0
-    """> 0: micro-batches by token budget, balanced (nanorl/batching.py); overrides micro_batch_size."""
+    """> 0: micro-batches by token budget (nanorl/batching.py), for every forward and backward;
+    packed (no padding) with flash-attention, else padded rows whose padded size fits the budget.
+    Overrides micro_batch_size."""
     old_logprobs: str = "auto"
     """recompute (a forward before training), rollout (the engine's), or auto (skip when on-policy)."""
     logprob_impl: str = "fused"
@@ -162,7 +184,13 @@ class Config:
     seed: int = 0
     """Seeds data order, sampling and the built-in model."""
     dtype: str = "float32"
-    """Model dtype: float32 or bfloat16 (RL math stays fp32)."""
+    """Compute dtype: float32, bfloat16 or float16 (autocast; fp16 with a loss scaler). Weights and
+    optimizer state stay fp32 and the RL math too (nanorl/precision.py); the reference model and the
+    vLLM engine hold weights in this dtype."""
+    fp32_lm_head: bool = False
+    """Compute the LM head in fp32 under bf16/fp16 (narrows the engine/trainer logprob gap)."""
+    gradient_checkpointing: bool = False
+    """Recompute each transformer block in backward instead of keeping its activations."""
     threads: int = 0
     """torch threads (0 = leave torch's default)."""
     fsdp: bool = False
@@ -205,6 +233,10 @@ class Config:
         need(self.engine in ("auto", "hf", "vllm"), f"engine must be auto, hf or vllm, got {self.engine!r}")
         need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
         need(self.sleep_level in (0, 1, 2), f"sleep_level must be 0, 1 or 2, got {self.sleep_level}")
+        need(self.kv_cache_gb >= 0, f"kv_cache_gb must be >= 0, got {self.kv_cache_gb}")
+        need(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
+             f"max_model_len {self.max_model_len} leaves no room for a prompt plus max_new_tokens "
+             f"{self.max_new_tokens} (0 = sized from the data)")
         need(self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs: auto, recompute or rollout")
         need(self.logprob_impl in ("fused", "naive"), "logprob_impl: fused or naive")
         need(self.schedule in ("constant", "cosine"), "schedule: constant or cosine")
@@ -266,4 +298,28 @@ def parse_args(argv: list[str] | None = None) -> Config:
     algo = given.get("algo", Config.algo)
     if algo not in PRESETS:
         parser.error(f"unknown --algo {algo!r}; valid: {', '.join(PRESETS)}")
-    return Config(**{**PRESETS[algo][1], **given, "algo": algo})
+    base = pretrained_defaults(given.get("model", ""), set(given) | set(PRESETS[algo][1]))
+    return Config(**{**base, **PRESETS[algo][1], **given, "algo": algo})
+
+
+def pretrained_defaults(model: str, overridden: set[str]) -> dict:
+    """PRETRAINED_DEFAULTS when `model` is a pretrained-scale checkpoint, printed once (the ones a
+    flag or the preset sets are left out); {} for the built-in or a tiny model."""
+    hidden = model_hidden_size(model) if model else 0
+    if hidden < PRETRAINED_HIDDEN:
+        return {}
+    chosen = {k: v for k, (v, _) in PRETRAINED_DEFAULTS.items() if k not in overridden}
+    if chosen:
+        why = "; ".join(f"{k}={v} ({PRETRAINED_DEFAULTS[k][1]})" for k, v in chosen.items())
+        print(f"nanorl: pretrained-model defaults for {model} (hidden size {hidden} >= {PRETRAINED_HIDDEN}): "
+              f"{why}. Flags override them.", flush=True)
+    return chosen
+
+
+def model_hidden_size(model: str) -> int:
+    """The hidden size in a checkpoint's config (a local path or a cached/downloadable hub name)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model)
+    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal configs nest the language model's
+    return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 0)

@@ -37,6 +37,8 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
+from nanorl.precision import autocast, fsdp_policy
+
 
 def init() -> tuple[int, int, torch.device]:
     """(rank, world, device) of this process; joins the process group the launcher set up (its env:
@@ -65,35 +67,41 @@ class Trained(torch.nn.Module):
 
     forward(batch, support) → (logprobs [B, T], entropy [B, T], values [B, T] or None), where
     `score(model, batch, support)` is nanorl/update.py's scoring function (padded or packed, with
-    MoE routing replay) and the critic is PPO's value model (nanorl/policy.py)."""
+    MoE routing replay) and the critic is PPO's value model (nanorl/policy.py). Both run under
+    autocast in `compute_dtype` (bf16/fp16 compute over fp32 master weights, nanorl/precision.py):
+    inside the forward, so DDP and FSDP see it too."""
 
-    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module | None, score):
+    def __init__(self, policy: torch.nn.Module, critic: torch.nn.Module | None, score,
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.policy, self.critic, self._score = policy, critic, score
+        self.policy, self.critic, self._score, self.compute_dtype = policy, critic, score, compute_dtype
 
     def forward(self, batch, support=None):
-        logp, ent = self._score(self.policy, batch, support)
-        values = self.critic(batch) if self.critic is not None else None
+        with autocast(batch.input_ids.device, self.compute_dtype):
+            logp, ent = self._score(self.policy, batch, support)
+            values = self.critic(batch) if self.critic is not None else None
         return logp, ent, values
 
 
 def wrap(accelerator, trained: Trained, fsdp: bool = False) -> torch.nn.Module:
     """DDP around `trained` when there are several ranks (or FSDP sharding); `trained` itself for one."""
     if fsdp:
-        return shard(trained, accelerator.device)
+        return shard(trained, accelerator.device, trained.compute_dtype)
     if accelerator.num_processes == 1:
         return trained
     return accelerator.prepare_model(trained)
 
 
-def shard(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def shard(module: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """FSDP2: shard parameters, gradients and optimizer state over the ranks (ZeRO-3), in place.
 
     Each transformer block is its own unit (its weights are all-gathered just before its forward and
     freed after; its gradients reduce-scattered in backward), and `module` is the root unit holding
     what is left (embeddings, final norm, LM head, value head). Every forward must therefore enter
     through `module.forward` — as Trained's does — for the root's weights to be gathered. Like DDP,
-    FSDP averages gradients over ranks, so `loss_scale` applies unchanged.
+    FSDP averages gradients over ranks, so `loss_scale` applies unchanged. With a bf16/fp16 compute
+    dtype, MixedPrecisionPolicy casts each gathered shard for compute and reduces gradients in fp32
+    into the fp32 shards (nanorl/precision.py).
 
     accelerate 1.15 turns FSDP on only for GPU-type backends; `fully_shard` (torch ≥ 2.6) runs on
     CPU over gloo too, so nanorl calls it directly and the same code is tested on CPU and runs on GPU."""
@@ -107,9 +115,10 @@ def shard(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     blocks = [m for m in module.modules() if type(m).__name__ in block_names]
     if not blocks:
         raise ValueError("--fsdp: found no transformer blocks (_no_split_modules) to shard")
+    mp = {"mp_policy": fsdp_policy(compute_dtype)} if compute_dtype != torch.float32 else {}
     for block in blocks:
-        fully_shard(block, mesh=mesh)
-    return fully_shard(module, mesh=mesh)
+        fully_shard(block, mesh=mesh, **mp)
+    return fully_shard(module, mesh=mesh, **mp)
 
 
 @contextmanager
@@ -230,3 +239,24 @@ def check_ranks_in_sync(model: torch.nn.Module, world: int) -> None:
     dist.all_gather(gathered, local)
     if any(not torch.equal(gathered[0], g) for g in gathered[1:]):
         raise RuntimeError("ranks hold different weights after training: gradient sync is broken")
+
+
+def iter_full_tensors(model: torch.nn.Module):
+    """Yield (name, full tensor) for every entry of `model`'s state dict, ONE tensor at a time: an FSDP
+    shard is all-gathered just before it is yielded (a collective: every rank iterates, in the same
+    order), so the extra memory of a consumer that drops each tensor before asking for the next (as
+    vLLM's loader does) is ~2x the largest tensor — the all-gather's buffer plus the full tensor —
+    whatever the depth (measured on 2 gloo ranks: 1039 MiB for Qwen2.5-0.5B's 519 MiB embedding at 2
+    or 24 layers; the whole state dict first: 1903 MiB at 24; tests/test_weight_stream.py). DDP or one
+    process: the module's own tensors, no copy. Tied weights (lm_head = embeddings) are gathered once
+    and yielded under each of their names back to back (vLLM 0.32's reload needs both names)."""
+    state = unwrap(model).state_dict(keep_vars=True)  # references to the Parameters, not copies
+    names: dict[int, list[str]] = {}
+    for k, v in state.items():
+        names.setdefault(id(v), []).append(k)
+    for aliases in names.values():
+        v = state[aliases[0]]
+        full = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        for name in aliases:
+            yield name, full
+        del full  # before the next gather

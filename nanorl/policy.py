@@ -17,6 +17,10 @@ tensor is the largest activation of the whole step. `impl="naive"` materialises 
 
 The critic for PPO (`ValueModel`) is a copy of the policy's transformer with a scalar head; the
 value at column P − 1 + t estimates V(s_t), the return expected before token t is chosen.
+
+Precision (nanorl/precision.py): the policy and critic hold fp32 master weights and run under
+autocast in the compute dtype; the reference model is stored in the compute dtype. Whatever the
+dtype inside, every per-token tensor leaves here as fp32.
 """
 from __future__ import annotations
 
@@ -26,19 +30,26 @@ from contextlib import nullcontext
 import torch
 
 from nanorl.entropy import fused_linear_logprobs_entropy, naive_logprobs_entropy
+from nanorl.precision import head_is_fp32
 from nanorl.trajectory import PaddedBatch
 
 IGNORE = -100
 
 
-def load_model(name_or_path: str, dtype: str = "float32", device: str = "cpu"):
-    """Any causal LM by Hugging Face name or local path, and its tokenizer."""
+def load_model(name_or_path: str, device: str = "cpu"):
+    """Any causal LM by Hugging Face name or local path, and its tokenizer. The weights load in fp32
+    whatever the checkpoint's dtype: they are the master copy the optimizer updates (a bf16 weight
+    cannot hold an RL-sized update; nanorl/precision.py). Attention: flash-attention 2 when it is
+    installed and the device is CUDA (packed varlen micro-batches, nanorl/batching.py), else sdpa."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nanorl.batching import best_attn_implementation
 
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token_id is None:  # many base models ship without a pad token
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
+                                                 attn_implementation=best_attn_implementation())
     model.to(device)
     model.config.use_cache = False  # training forwards never need the KV cache
     return model, tokenizer
@@ -77,7 +88,14 @@ def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, temperature: fl
     soft-capping, Cohere's scale) fall back to materialised logits."""
     head = model.get_output_embeddings()
     if impl == "fused" and getattr(head, "bias", None) is None and not _has_logit_transform(model):
-        return fused_linear_logprobs_entropy(h, head.weight, targets, temperature=temperature, support=support)
+        # The fused function runs its own matmuls: give it the dtype autocast would have used (or
+        # fp32 for an fp32 head) explicitly, with autocast off, so forward and backward agree.
+        dev, w = h.device.type, head.weight
+        dtype = (torch.float32 if head_is_fp32(head) else
+                 torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype)
+        with torch.autocast(device_type=dev, enabled=False):
+            return fused_linear_logprobs_entropy(h.to(dtype), w.to(dtype), targets, temperature=temperature,
+                                                 support=support)
     logits = model.lm_head(h) if hasattr(model, "lm_head") else head(h)  # [N, V]
     return naive_logprobs_entropy(logits.float(), targets, temperature=temperature, support=support)
 
@@ -94,7 +112,8 @@ class ValueModel(torch.nn.Module):
     def __init__(self, policy):
         super().__init__()
         self.body = copy.deepcopy(policy.base_model)
-        self.head = torch.nn.Linear(policy.config.hidden_size, 1)
+        dtype = next(policy.parameters()).dtype  # fp32 masters under autocast; else the body's dtype
+        self.head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=dtype)
         torch.nn.init.zeros_(self.head.weight)  # start at V = 0: no bias from a random head
         torch.nn.init.zeros_(self.head.bias)
 
@@ -103,12 +122,17 @@ class ValueModel(torch.nn.Module):
         h = self.body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, use_cache=False).last_hidden_state
         P, T = batch.prompt_width, batch.response_ids.shape[1]
-        return self.head(h[:, P - 1:P - 1 + T]).squeeze(-1).float()  # [B, T]
+        h = h[:, P - 1:P - 1 + T]  # [B, T, H]
+        h = h if torch.is_autocast_enabled(h.device.type) else h.to(self.head.weight.dtype)
+        return self.head(h).squeeze(-1).float()  # [B, T]
 
 
-def frozen_copy(model):
-    """The reference policy: a deep copy with gradients off."""
+def frozen_copy(model, dtype: torch.dtype | None = None):
+    """The reference policy: a deep copy with gradients off, stored in `dtype` (the compute dtype:
+    it never trains, so it needs no fp32 master copy)."""
     ref = copy.deepcopy(model)
+    if dtype is not None:
+        ref.to(dtype)
     ref.requires_grad_(False)
     ref.eval()
     return ref

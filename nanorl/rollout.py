@@ -25,11 +25,13 @@ Try it: `python -m pytest tests/test_rollout.py -q`.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
+from nanorl.precision import autocast
 from nanorl.sampling import sample_next, stack_steps
 from nanorl.trajectory import Sample
 
@@ -67,11 +69,16 @@ class HFEngine(RolloutEngine):
     feeds one token per row, with position ids counted from each row's first real token. A row stops
     at its first stop token; the loop ends when every row has stopped or `max_new_tokens` is reached.
     `record_routing` records the MoE experts of every prompt and response token (nanorl/moe_replay.py).
+    The module trains in train() mode (activation checkpointing needs it): it generates in eval()
+    mode, under autocast in `compute_dtype` as the trainer's forwards run (nanorl/precision.py).
+    Only the last position's logits are computed (`logits_to_keep=1`): a prefill of 512 prompts ×
+    300 tokens would otherwise materialise 47 GB of logits over a 152k vocabulary.
     """
     model: torch.nn.Module
     pad_id: int
     version: int = 0
     record_routing: bool = False
+    compute_dtype: torch.dtype = torch.float32
     max_batch: int = 512  # rows per forward; larger requests are generated in chunks
     generator: torch.Generator = field(default_factory=torch.Generator)
 
@@ -90,9 +97,15 @@ class HFEngine(RolloutEngine):
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
-        out = []
-        for start in range(0, len(rows), self.max_batch):
-            out += self._generate_rows(rows[start:start + self.max_batch], sampling)
+        out, was_training = [], self.model.training
+        device = next(self.model.parameters()).device
+        self.model.eval()  # no checkpointing (it would turn the KV cache off), no dropout
+        try:
+            with autocast(device, self.compute_dtype):
+                for start in range(0, len(rows), self.max_batch):
+                    out += self._generate_rows(rows[start:start + self.max_batch], sampling)
+        finally:
+            self.model.train(was_training)
         return out
 
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingConfig) -> list[Sample]:
@@ -113,7 +126,7 @@ class HFEngine(RolloutEngine):
         with recording as rec:
             for _ in range(sp.max_new_tokens):
                 out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                                 past_key_values=cache, use_cache=True)
+                                 past_key_values=cache, use_cache=True, **self._last_logits_only())
                 cache = out.past_key_values
                 logits = out.logits[:, -1].float()  # [B, V] next-token logits, fp32 for sampling
                 tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p,
@@ -148,6 +161,11 @@ class HFEngine(RolloutEngine):
                 s.routed_experts = experts[b, P - len(prompt):P + length - 1].clone()
             samples.append(s)
         return samples
+
+    def _last_logits_only(self) -> dict:
+        """`logits_to_keep=1` where the model's forward takes it (transformers >= 4.50 causal LMs)."""
+        takes = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        return {"logits_to_keep": 1} if takes else {}
 
     def _recorder(self):
         """A routing recorder around the decode loop when asked for, else a no-op context."""

@@ -25,9 +25,20 @@ and tokenizer, loadable by ``AutoModelForCausalLM`` / vLLM), and train.py then r
 exactly as it would on a user's data and model. Run it alone:
 
     python -m nanorl.task runs/default
+
+`make_real_shape(out_dir, layers)` builds the other kind of model nanorl is for, without a download:
+the exact shape of Qwen2.5-0.5B-Instruct (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocabulary
+151936, 32768 positions, tied embeddings, rope θ 1e6) with few layers, random weights, a byte-level
+tokenizer with Qwen's special-token ids and its ChatML chat template, and GSM8K-format data. The
+real-shape rehearsal (tests/test_real_scale.py), `bench.py` and the GPU check run the README's GPU
+command lines on it: every real-scale cost (the 152k-vocabulary LM head, bf16, memory per token)
+is there; only depth and trained weights are missing.
+
+    python -m nanorl.task --real-shape runs/real_shape
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -134,5 +145,82 @@ def make_default(out_dir: str, seed: int = 0, sft_steps: int = 60, hidden: int =
     return paths
 
 
+# ----------------------------------------------------------------------------- the real-shape model
+
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
+                  vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
+                  rope_theta=1e6, rms_norm_eps=1e-6)  # Qwen/Qwen2.5-0.5B-Instruct's config.json (24 layers)
+ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645  # Qwen2's special-token ids
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def build_real_shape_tokenizer():
+    """A byte-level BPE tokenizer laid out like Qwen2's: 151643 ordinary tokens (the 256 byte symbols,
+    then two- and three-byte fillers no merge ever produces, so text round-trips byte by byte), then
+    <|endoftext|>, <|im_start|>, <|im_end|> at Qwen's ids, and the ChatML template. The model's
+    vocabulary (151936) is larger than the tokenizer's, as in the real checkpoint."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = list(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    vocab = {c: i for i, c in enumerate(sorted(symbols))}
+    fillers = itertools.chain(itertools.product(sorted(symbols), repeat=2), itertools.product(sorted(symbols), repeat=3))
+    for piece in itertools.islice(fillers, ENDOFTEXT - len(vocab)):
+        vocab["".join(piece)] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    core.decoder = decoders.ByteLevel()
+    core.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # appended in this order
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    if tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) != [ENDOFTEXT, IM_START, IM_END]:
+        raise RuntimeError("real-shape tokenizer: special tokens must sit at Qwen2's ids 151643-151645")
+    tok.chat_template = CHATML
+    return tok
+
+
+def gsm8k_rows(n: int, seed: int = 0) -> list[dict]:
+    """GSM8K-format rows: a word problem `question` and an `answer` holding the worked solution and
+    the final `#### N` line, as openai/gsm8k's parquet/JSONL files do."""
+    rng, rows = random.Random(seed), []
+    for _ in range(n):
+        a, b = rng.randint(2, 50), rng.randint(2, 50)
+        rows.append({"question": f"Tom has {a} apples and buys {b} more. How many now?",
+                     "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"})
+    return rows
+
+
+def make_real_shape(out_dir: str, layers: int = 2, seed: int = 0, n_train: int = 64, n_test: int = 8) -> dict:
+    """Write a Qwen2.5-0.5B-shaped model (`layers` deep, random init, saved in bf16 like the real
+    checkpoint) with its tokenizer, and GSM8K-format train/test JSONL, under `out_dir`.
+    Returns {"model": dir, "train": file, "test": file}; an existing model dir is reused."""
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    model_dir = os.path.join(out_dir, f"qwen2.5-0.5b-shape-{layers}l-seed{seed}")
+    paths = {"model": model_dir, "train": os.path.join(out_dir, "gsm8k_train.jsonl"),
+             "test": os.path.join(out_dir, "gsm8k_test.jsonl")}
+    os.makedirs(out_dir, exist_ok=True)
+    rows = gsm8k_rows(n_train + n_test, seed)
+    for split, items in (("train", rows[:n_train]), ("test", rows[n_train:])):
+        with open(paths[split], "w") as f:
+            f.writelines(json.dumps(x) + "\n" for x in items)
+    if os.path.exists(os.path.join(model_dir, "config.json")):
+        return paths
+    torch.manual_seed(seed)
+    config = Qwen2Config(num_hidden_layers=layers, bos_token_id=ENDOFTEXT, eos_token_id=IM_END,
+                         pad_token_id=ENDOFTEXT, **QWEN25_05B)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)  # Qwen ships bf16 weights
+    model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT, eos_token_id=[IM_END, ENDOFTEXT],
+                                               pad_token_id=ENDOFTEXT)
+    tmp = f"{model_dir}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    build_real_shape_tokenizer().save_pretrained(tmp)
+    os.replace(tmp, model_dir)
+    return paths
+
+
 if __name__ == "__main__":
-    print(make_default(sys.argv[1] if len(sys.argv) > 1 else "runs/default"))
+    if sys.argv[1:2] == ["--real-shape"]:
+        print(make_real_shape(sys.argv[2] if len(sys.argv) > 2 else "runs/real_shape"))
+    else:
+        print(make_default(sys.argv[1] if len(sys.argv) > 1 else "runs/default"))

@@ -11,11 +11,14 @@ accumulated gradient does not depend on how the step was split (TRL #3021). Grad
 summed over ranks by DDP (nanorl/distributed.py), clipped, and applied — unless the loss or a
 gradient is not finite, in which case the update is skipped and counted.
 
-`forward` scores the response tokens (nanorl/policy.py; packed when a token budget is set,
-nanorl/batching.py) and replays MoE routing when asked (nanorl/moe_replay.py).
+`forward` scores the response tokens (nanorl/policy.py; packed when a token budget is set and
+flash-attention can run the packed row, nanorl/batching.py) and replays MoE routing when asked
+(nanorl/moe_replay.py). `score_batch` runs the no-gradient recompute forwards (old policy, critic,
+reference) over the same micro-batches, so no forward of the step ever sees more than one budget.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -33,7 +36,7 @@ def forward(cfg, model, batch, support):
     With a token budget (--max-tokens-per-micro-batch) the rows are packed into one sequence, so the
     budget bounds the real tokens of a forward and no compute goes to padding (nanorl/batching.py)."""
     replay_on = cfg.routing_replay and batch.routed_experts is not None
-    if cfg.max_tokens_per_micro_batch:
+    if cfg.max_tokens_per_micro_batch and batching.packs_varlen(model):
         return batching.packed_response_logprobs(model, batch, cfg.temperature, support=support,
                                                  impl=cfg.logprob_impl, replay=replay_on)
     replay = None
@@ -68,16 +71,42 @@ def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
 
 
 def micro_batches(run, batch) -> list[list[int]]:
-    """Row groups of one mini-batch: by token budget (balanced), by sample count, or all at once."""
+    """Row groups of one batch: by token budget (packed: real tokens, balanced; padded: padded size),
+    by sample count, or all at once."""
     cfg, n = run.cfg, batch.input_ids.shape[0]
     if cfg.max_tokens_per_micro_batch:
-        lengths = batch.attention_mask.sum(-1).tolist()
-        bins = batching.make_micro_batches(lengths, cfg.max_tokens_per_micro_batch)
+        budget, P = cfg.max_tokens_per_micro_batch, batch.prompt_width
+        if batching.packs_varlen(run.model):
+            lengths = batch.attention_mask.sum(-1).tolist()
+            plan = functools.partial(batching.make_micro_batches, lengths, budget)
+        else:
+            prompts, responses = batch.attention_mask[:, :P].sum(-1).tolist(), batch.attention_mask[:, P:].sum(-1).tolist()
+            plan = functools.partial(batching.make_padded_micro_batches, prompts, responses, budget)
+        bins = plan()
         agreed = batching.agree_num_micro_batches(len(bins))  # every rank runs the same count
-        return bins if agreed == len(bins) else batching.make_micro_batches(lengths, cfg.max_tokens_per_micro_batch, agreed)
+        return bins if agreed == len(bins) else plan(agreed)
     if cfg.micro_batch_size:
         return batching.split_fixed(n, cfg.micro_batch_size)
     return [list(range(n))]
+
+
+@torch.no_grad()
+def score_batch(run, module, batch, support):
+    """The recompute forwards (old policy + critic through `run.trained`, or the reference model),
+    micro-batch by micro-batch as training will run them: (logprobs [B, T], values [B, T] or None)."""
+    B, T = batch.response_ids.shape
+    logp = torch.zeros(B, T, device=batch.input_ids.device)  # [B, T] padding stays 0
+    values = None
+    for rows in micro_batches(run, batch):
+        mb = batch.select(rows)
+        t = mb.response_ids.shape[1]  # select trims right padding: columns 0..t-1 of these rows
+        lp, _, v = module(mb, mb.sampling_support if support is not None else None)
+        idx = torch.as_tensor(rows, device=logp.device)
+        logp[idx, :t] = lp
+        if v is not None:
+            values = torch.zeros(B, T, device=logp.device) if values is None else values  # [B, T]
+            values[idx, :t] = v
+    return logp, values
 
 
 def loss_config(run) -> LossConfig:
@@ -107,7 +136,8 @@ def train_on(run, batch) -> dict:
             for i, mrows in enumerate(groups):
                 with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # DDP: one all-reduce
                     loss, m = micro_step(run, mini.select(mrows), lcfg, n_tok, n_seq)
-                    (loss * loss_scale(run.world)).backward()  # DDP's mean over ranks → the global sum
+                    loss = loss * loss_scale(run.world)  # DDP's mean over ranks → the global sum
+                    (run.scaler.scale(loss) if run.scaler else loss).backward()  # fp16: scaled
                 accumulate(stats, m)
             grad_norm = sync_and_step(run, params)
             stats = finish(stats)
@@ -171,14 +201,21 @@ def finish(stats: dict) -> dict:
 
 def sync_and_step(run, params) -> float:
     """Clip and step — unless the loss or a gradient is not finite. Gradients arrive summed over
-    ranks (DDP, in the last backward), so every rank clips the same norm and takes the same step."""
+    ranks (DDP, in the last backward), so every rank clips the same norm and takes the same step.
+    fp16: the gradients are unscaled first; an overflow skips the step and lowers the loss scale."""
+    if run.scaler:
+        run.scaler.unscale_(run.optimizer)
     norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
-    if torch.isfinite(norm):
+    if torch.isfinite(norm) and run.scaler:
+        run.scaler.step(run.optimizer)
+    elif torch.isfinite(norm):
         run.optimizer.step()
     else:  # one bad batch must not poison the weights: skip, count, go on
         run.counters["skipped_updates"] += 1
         run.logger.print(f"step {run.step}: non-finite gradient norm ({float(norm)}); update skipped")
+    if run.scaler:
+        run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
     run.scheduler.step()
     return float(norm)

