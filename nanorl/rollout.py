@@ -25,6 +25,7 @@ Try it: `python -m pytest tests/test_rollout.py -q`.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -126,7 +127,7 @@ class HFEngine(RolloutEngine):
         with recording as rec:
             for _ in range(sp.max_new_tokens):
                 out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                                 past_key_values=cache, use_cache=True, **self._last_logits_only())
+                                 past_key_values=cache, use_cache=True, **self._last_logits_only)
                 cache = out.past_key_values
                 logits = out.logits[:, -1].float()  # [B, V] next-token logits, fp32 for sampling
                 tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p,
@@ -162,6 +163,7 @@ class HFEngine(RolloutEngine):
             samples.append(s)
         return samples
 
+    @functools.cached_property
     def _last_logits_only(self) -> dict:
         """`logits_to_keep=1` where the model's forward takes it (transformers >= 4.50 causal LMs)."""
         takes = "logits_to_keep" in inspect.signature(self.model.forward).parameters

@@ -94,10 +94,14 @@ def micro_batches(run, batch) -> list[list[int]]:
 def score_batch(run, module, batch, support):
     """The recompute forwards (old policy + critic through `run.trained`, or the reference model),
     micro-batch by micro-batch as training will run them: (logprobs [B, T], values [B, T] or None)."""
+    groups = micro_batches(run, batch)
+    if len(groups) == 1:  # the whole batch in one forward: nothing to split or scatter back
+        logp, _, values = module(batch, support)
+        return logp, values
     B, T = batch.response_ids.shape
     logp = torch.zeros(B, T, device=batch.input_ids.device)  # [B, T] padding stays 0
     values = None
-    for rows in micro_batches(run, batch):
+    for rows in groups:
         mb = batch.select(rows)
         t = mb.response_ids.shape[1]  # select trims right padding: columns 0..t-1 of these rows
         lp, _, v = module(mb, mb.sampling_support if support is not None else None)
