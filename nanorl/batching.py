@@ -269,6 +269,9 @@ def make_padded_micro_batches(prompt_lens: list[int], response_lens: list[int], 
             p, r = prompt_lens[i], response_lens[i]
         bins[-1].append(i)
         width_p, width_r = p, r
+    if num_micro_batches is not None and num_micro_batches < len(bins):
+        raise ValueError(f"imposed num_micro_batches={num_micro_batches} is below the {len(bins)} padded "
+                         f"micro-batches that max_tokens={max_tokens} needs here")
     while num_micro_batches is not None and len(bins) < num_micro_batches:
         j = max(range(len(bins)), key=lambda j: len(bins[j]))  # halving never raises a padded size
         bins[j:j + 1] = [bins[j][: len(bins[j]) // 2], bins[j][len(bins[j]) // 2:]]

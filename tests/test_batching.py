@@ -354,3 +354,31 @@ def test_moe_replay_packed_equals_padded():
     natural, _ = packed_response_logprobs(model, batch, 1.0, entropy=False, impl="naive")
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
     assert (natural - packed).abs().max() > 1e-3  # replay mattered
+
+
+def test_padded_micro_batches_cap_the_padded_size():
+    """Without a varlen kernel a micro-batch costs rows × (longest prompt + longest response): that
+    padded size stays within the budget (a sample over it runs alone), every sample is used once, and
+    an imposed (rank-agreed) count is reached without emptying a micro-batch."""
+    import random
+
+    from nanorl.batching import make_padded_micro_batches
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        p = [rng.randint(1, 300) for _ in range(n)]
+        r = [rng.randint(1, 500) for _ in range(n)]
+        budget = rng.randint(50, 3000)
+        plain = make_padded_micro_batches(p, r, budget)
+        for want in (None, n, rng.randint(len(plain), n)):
+            bins = make_padded_micro_batches(p, r, budget, want)
+            assert sorted(i for b in bins for i in b) == list(range(n))
+            assert all(b for b in bins)
+            for b in bins:
+                cost = len(b) * (max(p[i] for i in b) + max(r[i] for i in b))
+                assert cost <= budget or len(b) == 1
+            assert want is None or len(bins) == want
+    with pytest.raises(ValueError, match="cannot be empty"):
+        make_padded_micro_batches([3, 3], [2, 2], 100, 3)
+    with pytest.raises(ValueError, match="is below"):  # fewer than the budget needs: never silently more
+        make_padded_micro_batches([3, 3], [2, 2], 5, 1)
