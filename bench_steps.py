@@ -114,7 +114,8 @@ class StepEntries:
         Peaks at N/2 and N tokens give the slope, what one more token costs beyond the fixed part (the
         152k-vocabulary head and the [V, H] gradients). One timed call each: on CPU a call takes seconds."""
         model = load_model(make_real_shape(os.path.join(self.workdir, "real_shape"))["model"], self.device)[0]
-        if self.device.type == "cpu":  # a bf16 [n, V] @ [V, H] (the head's grad_hidden) is ~100× slower there
+        if self.device.type == "cpu":  # as measured for docs/bench_results.md: then a bf16 grad_hidden was
+            # ~100x slower on CPU (entropy._mm has since routed CPU half GEMMs through fp32)
             precision.keep_lm_head_fp32(model)
         rng, (P, R) = np.random.default_rng(0), self.pick((128, 128), (4, 4))  # ragged rows, mean P + R
         lens = [(rng.integers(P // 2, 3 * P // 2), rng.integers(R // 4, 7 * R // 4)) for _ in range(4)]

@@ -115,7 +115,8 @@ def shard(module: torch.nn.Module, device: torch.device, compute_dtype: torch.dt
     blocks = [m for m in module.modules() if type(m).__name__ in block_names]
     if not blocks:
         raise ValueError("--fsdp: found no transformer blocks (_no_split_modules) to shard")
-    mp = {"mp_policy": fsdp_policy(compute_dtype)} if compute_dtype != torch.float32 else {}
+    policy = fsdp_policy(compute_dtype)  # None in fp32
+    mp = {"mp_policy": policy} if policy is not None else {}
     for block in blocks:
         fully_shard(block, mesh=mesh, **mp)
     return fully_shard(module, mesh=mesh, **mp)
@@ -141,13 +142,9 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every tensor of `model` in full (FSDP shards all-gathered: every rank must call this). Tied
-    weights (lm_head = embeddings) stay one tensor under both names, as in the module."""
-    state = unwrap(model).state_dict(keep_vars=True)  # the Parameters themselves: tied ones are one
-    full: dict[int, torch.Tensor] = {}
-    for v in state.values():
-        if hasattr(v, "full_tensor") and id(v) not in full:
-            full[id(v)] = v.full_tensor()
-    return {k: full.get(id(v), v).detach() for k, v in state.items()}
+    weights (lm_head = embeddings) stay one tensor under both names, as in the module. The whole of
+    iter_full_tensors at once: for checkpoints and rank checks (syncs stream instead)."""
+    return dict(iter_full_tensors(model))
 
 
 def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

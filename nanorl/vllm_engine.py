@@ -119,13 +119,10 @@ def iter_checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch
         yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
-def kv_bytes_per_token(model_path: str, dtype: str) -> int | None:
-    """KV-cache bytes per token of a plain full-attention model: layers x 2 (K, V) x KV heads x
-    head_dim x dtype bytes. None where that formula does not describe the cache (MLA, sliding-window
-    or hybrid layers): vLLM's own start-up check then stands alone."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_path).get_text_config()
+def kv_bytes_per_token(c, dtype: str) -> int | None:
+    """KV-cache bytes per token of a plain full-attention model (`c`: its text config): layers x 2
+    (K, V) x KV heads x head_dim x dtype bytes. None where that formula does not describe the cache
+    (MLA, sliding-window or hybrid layers): vLLM's own start-up check then stands alone."""
     layer_types = set(getattr(c, "layer_types", None) or ["full_attention"])
     if getattr(c, "kv_lora_rank", None) or getattr(c, "use_sliding_window", False) or layer_types != {"full_attention"}:
         return None
@@ -151,7 +148,7 @@ def check_kv_fits(model_path: str, dtype: str, max_model_len: int | None, kv_cac
     if positions and not scaled and length > positions:
         raise ValueError(f"VLLMEngine: max_model_len {length} exceeds the model's {positions} positions: "
                          "lower --max-model-len, or --max-prompt-len / --max-new-tokens")
-    per_token = kv_bytes_per_token(model_path, dtype)
+    per_token = kv_bytes_per_token(c, dtype)
     if kv_cache_bytes is None or per_token is None:  # GPU sizing: vLLM checks after profiling
         return
     needed = per_token * (128 * math.ceil(length / 128) + 128)

@@ -62,7 +62,9 @@ def test_request_that_cannot_fit_fails_before_start_up_naming_the_flag(tiny_dir,
         raise AssertionError("vllm.LLM() was started")
 
     monkeypatch.setattr(vllm, "LLM", started)  # the check must come before the engine starts
-    assert vllm_engine.kv_bytes_per_token(tiny_dir, "float32") == 2 * 2 * 1 * 32 * 4  # L x (K,V) x heads x dim x 4 B
+    from transformers import AutoConfig
+    text_config = AutoConfig.from_pretrained(tiny_dir).get_text_config()
+    assert vllm_engine.kv_bytes_per_token(text_config, "float32") == 2 * 2 * 1 * 32 * 4  # L x (K,V) x heads x dim x 4 B
     with pytest.raises(ValueError, match=r"max_model_len=32768 \(unset: the model's full context\) needs 16\.1 MiB"
                                          r".*raise --kv-cache-gb, or lower --max-model-len"):
         VLLMEngine(tiny_dir, kv_cache_bytes=KV_BYTES)  # vLLM's default: the model's 32768 positions
