@@ -1,7 +1,7 @@
 """bench_steps.py — bench.py's whole-step entries: a GRPO step, rollout engines, the trainer, train-step
-memory at the real shape, and the weight sync. Run them through bench.py:
+memory at the real shape, the weight sync, and evaluation sharded over ranks. Run them through bench.py:
 
-    python bench.py --threads 1 --only grpo_step,rollout,trainer,train_memory,weight_sync
+    python bench.py --threads 1 --only grpo_step,rollout,trainer,train_memory,weight_sync,eval_sharded
 
     rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
     ^^^^^^^                                                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^  ^^^^^^^^^^^
@@ -12,8 +12,11 @@ bench.py.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from functools import partial
 
@@ -174,3 +177,25 @@ class StepEntries:
                 engine.close()
         self.notes.append("weight_sync: one process, no FSDP: the trainer's full tensors already exist, so "
                           "streaming saves the state dict's copies only where tensors are gathered or converted")
+
+    def eval_sharded(self):
+        """Evaluation wall time (train.py's `time/eval` at step 0, the slowest rank's) on 1 rank and on 2
+        ranks over gloo, each rank one thread: the same held-out prompts, greedy + pass@k, and the same
+        greedy accuracy (nanorl/evaluation.py shards every eval set over the ranks)."""
+        task = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))
+        n_eval, got = self.pick(200, 16), {}
+        for ranks in (1, 2):
+            out = os.path.join(self.workdir, f"eval_{ranks}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+                   str(29571 + ranks), "train.py", "--model", task["model"], "--train-data", task["train"],
+                   "--test-data", task["test"], "--eval-limit", str(n_eval), "--steps", "1", "--prompts-per-step", "4",
+                   "--samples-per-prompt", "2", "--threads", "1", "--quiet", "--out-dir", out]
+            subprocess.run(cmd, check=True, capture_output=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+            with open(os.path.join(out, "metrics.jsonl")) as f:
+                got[ranks] = json.loads(f.readline())  # step 0: the evaluation before training
+        case = f"built-in task, {n_eval} held-out prompts, greedy + pass@{Config.pass_k}, 1 thread per rank"
+        for ranks, m in got.items():
+            self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}", dict(median=m["time/eval"]),
+                     baseline=ranks == 1, note=f"accuracy {m['eval/accuracy']:.3f}")
+        self.check(got[1]["eval/accuracy"] == got[2]["eval/accuracy"], "eval_sharded: 2-rank greedy accuracy == 1-rank")

@@ -275,11 +275,15 @@ def generate_section(c: Check):
           tokens_per_s=s.prompts * s.new_tokens / t)
 
 
+PROMPT_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."  # README's
+
+
 def rehearsal_argv(paths: dict, out_dir: str, engine: str, max_new_tokens: int = 1024) -> list[str]:
     """README's GPU command line (--algo grpo ... --reward math --max-new-tokens 1024 --dtype bfloat16;
     tests/test_gpu_check.py compares) on make_real_shape's model and GSM8K-format data, 2 steps of 4 × 4."""
     return ["--algo", "grpo", "--model", paths["model"], "--train-data", paths["train"], "--test-data",
-            paths["test"], "--input-key", "question", "--label-key", "answer", "--reward", "math", "--engine", engine,
+            f"gsm8k={paths['test']}", "--input-key", "question,problem", "--label-key", "answer", "--prompt-template",
+            PROMPT_TEMPLATE, "--reward", "math", "--engine", engine,
             "--max-new-tokens", str(max_new_tokens), "--dtype", "bfloat16", "--steps", "2",
             "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-limit", "4", "--out-dir", out_dir,
             "--quiet"]

@@ -38,15 +38,16 @@ import numpy as np
 import torch
 
 from nanorl import checkpoint, distributed, moe_replay, precision
+from nanorl.evaluation import evaluate, load_eval_sets
 from nanorl.advantage import compute_advantages, masked_whiten
 from nanorl.config import Config, parse_args
 from nanorl.distributed import Trained
-from nanorl.data import PromptLoader, build_prompts, load_rows
+from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards
 from nanorl.logger import Logger, PhaseTimer
 from nanorl.policy import ValueModel, frozen_copy, load_model
-from nanorl.rewards import RewardRunner, load_reward_fn
-from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.rewards import RewardRunner, correct, load_reward_fn, score_samples
+from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
 from nanorl.task import make_default
 from nanorl.trajectory import collate
 from nanorl.update import forward, routing_forward, score_batch, train_on
@@ -62,7 +63,7 @@ class Run:
     tokenizer: object
     engine: object
     loader: PromptLoader
-    test_prompts: list
+    eval_sets: list  # [EvalSet] (nanorl/evaluation.py)
     rewards: RewardRunner
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -110,19 +111,19 @@ def setup(cfg: Config) -> Run:
     if cfg.gradient_checkpointing:
         precision.enable_gradient_checkpointing(model, routing_replay=cfg.routing_replay)
     model.train()  # Hugging Face checkpoints only in train mode; dropout is 0 in these models
+    fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
     train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
-                                   cfg.max_prompt_len, source=cfg.train_data)
-    test = (build_prompts(load_rows(cfg.test_data, split="test"), tokenizer, cfg.input_key, cfg.label_key,
-                          cfg.max_prompt_len, source=cfg.test_data)[0] if cfg.test_data else [])
-    if cfg.eval_limit:
-        test = test[:cfg.eval_limit]
+                                   cfg.max_prompt_len, source=cfg.train_data, fmt=fmt)
+    eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.input_key, cfg.label_key, cfg.max_prompt_len, fmt,
+                               limit=cfg.eval_limit)
     if cfg.engine == "auto":
         cfg = dataclasses.replace(cfg, engine="vllm" if device.type == "cuda" and vllm_importable() else "hf")
     if cfg.engine == "vllm":  # its own copy of the weights, loaded from the same path, synced below
         from nanorl.vllm_engine import VLLMEngine
-        longest = max(len(p.ids) for p in train + test)  # the run's longest request, not the model's context
+        longest = max(len(p.ids) for p in train + [p for s in eval_sets for p in s.prompts])  # the run's
+        longest += max(cfg.max_new_tokens, cfg.eval_max_new_tokens)  # longest request, not the model's context
         engine = VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
-                            max_model_len=cfg.max_model_len or longest + cfg.max_new_tokens,
+                            max_model_len=cfg.max_model_len or longest,
                             kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,  # None: GPU share / CPU default
                             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                             record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
@@ -149,9 +150,10 @@ def setup(cfg: Config) -> Run:
               else FixedKLController(cfg.kl_coef))
     logger = Logger(cfg.out_dir, cfg.steps, enabled=rank == 0, quiet=cfg.quiet, tensorboard=cfg.tensorboard,
                     wandb_project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume=bool(cfg.resume))
-    rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print)
+    rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print,
+                           workers=max(1, min(8, (os.cpu_count() or 2) // (2 * world))))  # half the cores
     loader = PromptLoader(train, cfg.prompts_per_step, seed=cfg.seed, rank=rank, world=world)
-    run = Run(cfg, model, tokenizer, engine, loader, test, rewards, optimizer, scheduler, kl_ctl, logger,
+    run = Run(cfg, model, tokenizer, engine, loader, eval_sets, rewards, optimizer, scheduler, kl_ctl, logger,
               ref=ref, critic=critic, trained=trained, scaler=precision.grad_scaler(dtype, device),
               rank=rank, world=world,
               counters={"skipped_updates": 0, "prompts_skipped_empty": skipped["empty"],
@@ -175,46 +177,16 @@ def lr_factor(cfg: Config, step: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
-def correct(reward) -> float:
-    """Accuracy of one scored response: the "correct" component of a dict reward, else the reward."""
-    return float(reward.get("correct", sum(reward.values())) if isinstance(reward, dict) else reward)
+# ----------------------------------------------------------------------------- scoring
 
 
 def score(run: Run, prompts, samples) -> list:
-    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-    n = len(samples) // len(prompts)
-    return run.rewards([p.text for p in prompts for _ in range(n)], texts,
-                       [p.label for p in prompts for _ in range(n)])
-
-
-def evaluate(run: Run) -> dict:
-    """Held-out greedy accuracy and pass@k (k samples at the training temperature)."""
-    if not run.test_prompts:
-        return {}
-    with checkpoint.isolated_rng(run, seed=run.cfg.seed):  # never shifts training's random stream
-        return _evaluate(run)
-
-
-def _evaluate(run: Run) -> dict:
-    cfg, prompts = run.cfg, run.test_prompts
-    stop = stop_tokens(run)
-    greedy = run.engine.generate([p.ids for p in prompts], 1, SamplingConfig(
-        temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop))
-    acc = np.mean([correct(r) >= 1.0 for r in score(run, prompts, greedy)])
-    sampled = run.engine.generate([p.ids for p in prompts], cfg.pass_k, SamplingConfig(
-        temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
-        stop_token_ids=stop))
-    hits = np.array([correct(r) >= 1.0 for r in score(run, prompts, sampled)]).reshape(len(prompts), -1)
-    return {"eval/accuracy": float(acc), f"eval/pass@{cfg.pass_k}": float(hits.any(1).mean())}
+    """The reward of every sample (prompt i's n samples are consecutive)."""
+    return score_samples(run.rewards, run.tokenizer, prompts, samples)
 
 
 def stop_tokens(run: Run) -> tuple[int, ...]:
-    eos = run.model.generation_config.eos_token_id if run.model.generation_config else None
-    ids = {run.tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return tuple(sorted(i for i in ids if i is not None))
+    return stop_token_ids(run.model, run.tokenizer)
 
 
 # ----------------------------------------------------------------------------- one RL step
@@ -346,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     stop = {"now": False}
     previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True))  # finish the step, save,
                 for sig in (signal.SIGINT, signal.SIGTERM)}                 # exit 0 with a resume hint
-    before = evaluate(run) if run.rank == 0 else {}
+    before = evaluate(run)  # every rank scores a slice of every eval set (nanorl/evaluation.py)
     if before:
         run.logger.print(f"held-out greedy accuracy at step {run.step}: {100 * before['eval/accuracy']:.1f}%")
         run.logger.log(run.step, before)
@@ -354,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict:
     while run.step < cfg.steps and not stop["now"]:
         metrics = distributed.reduce_metrics(rl_step(run), run.world)
         run.step += 1
-        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps and run.rank == 0:
+        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
             metrics.update(evaluate(run))
         run.logger.log(run.step, metrics)
         if cfg.save_every and run.step % cfg.save_every == 0:
@@ -362,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict:
     if run.world > 1:  # every rank must hold (and have synced into its engine) the same weights
         distributed.check_ranks_in_sync(getattr(run.engine, "model", run.model), run.world)  # HF: what it samples
         run.logger.print(f"ranks in sync: parameters identical on {run.world} ranks")
-    after = evaluate(run) if run.rank == 0 and not stop["now"] else {}  # interrupted: save first, fast
+    after = evaluate(run) if not stop["now"] else {}  # interrupted: save first, fast
     if after:
         run.logger.log(run.step, after)
         run.logger.print(f"accuracy before: {100 * before['eval/accuracy']:.1f}%")

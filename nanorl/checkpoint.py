@@ -53,7 +53,8 @@ MANIFEST = "manifest.json"
 PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 FREE_FIELDS = {"resume", "steps", "out_dir", "save_every", "eval_every", "eval_limit", "quiet", "threads",
-               "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k"}
+               "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k",
+               "test_data", "eval_temperature", "eval_max_new_tokens"}
 
 
 class CheckpointError(Exception):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
 from dataclasses import dataclass, fields
 
 # name -> (one line for --help, field overrides). The defaults of Config are GRPO's.
@@ -64,17 +65,30 @@ class Config:
     model: str = ""
     """Hugging Face name or local path of a causal LM; empty = the built-in tiny Qwen2 (nanorl/task.py)."""
     train_data: str = ""
-    """Prompts: .jsonl, .parquet or a `datasets` name; empty = the built-in arithmetic task."""
+    """Prompts: a .jsonl / .parquet file or a `datasets` name[:config][@split] (split default train);
+    empty = the built-in arithmetic task (nanorl/data.py)."""
     test_data: str = ""
-    """Held-out prompts for evaluation (same formats); empty = the built-in held-out split."""
+    """Eval sets, comma-separated, each [name=]source in the same forms (split default test), logged
+    as eval/<name>/...; empty = the built-in held-out split."""
     input_key: str = "prompt"
-    """Column holding the prompt text."""
+    """Column holding the prompt (a string or a list of chat messages); a.b reads a nested column,
+    a,b takes the first a set has."""
     label_key: str = "answer"
-    """Column holding the reference answer the reward checks."""
+    """Column holding the reference answer the reward checks (same a.b / a,b forms)."""
+    # --- prompt format (nanorl/data.py PromptFormat): the four ways recipes shape a prompt
+    system_prompt: str = ""
+    """A system message put before every prompt (a row with its own system message is an error)."""
+    prompt_template: str = ""
+    """Wraps the user's text: "{prompt}" is replaced by it (e.g. "{prompt} Put your final answer in \\boxed{}.")."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template when it has one (--no-chat-template: raw text, for base models)."""
+    chat_template_kwargs: str = ""
+    """JSON object of extra chat-template options, e.g. '{"enable_thinking": false}' for Qwen3."""
     reward: str = "exact"
     """Reward: exact, math, format, math_format, exact_format, or module:function / file.py:function."""
-    reward_timeout: float = 0.0
-    """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0."""
+    reward_timeout: float = -1.0
+    """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
+    them in-process; -1 = 10 s for the math rewards (the verifier can hang on adversarial output), else 0."""
     out_dir: str = "runs/nanorl"
     """Where metrics, checkpoints and the built-in task files go."""
     # --- rollout
@@ -201,7 +215,11 @@ class Config:
     eval_every: int = 25
     """Held-out greedy accuracy and pass@k every N steps (0 = only before and after)."""
     pass_k: int = 4
-    """k of the pass@k evaluation (temperature sampling)."""
+    """k of the pass@k evaluation (temperature sampling), i.e. the samples per eval prompt."""
+    eval_temperature: float = 0.0
+    """Sampling temperature of the pass@k evaluation (0 = the training temperature)."""
+    eval_max_new_tokens: int = 0
+    """Longest eval response, greedy and pass@k (0 = max_new_tokens)."""
     eval_limit: int = 0
     """Evaluate on at most this many held-out prompts (0 = all)."""
     save_every: int = 0
@@ -244,9 +262,17 @@ class Config:
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "max_prompt_len", "pass_k", "keep_checkpoints"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.reward_timeout == -1:  # the math verifier is bounded by default (nanorl/rewards.py BOUNDED)
+            from nanorl.rewards import BOUNDED
+            self.reward_timeout = BOUNDED.get(self.reward, 0.0)
+        need(not self.prompt_template or "{prompt}" in self.prompt_template,
+             f"prompt_template must contain {{prompt}} (where the user's text goes), got {self.prompt_template!r}")
+        need(not self.chat_template_kwargs or isinstance(self.chat_template_dict, dict),
+             f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
                      "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
-                     "tis_cap", "icepop_low", "icepop_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip"):
+                     "tis_cap", "icepop_low", "icepop_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip",
+                     "eval_temperature", "eval_max_new_tokens"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
@@ -261,6 +287,15 @@ class Config:
         need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
         need(not self.icepop_high or 0 <= self.icepop_low < 1 < self.icepop_high,
              "ICEPOP band needs icepop_low < 1 < icepop_high")
+
+    @property
+    def chat_template_dict(self) -> dict | None:
+        """chat_template_kwargs parsed ({} when empty; None when it is not a JSON object)."""
+        try:
+            value = json.loads(self.chat_template_kwargs or "{}")
+        except ValueError:
+            return None
+        return value if isinstance(value, dict) else None
 
     @property
     def uses_reference(self) -> bool:

@@ -13,8 +13,9 @@ A dict names several components (e.g. {"correct": 1.0, "format": 0.5}); they are
 summed into the sample's total reward, and GDPO normalises each one on its own (nanorl/advantage.py).
 
 Built in: `exact` (the default task: the exact answer then the end of the response), `math` (the
-answer from \\boxed{...}, "#### x", or the last number, normalised), `format` (the answer is boxed),
-`math_format` (both, as components). Any user function is loaded from an explicit flag as
+final answer from \\boxed{...}, "#### x" or "the answer is", checked for mathematical equality with
+the label by math-verify: nanorl/math_grader.py), `format` (the answer is boxed), `math_format` (both,
+as components). The math rewards run in worker processes with a 10 s timeout by default (`BOUNDED`). Any user function is loaded from an explicit flag as
 `module:function` or `path/to/file.py:function` — never from data.
 
 A reward function is user code and must never take the run down: `RewardRunner` calls it, and a
@@ -36,50 +37,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
-# ----------------------------------------------------------------------------- answer extraction
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer: the last \\boxed{...} (nested braces allowed), else "#### x", else the
-    last number in the text. None when there is none."""
-    start = text.rfind("\\boxed{")
-    if start >= 0:
-        depth, i = 1, start + len("\\boxed{")
-        for j in range(i, len(text)):
-            depth += {"{": 1, "}": -1}.get(text[j], 0)
-            if depth == 0:
-                return text[i:j]
-        return None  # an unclosed box is no answer
-    m = re.search(r"####\s*([^\n]+)", text)
-    if m:
-        return m.group(1).strip()
-    nums = re.findall(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?", text)
-    return nums[-1] if nums else None
-
-
-def normalize_answer(ans: str) -> str:
-    """Canonical string for comparison: no spaces, $, units or thousands commas; \\frac{a}{b} and
-    a/b as a reduced fraction; "12.0" as "12"."""
-    s = ans.strip().strip("$").replace("\\!", "").replace(" ", "")
-    s = re.sub(r"\\(?:text|mathrm)\{[^}]*\}", "", s)  # \text{cm}, \mathrm{kg}: units
-    s = re.sub(r"\^\{?\\circ\}?|°|%", "", s)
-    s = re.sub(r"\\d?frac\{([^}]*)\}\{([^}]*)\}", r"\1/\2", s)
-    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)  # 1,234 -> 1234
-    s = re.sub(r"[a-zA-Z]+$", "", s) if re.match(r"^-?[\d.]+[a-zA-Z]+$", s) else s  # "5cm" -> "5"
-    s = s.rstrip(".")
-    if len(s) > 200:  # no real answer is this long; int()/float() of it would raise (4300-digit cap)
-        return s
-    m = re.fullmatch(r"(-?\d+)/(-?\d+)", s)
-    if m and int(m.group(2)) != 0:
-        num, den = int(m.group(1)), int(m.group(2))
-        g = math.gcd(num, den) * (1 if den > 0 else -1)
-        num, den = num // g, den // g
-        s = str(num) if den == 1 else f"{num}/{den}"
-    elif re.fullmatch(r"-?\d+\.\d+", s):
-        f = float(s)
-        s = str(int(f)) if f == int(f) else repr(f)
-    return s
-
+from nanorl import math_grader
 
 # ----------------------------------------------------------------------------- built-in rewards
 
@@ -90,14 +48,14 @@ def exact(prompt: str, response: str, label: str) -> float:
 
 
 def math_reward(prompt: str, response: str, label: str) -> float:
-    """1 when the extracted, normalised answer equals the normalised label."""
-    ans = extract_answer(response)
-    return float(ans is not None and normalize_answer(ans) == normalize_answer(str(label)))
+    """1 when the response's final answer (\\boxed{}, "####", "the answer is") is mathematically
+    equal to the label's (a GSM8K solution, a MATH solution or a plain answer): nanorl/math_grader.py."""
+    return float(math_grader.grade(response, str(label)))
 
 
 def format_reward(prompt: str, response: str, label: str) -> float:
-    """1 when the response puts a final answer in \\boxed{...}."""
-    return 1.0 if re.search(r"\\boxed\{[^}]*\}", response) else 0.0
+    """1 when the response puts a final answer in a closed \\boxed{...} (nested braces allowed)."""
+    return 1.0 if math_grader.last_boxed(response) is not None else 0.0
 
 
 def math_format(prompt: str, response: str, label: str) -> dict[str, float]:
@@ -114,6 +72,14 @@ def exact_format(prompt: str, response: str, label: str) -> dict[str, float]:
 
 
 BUILTIN = {"exact": exact, "exact_format": exact_format, "math": math_reward, "format": format_reward, "math_format": math_format}
+# The verifier parses model output with SymPy, which adversarial output can keep busy for a long time:
+# these run in worker processes with this per-call timeout unless --reward-timeout says otherwise.
+BOUNDED = {"math": 10.0, "math_format": 10.0}
+
+
+def correct(reward) -> float:
+    """Accuracy of one scored response: the "correct" component of a dict reward, else the reward."""
+    return float(reward.get("correct", sum(reward.values())) if isinstance(reward, dict) else reward)
 
 
 def load_reward_fn(spec: str):
@@ -135,6 +101,13 @@ def load_reward_fn(spec: str):
     if not callable(getattr(module, name, None)):
         raise ValueError(f"reward {spec!r}: {where} has no callable {name!r}")
     return getattr(module, name)
+
+
+def score_samples(runner, tokenizer, prompts, samples) -> list:
+    """Rewards of `samples` (the n responses of each prompt, consecutive) through `runner`."""
+    texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    n = len(samples) // len(prompts)
+    return runner([p.text for p in prompts for _ in range(n)], texts, [p.label for p in prompts for _ in range(n)])
 
 
 # ----------------------------------------------------------------------------- the safe runner

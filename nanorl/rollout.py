@@ -62,6 +62,15 @@ class RolloutEngine:
         raise NotImplementedError
 
 
+def stop_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
+    """Where a response ends: the tokenizer's EOS and every EOS of the model's generation config
+    (instruct models end turns with their own, e.g. Qwen's <|im_end|>)."""
+    gen = getattr(model, "generation_config", None)
+    eos = gen.eos_token_id if gen is not None else None
+    ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return tuple(sorted(i for i in ids if i is not None))
+
+
 @dataclass
 class HFEngine(RolloutEngine):
     """Batched sampling with a KV cache on a Hugging Face causal LM (the trainer's own module).

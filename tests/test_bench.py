@@ -19,7 +19,7 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
-           "train_memory", "weight_sync", "padding", "ksm", "routing_replay"}
+           "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay"}
 
 
 def test_quick_run_reports_every_entry(tmp_path):
@@ -56,6 +56,9 @@ def test_quick_run_reports_every_entry(tmp_path):
     assert set(phases) == {"generate", "reward", "logprob", "advantage", "train", "sync", "whole step"}
     assert phases["generate"] + phases["train"] <= phases["whole step"] * 1.5  # medians of parts vs whole
 
+    ev = {r["impl"]: r for r in rows if r["bench"] == "eval_sharded"}  # 1 and 2 ranks, same greedy accuracy
+    assert set(ev) == {"1 rank", "2 ranks"} and all(r["median"] > 0 for r in ev.values())
+    assert "ok: eval_sharded: 2-rank greedy accuracy == 1-rank" in data["notes"]
     sync = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "weight_sync"}  # 2 models × (time, 2 peaks)
     assert len(sync) == 6 and all(r.get("peak_mib") is not None for (c, _), r in sync.items() if "peak" in c)
     mem = {r["impl"]: r for r in rows if r["bench"] == "train_memory"}  # 2 × 2 configurations, one case

@@ -77,7 +77,7 @@ CASES = {  # name: (file content, expected error regex or None when it loads)
     "json_array": (b"[1, 2]\n", r":1: expected a JSON object, got list"),
     "missing_key": (b'{"question": "1+1=", "answer": "2"}\n',
                     r"row 1 has no key 'prompt'; keys present: \['answer', 'question'\]"),
-    "prompt_not_str": (b'{"prompt": 12, "answer": "2"}\n', r"row 1: 'prompt' must be a string, got int"),
+    "prompt_not_str": (b'{"prompt": 12, "answer": "2"}\n', r"row 1: the prompt must be a string or a non-empty list of .*messages, got '12'"),
     "null_label": (b'{"prompt": "1+1=", "answer": null}\n', r"row 1: 'answer' is null"),
     "lone_surrogate": (b'{"prompt": "\\ud800", "answer": "1"}\n', r"row 1: the tokenizer cannot encode 'prompt'"),
     "only_empty_prompts": (b'{"prompt": "  ", "answer": "1"}\n', r"no usable prompt left \(skipped \{'empty': 1"),

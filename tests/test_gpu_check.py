@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
@@ -69,13 +70,14 @@ def test_peak_table_by_device_name():
 def test_rehearsal_is_the_readme_gpu_command_line():
     readme = open(os.path.join(ROOT, "README.md")).read()
     line = re.search(r"python train\.py --algo grpo --model Qwen.*?(?=\n\S|\naccelerate)", readme, re.S).group(0)
-    flags = dict(re.findall(r"(--[\w-]+) ([^\s\\]+)", line))
+    words = shlex.split(line.replace("\\\n", " "), comments=True)
+    flags = {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
     argv = gpu_check.rehearsal_argv({"model": "M", "train": "T.jsonl", "test": "E.jsonl"}, "OUT", "hf")
     given = dict(zip(argv[::2], argv[1::2]))
     for flag, value in flags.items():
         if flag not in ("--model", "--train-data", "--test-data", "--engine"):  # ours: files made in code; no vLLM
             assert given[flag] == value, flag
-    assert given["--engine"] == "hf" and given["--input-key"] == "question"  # GSM8K's column
+    assert given["--engine"] == "hf" and given["--input-key"] == "question,problem"  # GSM8K's and MATH's columns
     fields = {f.name for f in dataclasses.fields(Config)}
     assert all(a[2:].replace("-", "_") in fields for a in argv if a.startswith("--"))
 

@@ -16,6 +16,7 @@ rollout batch; an fp32 LM head narrows the rollout/trainer logprob gap.
 """
 import importlib.util
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 import train
 from nanorl import update
 from nanorl.config import parse_args
+from nanorl.data import main as data_main
 from nanorl.task import make_real_shape
 from nanorl.trajectory import Sample, collate
 
@@ -35,19 +37,58 @@ SHRINK = ["--steps", "2", "--prompts-per-step", "2", "--samples-per-prompt", "2"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 
+MATH500_ROWS = [  # HuggingFaceH4/MATH-500's columns
+    {"problem": "What is $\\frac{1}{2}+\\frac{1}{4}$?", "solution": "It is $\\boxed{\\frac{3}{4}}$.",
+     "answer": "\\frac{3}{4}", "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"},
+    {"problem": "Convert $(0,3)$ to polar coordinates.", "solution": "$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$",
+     "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
+     "unique_id": "test/precalculus/807.json"}]
+
+
+def hub_dir(root: Path, configs: dict[str, dict[str, list[dict]]]) -> str:
+    """A dataset directory in a Hub repo's layout (parquet per config and split, configs in the
+    README's YAML), read by `datasets.load_dataset(dir, config, split=...)` as the Hub copy would be."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    yaml = ["---", "configs:"]
+    for config, splits in configs.items():
+        (root / config).mkdir(parents=True, exist_ok=True)
+        yaml += [f"- config_name: {config}", "  data_files:"]
+        for split, rows in splits.items():
+            pq.write_table(pa.Table.from_pylist(rows), root / config / f"{split}-00000-of-00001.parquet")
+            yaml += [f"  - split: {split}", f"    path: {config}/{split}-*"]
+    (root / "README.md").write_text("\n".join(yaml + ["---", ""]))
+    return str(root)
+
+
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    """The real-shape model, tokenizer and GSM8K-format files (built once, ~10 s)."""
-    return make_real_shape(str(tmp_path_factory.mktemp("real_shape")), layers=2)
+    """The real-shape model and tokenizer (built once, ~10 s), local stand-ins of openai/gsm8k and
+    HuggingFaceH4/MATH-500 in the Hub layout, and the data files the README's data lines make of them."""
+    root = tmp_path_factory.mktemp("real_shape")
+    paths = make_real_shape(str(root), layers=2)
+    gsm8k = {"main": {split: [json.loads(x) for x in open(paths[split])] for split in ("train", "test")}}
+    hubs = {"openai/gsm8k": hub_dir(root / "hub_gsm8k", gsm8k),
+            "HuggingFaceH4/MATH-500": hub_dir(root / "hub_math500", {"default": {"test": MATH500_ROWS}})}
+    files = {name: str(root / "data" / name) for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "math500.jsonl")}
+    os.makedirs(root / "data")
+    for argv in readme_commands("nanorl.data"):  # the README's data lines, on the local copies
+        assert argv[:3] == ["python", "-m", "nanorl.data"], argv
+        source, out = argv[3:]
+        for hub, local_dir in hubs.items():
+            source = source.replace(hub, local_dir)
+        data_main([source, files[out]])
+    return {**paths, **files}
 
 
-def readme_commands() -> list[list[str]]:
-    """The train.py command lines of the README's GPU block, continuation lines joined, comments cut."""
+def readme_commands(kind: str = "train.py") -> list[list[str]]:
+    """The command lines of the README's GPU block that run `kind`, continuation lines joined,
+    comments cut."""
     text = (ROOT / "README.md").read_text()
     assert MARKER in text, "README's GPU section lost its rehearsal marker"
     block = text.split(MARKER, 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     lines = block.replace("\\\n", " ").splitlines()
-    return [shlex.split(line, comments=True) for line in lines if "train.py" in line]
+    return [shlex.split(line, comments=True) for line in lines if kind in line]
 
 
 def local(argv: list[str], real: dict, first: list[str]) -> list[str]:
@@ -58,9 +99,13 @@ def local(argv: list[str], real: dict, first: list[str]) -> list[str]:
     if "..." in argv:
         i, j = argv.index("..."), first.index("--algo")
         argv = argv[:i] + first[:j] + first[j + 2:] + argv[i + 1:]
-    names = {"Qwen/Qwen2.5-0.5B-Instruct": real["model"], "gsm8k_train.jsonl": real["train"],
-             "gsm8k_test.jsonl": real["test"]}
-    return [names.get(a, a) for a in argv]
+    names = {"Qwen/Qwen2.5-0.5B-Instruct": real["model"], **{k: v for k, v in real.items() if k.endswith(".jsonl")}}
+    out = []
+    for a in argv:
+        for name, path in names.items():
+            a = path if a == name else a.replace(f"={name}", f"={path}")  # a file, or an eval set's name=file
+        out.append(a)
+    return out
 
 
 def first_command(real) -> list[str]:
@@ -78,9 +123,12 @@ def test_readme_gpu_block_is_the_real_command(real):
     assert len(cmds) >= 2
     first = first_command(real)
     assert {"--dtype", "bfloat16", "--reward", "math", "--engine", "vllm"} <= set(first)
+    assert len(readme_commands("nanorl.data")) == 3  # GSM8K train and test, MATH-500 (run by the fixture)
     for argv in cmds:
         cfg = parse_args(local(argv, real, first))
         assert cfg.model == real["model"] and cfg.dtype == "bfloat16"
+        assert cfg.test_data == f"gsm8k={real['gsm8k_test.jsonl']},math500={real['math500.jsonl']}"
+        assert cfg.reward_timeout > 0  # the math verifier runs bounded, in worker processes
         # pretrained-model defaults apply: a real lr, checkpointing and a token budget
         assert cfg.lr == 1e-6 and cfg.gradient_checkpointing and cfg.max_tokens_per_micro_batch == 16384
 
@@ -222,3 +270,43 @@ def test_fp32_lm_head_narrows_the_rollout_trainer_gap(real, tmp_path):
     print("mean |logprob gap|: bf16 head", gaps[False], "fp32 head", gaps[True])
     assert 0 < gaps[True] < gaps[False] < 0.05
     run.logger.close()
+
+
+def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
+    """The README's training line on the files its data lines made (GSM8K rows, MATH-500 as a second
+    eval set), with a scripted engine: for every prompt the first response boxes the label's answer
+    and the second a wrong one. The chain from data to reward is the real one (chat template, prompt
+    template, GSM8K `####` labels, math-verify in worker processes): reward and accuracy are exactly
+    1/2 in training and the greedy (right) answers score 1 on both eval sets. (In fp32: the reward
+    path does not depend on the dtype; the bf16 runs of the same line are test_readme_command_runs.)"""
+    from nanorl.evaluation import evaluate
+    from nanorl.math_grader import extract_answer
+    from nanorl.task import IM_END
+    argv = hf_variant(local(readme_commands()[0], real, []))
+    # fp32: this CPU has no bf16 matmul units, and the reward path does not depend on the dtype
+    run = train.setup(parse_args(argv + SHRINK + ["--out-dir", str(tmp_path), "--eval-limit", "2", "--dtype", "float32"]))
+    prompts = {tuple(p.ids): p for p in run.loader.prompts + [p for s in run.eval_sets for p in s.prompts]}
+    assert "final answer within \\boxed{}" in next(iter(prompts.values())).text  # the README's template
+
+    def scripted(batch, n, sampling):
+        out = []
+        for g, ids in enumerate(batch):
+            answer = extract_answer(prompts[tuple(ids)].label) or prompts[tuple(ids)].label
+            for j in range(n):
+                text = f"Step by step... so the answer is $\\boxed{{{answer if j % 2 == 0 else answer + '+1'}}}$."
+                resp = run.tokenizer(text, add_special_tokens=False)["input_ids"] + [IM_END]
+                out.append(Sample(prompt_ids=list(ids), response_ids=resp, rollout_logprobs=[0.0] * len(resp),
+                                  group_id=g))
+        return out
+
+    run.engine.generate = scripted
+    try:
+        metrics = train.rl_step(run)
+        assert metrics["reward_mean"] == 0.5 and metrics["accuracy"] == 0.5
+        assert metrics["loss"] == metrics["loss"]  # the update ran on these rewards
+        ev = evaluate(run)
+        assert ev["eval/gsm8k/accuracy"] == ev["eval/math500/accuracy"] == 1.0
+        assert ev["eval/gsm8k/pass@1"] == 1.0 and not run.rewards.faults
+    finally:
+        run.rewards.close()
+        run.logger.close()

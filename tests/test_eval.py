@@ -1,0 +1,140 @@
+"""Evaluation: several named eval sets with their own metrics, eval sampling separate from training's,
+and evaluation sharded over ranks with the 1-rank greedy numbers (nanorl/evaluation.py)."""
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import train
+from nanorl.config import Config
+from nanorl.data import Prompt
+from nanorl.evaluation import EvalSet, evaluate, load_eval_sets, set_name
+from nanorl.rewards import RewardRunner, exact
+from nanorl.task import make_default
+from nanorl.trajectory import Sample
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return make_default(str(tmp_path_factory.mktemp("task")), seed=0)
+
+
+class ScriptedEngine:
+    """Answers prompt "i" with str(i) greedily when i is even, and records every SamplingConfig."""
+
+    def __init__(self):
+        self.calls = []
+        self.generator = torch.Generator()
+
+    def generate(self, prompts, n, sampling):
+        self.calls.append((len(prompts), n, sampling))
+        out = []
+        for g, ids in enumerate(prompts):
+            i = ids[0]
+            for j in range(n):  # greedy: right for even i; sampled: sample j == 0 right for every i
+                right = (i % 2 == 0) if sampling.temperature == 0 else j == 0
+                out.append(Sample(prompt_ids=ids, response_ids=[i if right else i + 1] + [0] * (i % 3), group_id=g))
+        return out
+
+
+class Tok:
+    eos_token_id = 0
+
+    def batch_decode(self, seqs, skip_special_tokens=True):
+        return [str(s[0]) for s in seqs]
+
+
+def fake_run(sets, rank=0, world=1, **cfg):
+    cfg = Config(**{"pass_k": 3, "max_new_tokens": 4, **cfg})
+    return SimpleNamespace(cfg=cfg, eval_sets=sets, engine=ScriptedEngine(), tokenizer=Tok(), rank=rank, world=world,
+                           rewards=RewardRunner(exact), model=torch.nn.Linear(1, 1))
+
+
+def prompts(ids):
+    return [Prompt(ids=[i], text=str(i), label=str(i)) for i in ids]
+
+
+def test_metrics_per_set_and_pooled():
+    run = fake_run([EvalSet("a", prompts([0, 1, 2, 3])), EvalSet("b", prompts([4, 6, 7]))])
+    m = evaluate(run)
+    assert m["eval/a/accuracy"] == 0.5 and m["eval/b/accuracy"] == pytest.approx(2 / 3)
+    assert m["eval/accuracy"] == pytest.approx(4 / 7)  # pooled over the 7 prompts, not a mean of means
+    assert m["eval/a/pass@3"] == m["eval/b/pass@3"] == m["eval/pass@3"] == 1.0
+    assert m["eval/a/response_length_mean"] == pytest.approx((1 + 2 + 3 + 1) / 4)  # 1 + i % 3 tokens
+    assert m["time/eval"] >= 0
+
+
+def test_eval_sampling_flags_are_its_own():
+    run = fake_run([EvalSet("a", prompts([0, 1]))], eval_temperature=0.6, eval_max_new_tokens=32, temperature=1.0)
+    evaluate(run)
+    (n0, k0, greedy), (n1, k1, sampled) = run.engine.calls
+    assert (k0, greedy.temperature, greedy.max_new_tokens) == (1, 0.0, 32)
+    assert (k1, sampled.temperature, sampled.max_new_tokens) == (3, 0.6, 32)
+    run = fake_run([EvalSet("a", prompts([0]))], temperature=0.9)  # 0 = training's temperature and length
+    evaluate(run)
+    assert run.engine.calls[1][2].temperature == 0.9 and run.engine.calls[0][2].max_new_tokens == 4
+
+
+def test_rank_slices_cover_each_set_once():
+    sets = [EvalSet("a", prompts([0, 1, 2, 3, 4]))]
+    seen = []
+    for rank in range(2):
+        run = fake_run(sets, rank=rank, world=2)
+        evaluate(run)  # one process: the all-reduce is a no-op, so each call sees its own slice
+        seen.append(run.engine.calls[0][0])
+    assert seen == [3, 2]
+
+
+def test_eval_set_names_and_loading(task, tmp_path):
+    from nanorl.data import PromptFormat
+    from nanorl.task import build_tokenizer
+    assert set_name("data/gsm8k_test.jsonl") == "gsm8k_test" and set_name("openai/gsm8k:main@test") == "gsm8k_main_test"
+    assert set_name("HuggingFaceH4/MATH-500") == "MATH-500"
+    tok = build_tokenizer()
+    sets = load_eval_sets(f"held={task['test']},{task['test']}", tok, "prompt", "answer", 64, PromptFormat(), limit=5)
+    assert [s.name for s in sets] == ["held", "test"] and [len(s.prompts) for s in sets] == [5, 5]
+    with pytest.raises(ValueError, match="two eval sets are named 'test'"):
+        load_eval_sets(f"{task['test']},{task['test']}", tok, "prompt", "answer", 64, PromptFormat())
+
+
+def second_set(task, tmp_path) -> str:
+    """Another eval set in another layout: the built-in held-out sums as `question`/`answer`."""
+    rows = [json.loads(x) for x in open(task["test"])][:12]
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    return str(path)
+
+
+def run_args(task, out, sets, *extra):
+    return ["--model", task["model"], "--train-data", task["train"], "--test-data", sets,
+            "--input-key", "prompt,question", "--steps", "1", "--prompts-per-step", "4", "--samples-per-prompt", "2",
+            "--eval-limit", "40", "--pass-k", "2", "--quiet", "--threads", "1", "--out-dir", str(out), *extra]
+
+
+def first_eval(out) -> dict:
+    return json.loads(open(os.path.join(out, "metrics.jsonl")).readline())  # step 0: before training
+
+
+def test_train_logs_every_set_and_shards_over_two_ranks(task, tmp_path):
+    """train.py with two eval sets logs eval/<name>/...; over 2 ranks (gloo) every rank scores a slice
+    and the step-0 greedy accuracies equal the 1-rank run's exactly (same weights, same prompts)."""
+    sets = f"held={task['test']},sums={second_set(task, tmp_path)}"
+    train.main(run_args(task, tmp_path / "one", sets))
+    one = first_eval(tmp_path / "one")
+    assert {"eval/held/accuracy", "eval/sums/accuracy", "eval/held/pass@2", "eval/sums/response_length_mean",
+            "eval/accuracy"} <= set(one)
+    assert 0 < one["eval/held/accuracy"] < 1  # the warm-started model: partly right
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+           "train.py", *run_args(task, tmp_path / "two", sets)]
+    res = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    two = first_eval(tmp_path / "two")
+    for key in ("eval/held/accuracy", "eval/sums/accuracy", "eval/accuracy", "eval/held/response_length_mean"):
+        assert two[key] == one[key], key
