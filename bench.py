@@ -153,7 +153,7 @@ class Bench(StepEntries):
     notes: list = dataclasses.field(default_factory=list)
     ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",            # components
                "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",  # steps: bench_steps.py
-               "eval_sharded", "padding", "ksm", "routing_replay")
+               "eval_sharded", "padding", "ksm", "routing_replay", "async_steps")
 
     def pick(self, full, quick):
         return quick if self.quick else full

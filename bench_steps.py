@@ -1,7 +1,7 @@
 """bench_steps.py — bench.py's whole-step entries: a GRPO step, rollout engines, the trainer, train-step
 memory at the real shape, the weight sync, and evaluation sharded over ranks. Run them through bench.py:
 
-    python bench.py --threads 1 --only grpo_step,rollout,trainer,train_memory,weight_sync,eval_sharded
+    python bench.py --threads 1 --only grpo_step,rollout,trainer,train_memory,weight_sync,eval_sharded,async_steps
 
     rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
     ^^^^^^^                                                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^  ^^^^^^^^^^^
@@ -24,12 +24,14 @@ import numpy as np
 import torch
 
 from nanorl import batching, distributed, precision
-from nanorl.config import Config
+from nanorl.config import PRESETS, Config
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import load_model, response_logprobs
 from nanorl.rollout import SamplingConfig
 from nanorl.task import build_model, make_default, make_real_shape
 from nanorl.trajectory import Sample, collate
+from nanorl import pipeline
+from nanorl.evaluation import evaluate
 from train import rl_step, setup
 
 
@@ -181,21 +183,74 @@ class StepEntries:
     def eval_sharded(self):
         """Evaluation wall time (train.py's `time/eval` at step 0, the slowest rank's) on 1 rank and on 2
         ranks over gloo, each rank one thread: the same held-out prompts, greedy + pass@k, and the same
-        greedy accuracy (nanorl/evaluation.py shards every eval set over the ranks)."""
-        task = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))
-        n_eval, got = self.pick(200, 16), {}
+        greedy accuracy (nanorl/evaluation.py shards every eval set over the ranks). Full size: the
+        2-layer real-shape model on GSM8K-format prompts (compute-bound, as real evals are); quick: the
+        built-in model, whose 4-token eval is latency-bound (halving its batch saves nothing)."""
+        if self.quick:
+            task = make_default(os.path.join(self.workdir, "task"), seed=0, sft_steps=2)
+            flags, what = ["--eval-limit", "16"], "built-in task, 16 prompts"
+        else:
+            task = make_real_shape(os.path.join(self.workdir, "real_shape"))
+            flags = ["--eval-limit", "8", "--input-key", "question", "--reward", "math", "--dtype", "float32",
+                     "--max-new-tokens", "16", "--max-tokens-per-micro-batch", "0", "--no-gradient-checkpointing"]
+            what = "Qwen2.5-0.5B shape L=2 fp32, 8 GSM8K-format prompts, 16 new tokens"
+        got = {}
         for ranks in (1, 2):
             out = os.path.join(self.workdir, f"eval_{ranks}")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                    str(29571 + ranks), "train.py", "--model", task["model"], "--train-data", task["train"],
-                   "--test-data", task["test"], "--eval-limit", str(n_eval), "--steps", "1", "--prompts-per-step", "4",
-                   "--samples-per-prompt", "2", "--threads", "1", "--quiet", "--out-dir", out]
+                   "--test-data", task["test"], "--steps", "1", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+                   "--threads", "1", "--quiet", "--out-dir", out, *flags]
             subprocess.run(cmd, check=True, capture_output=True, cwd=os.path.dirname(os.path.abspath(__file__)),
-                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 got[ranks] = json.loads(f.readline())  # step 0: the evaluation before training
-        case = f"built-in task, {n_eval} held-out prompts, greedy + pass@{Config.pass_k}, 1 thread per rank"
+        case = f"{what}, greedy + pass@{Config.pass_k}, 1 thread per rank"
         for ranks, m in got.items():
             self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}", dict(median=m["time/eval"]),
                      baseline=ranks == 1, note=f"accuracy {m['eval/accuracy']:.3f}")
         self.check(got[1]["eval/accuracy"] == got[2]["eval/accuracy"], "eval_sharded: 2-rank greedy accuracy == 1-rank")
+
+    def async_steps(self):
+        """Synchronous vs --async-steps 1 and 2 (and 1 with TIS, which adds the π_old recompute to the
+        trainer's side) on the default task, one after the other in this process (with --threads 1:
+        one torch thread for the trainer, one for the rollout worker): steps/s over the steps after the
+        first (the worker's start-up), the training seconds (evaluations excluded) until the held-out
+        greedy accuracy first reaches 90% (evaluated every 25 steps; the run stops there), and where a
+        step's time goes. Quick: 3 steps, no accuracy target."""
+        steps, every, target = self.pick(800, 3), self.pick(25, 0), 0.9
+        case = f"default task, ≤{steps} steps, {self.threads or 'default'} thread(s) per side"
+        modes = {"sync": {}, "async K=1": dict(async_steps=1), "async K=2": dict(async_steps=2),
+                 "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0)}
+        for name, flags in modes.items():
+            K = flags.get("async_steps", 0)
+            run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)  # what `train.py --algo grpo` runs
+            run.pipeline = pipeline.start(run) if K else None
+            took, per, accs, reached = [], [], [], None
+            try:
+                while run.step < steps and reached is None:
+                    t = time.perf_counter()
+                    per.append(rl_step(run))
+                    run.step += 1
+                    took.append(time.perf_counter() - t)
+                    if every and run.step % every == 0:
+                        accs.append(evaluate(run)["eval/accuracy"])
+                        reached = (run.step, sum(took)) if accs[-1] >= target else None
+            finally:
+                if run.pipeline is not None:
+                    run.pipeline.close()
+                run.rewards.close()
+                run.logger.close()
+            warm, ms = took[1:] or took, per[1:] or per
+            phase = lambda k: 1e3 * statistics.median(m.get(k, 0.0) for m in ms)  # noqa: E731  ms per step
+            where = (f"train {phase('time/train'):.0f} ms, logprob+advantage "
+                     f"{phase('time/logprob') + phase('time/advantage'):.0f} ms, "
+                     + (f"waits {phase('time/generate'):.0f} ms for data; worker: generate "
+                        f"{phase('async/generate_s'):.0f} ms, waits {phase('async/engine_wait_s'):.0f} ms for weights"
+                        if K else f"generate {phase('time/generate'):.0f} ms, reward {phase('time/reward'):.0f} ms"))
+            self.add("async_steps", case, name, dict(median=statistics.median(warm)),
+                     baseline=K == 0, steps_per_s=len(warm) / sum(warm), steps_run=run.step,
+                     step_to_90=reached[0] if reached else None, seconds_to_90=reached[1] if reached else None,
+                     best_accuracy=max(accs, default=None),
+                     note=f"{len(warm) / sum(warm):.2f} steps/s; " + (f"90% at step {reached[0]}, {reached[1]:.0f} s; "
+                          if reached else f"90% not reached (best {max(accs):.3f}); " if accs else "") + where)

@@ -19,6 +19,9 @@ One optimizer step of RL is one pass down the chain:
 8. sync         the engine gets the new weights (free for the HF engine; verified for vLLM)
                 (vLLM sleeps from after the rollout to here, giving its GPU memory to training)
 
+With --async-steps K, steps 1-2 run in a worker process up to K batches ahead, on weights at most
+K versions old, and step 8 publishes the new weights to it (nanorl/pipeline.py).
+
 Multi-rank: every rank owns an engine and a disjoint shard of the prompts; a GRPO group never
 crosses ranks (group statistics stay local); loss denominators are summed over ranks and accelerate's
 DDP sums the gradients, so N ranks take exactly the step one rank would on the whole batch.
@@ -37,20 +40,24 @@ import time
 import numpy as np
 import torch
 
-from nanorl import checkpoint, distributed, moe_replay, precision
+from nanorl import checkpoint, dapo, distributed, moe_replay, pipeline, precision
 from nanorl.evaluation import evaluate, load_eval_sets
-from nanorl.advantage import compute_advantages, masked_whiten
+from nanorl.advantage import compute_advantages, estimator_inputs, masked_whiten
 from nanorl.config import Config, parse_args
 from nanorl.distributed import Trained
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
-from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards
+from nanorl.env import episode_metrics, turn_reward_tensor
+from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards, masked_mean
+from nanorl.losses import COV_LOSSES
+from nanorl.offpolicy import is_metrics, is_weights
 from nanorl.logger import Logger, PhaseTimer
 from nanorl.policy import ValueModel, frozen_copy, load_model
 from nanorl.rewards import RewardRunner, correct, load_reward_fn, score_samples
 from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
 from nanorl.task import make_default
+from nanorl.tool_envs import episode_runner, make_calc_task
 from nanorl.trajectory import collate
-from nanorl.update import forward, routing_forward, score_batch, train_on
+from nanorl.update import forward, routing_forward, score_batch, train_on, zero_weight_samples
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -73,6 +80,8 @@ class Run:
     critic: torch.nn.Module | None = None
     trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
     scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
+    episodes: object | None = None  # --env: the multi-turn driver over `engine` (nanorl/env.py)
+    pipeline: object | None = None  # --async-steps: the trainer's end of the rollout worker (nanorl/pipeline.py)
     rank: int = 0
     world: int = 1
     step: int = 0
@@ -91,7 +100,8 @@ def setup(cfg: Config) -> Run:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed + rank)
     if not cfg.model or not cfg.train_data:  # the built-in task: files and model made in code
-        default = make_default(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
+        make = make_calc_task if cfg.env == "calc" else make_default  # --env calc: its tool-using variant
+        default = make(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
         if world > 1:
             box = [default]
             torch.distributed.broadcast_object_list(box, src=0)  # rank 0 builds, the others read the same files
@@ -121,7 +131,8 @@ def setup(cfg: Config) -> Run:
     if cfg.engine == "vllm":  # its own copy of the weights, loaded from the same path, synced below
         from nanorl.vllm_engine import VLLMEngine
         longest = max(len(p.ids) for p in train + [p for s in eval_sets for p in s.prompts])  # the run's
-        longest += max(cfg.max_new_tokens, cfg.eval_max_new_tokens)  # longest request, not the model's context
+        longest += max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)  # longest request,
+        # not the model's context (an episode: its prompt + every turn and environment message)
         engine = VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
                             max_model_len=cfg.max_model_len or longest,
                             kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,  # None: GPU share / CPU default
@@ -158,6 +169,8 @@ def setup(cfg: Config) -> Run:
               rank=rank, world=world,
               counters={"skipped_updates": 0, "prompts_skipped_empty": skipped["empty"],
                         "prompts_skipped_too_long": skipped["too_long"]})
+    if cfg.env:  # multi-turn episodes: the environment answers between turns and scores the episode
+        run.episodes = episode_runner(cfg, engine, tokenizer, fmt, log=logger.print)
     engine.update_weights(model, version=0)
     return run
 
@@ -180,8 +193,20 @@ def lr_factor(cfg: Config, step: int) -> float:
 # ----------------------------------------------------------------------------- scoring
 
 
+def generate(run: Run, prompts, n: int, sampling: SamplingConfig) -> list:
+    """n samples per prompt, consecutive: the engine's responses, or with --env the episodes of the
+    multi-turn driver (the same Samples, with environment tokens masked out: nanorl/env.py)."""
+    if run.pipeline is not None:  # --async-steps: sampled and scored ahead by the worker (nanorl/pipeline.py)
+        return run.pipeline.take(run.step, prompts)
+    if run.episodes is not None:
+        return run.episodes.generate(prompts, n, sampling)
+    return run.engine.generate([p.ids for p in prompts], n, sampling)
+
+
 def score(run: Run, prompts, samples) -> list:
     """The reward of every sample (prompt i's n samples are consecutive)."""
+    if run.episodes is not None or run.pipeline is not None:  # the environment / the worker scored them
+        return [s.reward for s in samples]
     return score_samples(run.rewards, run.tokenizer, prompts, samples)
 
 
@@ -200,60 +225,87 @@ def rl_step(run: Run) -> dict:
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                   max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
                                   keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
-        samples = run.engine.generate([p.ids for p in prompts], cfg.samples_per_prompt, sampling)
+        samples = generate(run, prompts, cfg.samples_per_prompt, sampling)
     # 2. reward
     with timer("reward"):
         for s, r in zip(samples, score(run, prompts, samples)):
             s.reward = r
     metrics.update(reward_metrics(samples))
+    if run.pipeline is not None:  # staleness and who waited for whom (nanorl/pipeline.py)
+        metrics.update(run.pipeline.metrics)
+    if run.episodes is not None:  # turns, tool use, how episodes ended; env faults as run totals
+        metrics.update(episode_metrics(samples), **{f"env_faults/{k}": v for k, v in run.episodes.faults.items()})
+    baselines = remax_baselines(run, prompts, samples, timer) if cfg.advantage == "remax" else None
     if cfg.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
         stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
         metrics["ksm/support_bytes_per_token"] = stored / max(1, sum(s.response_length for s in samples))
     metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
-    if cfg.filter_groups:  # DAPO: a group whose rewards are all equal has zero advantage everywhere
-        samples = [s for s in samples if group_has_signal(samples, s.group_id)]
-        metrics["groups_kept_frac"] = len(samples) / (len(prompts) * cfg.samples_per_prompt)
-    if not enough_to_train(run, len(samples)):  # DAPO's filter can leave a rank with (next to) nothing
+    if cfg.filter_groups:  # DAPO: drop zero-variance groups, draw more prompts until the step is full
+        samples = refill_groups(run, prompts, samples, sampling, timer, metrics)
+    if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
+        metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
+            samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    if not enough_to_train(run, len(samples)):  # DAPO's filter left no rank a sample: no update
         return {**metrics, **{f"time/{k}": v for k, v in timer.seconds.items()}}
+    if not samples:  # none left here, some elsewhere: join the step with rows that weigh nothing
+        samples = zero_weight_samples(run.tokenizer.pad_token_id, cfg.samples_per_prompt)
     if cfg.sleep_level and hasattr(run.engine, "sleep"):  # vLLM: free its GPU memory until the sync
         run.engine.sleep(cfg.sleep_level)
     device = next(run.model.parameters()).device
     precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
     batch = collate(samples, run.tokenizer.pad_token_id).to(device)
+    turn_rewards = turn_reward_tensor(samples, batch.response_ids.shape[1]) if run.episodes is not None else None
+    if turn_rewards is not None:  # an environment rewarded turns before the last (advantage_inputs)
+        batch.token_data["turn_rewards"] = turn_rewards.to(device)
     mask = batch.response_mask  # [B, T] valid response tokens
     support = batch.sampling_support if cfg.keep_sampling_mask else None
     # 3. logprob recompute (no gradient)
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
-    need_old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or cfg.kl_in_reward))
+    # π_old is needed off-policy, for the KL in the reward, and by everything that reads it before the
+    # update: OTB, TIS/MIS weights, the per-step token selections (80/20 rule, KL-Cov / Clip-Cov).
+    reads_old = (cfg.kl_in_reward or cfg.advantage == "otb" or cfg.tis_cap or cfg.mis_high
+                 or cfg.top_entropy_quantile or cfg.policy_loss in COV_LOSSES)
+    need_old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or reads_old))
+    need_sq, need_ent = cfg.advantage == "otb", bool(cfg.top_entropy_quantile)  # by-products of that pass
     with timer("logprob"), torch.no_grad():
         if cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
             batch.token_data["old_logprobs"] = routing_forward(run, batch, support, metrics)
         elif cfg.old_logprobs == "rollout":
             batch.token_data["old_logprobs"] = batch.rollout_logprobs
         recompute = need_old and "old_logprobs" not in batch.token_data
-        if recompute or run.critic is not None:  # through `trained`: FSDP gathers weights in its forward
-            old, values = score_batch(run, run.trained, batch, support)  # micro-batched as training
-            if recompute:
-                batch.token_data["old_logprobs"] = old
+        if recompute or run.critic is not None or need_sq or need_ent:  # through `trained`: FSDP gathers
+            old, values, ent, sum_sq = score_batch(run, run.trained, batch, support, sum_sq=need_sq)  # weights
+            if recompute:                                                   # in its forward; micro-batched
+                batch.token_data["old_logprobs"] = old                      # as training
             if values is not None:
                 batch.token_data["old_values"] = values
-        if run.ref is not None:
+            if need_ent:
+                batch.token_data["old_entropy"] = ent
+            if need_sq:
+                batch.token_data["sum_sq_probs"] = sum_sq
+        if run.pipeline is not None and run.ref is not None:  # --async-steps: the worker scored them
+            batch.token_data["ref_logprobs"] = run.pipeline.ref_logprobs(samples, batch)
+        elif run.ref is not None:
             batch.token_data["ref_logprobs"] = score_batch(run, run.ref, batch, support)[0]
-    # 4. advantage
+    # 4. advantage (and the off-policy weights of the step, which OTB may read)
     with timer("advantage"):
-        token_rewards = None
+        td = batch.token_data
+        if cfg.tis_cap or cfg.mis_high:  # TIS / MIS: π_old/π_rollout, known before the update (offpolicy.py)
+            w, changed, rho = is_weights(td["old_logprobs"], batch.rollout_logprobs, mask, level=cfg.is_level,
+                                         tis=(cfg.tis_low, cfg.tis_cap) if cfg.tis_cap else None,
+                                         mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
+            td["is_weights"] = w
+            metrics.update(is_metrics(w, changed, rho, mask))
+        kl = None
         if cfg.kl_in_reward:  # KL as a per-token penalty in the reward (InstructGPT, REINFORCE++)
-            kl = kl_estimator(batch.token_data["old_logprobs"], batch.token_data["ref_logprobs"], cfg.kl_estimator,
-                              mask=mask)
-            token_rewards = kl_penalized_rewards(batch.rewards, kl, mask, run.kl_ctl.beta)
-        comps = (torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None)
-        adv, ret = compute_advantages(
-            cfg.advantage, scores=batch.rewards, mask=mask, index=batch.group_ids, token_rewards=token_rewards,
-            values=batch.token_data.get("old_values"), components=comps, gamma=cfg.gamma, lam=cfg.lam,
-            old_logprobs=batch.token_data.get("old_logprobs"), pass_k=cfg.pass_k)
-        if cfg.advantage == "gae":  # PPO whitens GAE advantages over the batch (as verl and OpenRLHF do)
-            adv = masked_whiten(adv, mask)
-        batch.token_data.update(advantages=adv, returns=ret)
+            kl = kl_estimator(td["old_logprobs"], td["ref_logprobs"], cfg.kl_estimator, mask=mask)  # [B, T]
+            metrics["kl_ref"] = float(masked_mean(kl, mask))  # logged, and what --kl-target steers by
+        adv, ret = compute_advantages(cfg.advantage, **advantage_inputs(run, batch, kl, baselines))
+        if cfg.advantage in ("gae", "gae_chunked") and cfg.whiten_advantages:  # PPO whitens GAE advantages
+            adv = masked_whiten(adv, mask)                                     # (as verl and OpenRLHF do)
+        td.update(advantages=adv, returns=ret)
+        if cfg.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
+            batch.response_mask = dapo.truncated_loss_mask(batch.response_mask, batch.truncated)
     # 5-7. loss, backward, optimizer step — ppo_epochs passes, mini_batches optimizer steps each
     with timer("train"):
         metrics.update(train_on(run, batch))
@@ -266,12 +318,17 @@ def rl_step(run: Run) -> dict:
             raise RuntimeError(f"step {run.step + 1}: the {cfg.engine} engine failed to load the new weights "
                                f"({type(e).__name__}: {e}); resume from the last checkpoint with "
                                "--resume latest") from e
+        if run.pipeline is not None:  # the worker samples batch step + 1 + K from this version
+            run.pipeline.publish(run.model, run.step + 1)
         if cfg.sync_check_every and hasattr(run.engine, "check_sync") and (run.step + 1) % cfg.sync_check_every == 0:
             # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
             with distributed.root_gathered(run.trained):
                 metrics.update({f"sync/{k}": v for k, v in run.engine.check_sync(run.model).items()})
-    if cfg.kl_target and run.ref is not None and math.isfinite(metrics.get("kl_loss", 0.0)):
-        run.kl_ctl.update(metrics.get("kl_loss", 0.0), n_steps=len(samples))
+    if cfg.kl_target:  # the per-token KL to the reference, in either placement; one β for every rank
+        n_tok = float(mask.sum()) if "kl_ref" in metrics else 0.0  # a rank of pads only has none
+        kl_sum, n = distributed.all_reduce(torch.tensor([metrics.get("kl_ref", 0.0) * n_tok, n_tok])).tolist()
+        if n > 0 and math.isfinite(kl_sum / n):
+            run.kl_ctl.update(kl_sum / n, n_steps=len(samples))
     step_time = sum(timer.seconds.values())
     metrics.update({f"time/{k}": v for k, v in timer.seconds.items()}, **{"time/step": step_time})
     metrics["tokens_per_s"] = float(mask.sum()) * run.world / max(step_time, 1e-9)
@@ -281,17 +338,85 @@ def rl_step(run: Run) -> dict:
 
 
 def enough_to_train(run: Run, n: int) -> bool:
-    """Every rank must take the same optimizer steps (each holds one DDP all-reduce), so all ranks
-    skip the update when any rank has fewer samples than mini-batches."""
+    """Whether this step updates: when any rank holds a sample (all ranks agree: an all-reduce). A
+    rank with none, or with fewer than mini-batches, still takes every pass of the step (zero-weight
+    rows and pads, nanorl/update.py), so the others' samples train as one process would train them."""
     if run.world == 1:
         return n > 0
-    fewest = distributed.all_reduce(torch.tensor([n]), torch.distributed.ReduceOp.MIN)
-    return int(fewest) >= run.cfg.mini_batches
+    return int(distributed.all_reduce(torch.tensor([n]))) > 0
 
 
-def group_has_signal(samples, gid) -> bool:
-    vals = {s.total_reward for s in samples if s.group_id == gid}
-    return len(vals) > 1
+def refill_groups(run: Run, prompts, samples, sampling, timer, metrics) -> list:
+    """DAPO dynamic sampling (nanorl/dapo.py): keep the groups whose rewards differ and generate rounds
+    of fresh prompts until this rank holds len(prompts) of them, at most max_gen_batches rounds."""
+    cfg, first = run.cfg, [samples]
+
+    def draw(wanted: bool) -> list:
+        if first:
+            return first.pop()
+        more = run.loader.next_batch()  # every rank advances its prompt stream alike
+        if not wanted:
+            return []
+        with timer("generate"):
+            new = generate(run, more, cfg.samples_per_prompt, sampling)
+        with timer("reward"):
+            for s, r in zip(new, score(run, more, new)):
+                s.reward = r
+        return new
+
+    def any_short(short: bool) -> bool:  # all ranks draw the same rounds
+        return short if run.world == 1 else int(distributed.all_reduce(torch.tensor([int(short)]))) > 0
+
+    kept, rounds, generated, gave_up = dapo.dynamic_sampling(draw, len(prompts), cfg.max_gen_batches, any_short)
+    found = len({s.group_id for s in kept})
+    metrics.update({"groups_kept_frac": found / max(generated, 1), "dapo/gen_rounds": rounds})
+    if gave_up:
+        run.counters["dapo_gave_up"] = run.counters.get("dapo_gave_up", 0) + 1
+        run.logger.print(f"step {run.step}: dynamic sampling found {found} of {len(prompts)} groups with reward "
+                         f"variance in {rounds} generation rounds (--max-gen-batches {cfg.max_gen_batches}); "
+                         "training on those. Raise --max-gen-batches, or use easier data / a stronger start.")
+    return kept
+
+
+def remax_baselines(run: Run, prompts, samples, timer) -> torch.Tensor:
+    """ReMax: the reward of one greedy response per prompt, the baseline of that prompt's samples [B]."""
+    cfg = run.cfg
+    with timer("generate"):
+        greedy = generate(run, prompts, 1, SamplingConfig(
+            temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run)))
+    with timer("reward"):
+        for g, r in zip(greedy, score(run, prompts, greedy)):
+            g.reward = r
+    return torch.tensor([greedy[s.group_id].total_reward for s in samples])
+
+
+def advantage_inputs(run: Run, batch, kl, baselines) -> dict:
+    """The chosen estimator's inputs. What every step has is passed where the estimator reads it; what a
+    flag asks for (KL in the reward, no whitening, GDPO weights, ReMax baselines) is passed as such, so an
+    estimator that cannot use it raises (nanorl/advantage.py compute_advantages)."""
+    cfg, td, mask = run.cfg, batch.token_data, batch.response_mask
+    uses = estimator_inputs(cfg.advantage)
+    comps = torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None
+    have = dict(mask=mask, index=batch.group_ids, values=td.get("old_values"), components=comps,
+                old_logprobs=td.get("old_logprobs"), sum_sq_probs=td.get("sum_sq_probs"),
+                rollout_is_weights=td.get("is_weights"), gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k)
+    inputs = {k: v for k, v in have.items() if k in uses and v is not None}
+    if "turn_rewards" in td and "token_rewards" in uses:  # an environment rewarded turns (nanorl/env.py): each
+        kl_part = 0 if kl is None else kl_penalized_rewards(torch.zeros_like(batch.rewards), kl, mask, run.kl_ctl.beta)
+        inputs["token_rewards"] = td["turn_rewards"] + kl_part  # on its turn's last token, −β·KL on every token
+    elif kl is None:
+        inputs["scores"] = batch.rewards
+    elif "kl_penalty" in uses:  # slime's REINFORCE++-baseline: the KL stays per token
+        inputs.update(scores=batch.rewards, kl_penalty=run.kl_ctl.beta * kl)
+    else:  # −β·KL per token + the score on the last one; outcome estimators score Σ_t of it (verl)
+        inputs["token_rewards"] = kl_penalized_rewards(batch.rewards, kl, mask, run.kl_ctl.beta)
+    if not cfg.whiten_advantages and cfg.advantage not in ("gae", "gae_chunked"):
+        inputs["whiten"] = False
+    if cfg.gdpo_weights:
+        inputs["component_weights"] = [float(x) for x in cfg.gdpo_weights.split(",")]
+    if baselines is not None:
+        inputs["baselines"] = baselines.to(mask.device)
+    return inputs
 
 
 def reward_metrics(samples) -> dict:
@@ -312,9 +437,16 @@ def reward_metrics(samples) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv) if not isinstance(argv, Config) else argv
+    rank, world, _ = distributed.init()  # first: an error anywhere after this stops every rank with it
+    with distributed.fail_together(rank, world):
+        return run_training(cfg)
+
+
+def run_training(cfg: Config) -> dict:
     run = setup(cfg)
-    if cfg.resume:
-        checkpoint.resume(run, cfg.resume)
+    resumed = checkpoint.resume(run, cfg.resume) if cfg.resume else None
+    if cfg.async_steps:  # the rollout worker starts from the (resumed) weights, during the first eval
+        run.pipeline = pipeline.start(run, resumed)
     stop = {"now": False}
     previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True))  # finish the step, save,
                 for sig in (signal.SIGINT, signal.SIGTERM)}                 # exit 0 with a resume hint
@@ -346,8 +478,12 @@ def main(argv: list[str] | None = None) -> dict:
                          f"{' '.join(sys.argv[1:])} --resume latest")
     run.logger.close()
     run.rewards.close()
+    if run.episodes is not None:  # tool worker processes
+        run.episodes.close()
     if hasattr(run.engine, "close"):  # vLLM: free the engine (one per process at a time)
         run.engine.close()
+    if run.pipeline is not None:
+        run.pipeline.close()
     for sig, handler in previous.items():  # in-process callers (tests, notebooks) get theirs back
         signal.signal(sig, handler)
     return {"before": before, "after": after, "step": run.step, "last": run.logger.last,

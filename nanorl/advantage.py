@@ -1,59 +1,57 @@
 """Advantage estimation: how much credit each response token gets for the reward.
 
-The policy gradient is ∇J = E[Σ_t ∇log π(a_t|s_t) · Ψ_t]. With Ψ_t = G_t, the *return* (the reward
-collected from token t on), every token of a good answer is pushed up by the same noisy amount (REINFORCE).
-Subtracting a *baseline* b(s_t) that does not depend on a_t keeps the gradient unbiased (E[∇log π] = 0)
-and can shrink its variance a lot; Ψ_t = G_t − b is the *advantage*: was this better than expected?
-Which tokens earn an outcome reward that only arrives at the end is the *credit-assignment* problem;
-each estimator answers it differently. Chain: rollout → reward → logprob recompute → **advantage** →
-loss → backward → optimizer step → weight sync.
+    rollout → reward → logprob recompute → **advantage** → loss → backward → optimizer step → weight sync
 
-- gae / gae_chunked: a critic V gives a per-token baseline; δ_t = r_t + γV_{t+1} − V_t and
-  A_t = Σ_l (γλ)^l δ_{t+l} (Schulman et al. 2015, arXiv:1506.02438). γ=λ=1 gives A_t = G_t − V_t.
-- grpo: no critic; sample a group of responses per prompt, A = (r − mean_group)/(std_group + ε) on
-  every token (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300). dr_grpo drops the std, removing
-  GRPO's up-weighting of prompts whose rewards barely vary (too easy / too hard) (Liu et al. 2025,
-  "Understanding R1-Zero-Like Training", arXiv:2503.20783).
-- rloo: baseline = mean of the *other* samples, A_i = r_i − (Σ_j r_j − r_i)/(n−1) (Ahmadian et al.
-  2024, arXiv:2402.14740).
-- reinforce_pp: token-level discounted return of a reward that carries the KL penalty per token,
-  whitened over the batch (Hu 2025, REINFORCE++, arXiv:2501.03262); reinforce_pp_baseline subtracts
-  the group mean of the scores first, then whitens over the batch.
-- opo: length-weighted group baseline b = Σ_j |o_j| r_j / Σ_j |o_j|, optimal when the gradient norm
-  grows with length (Hao et al. 2025, OPO, arXiv:2505.23585).
-- grpo_passk: optimise pass@k, not pass@1, with the closed-form group advantage of Chen et al. 2025
-  ("Pass@k Training", arXiv:2508.10751): over all size-k subsets of a group with N_neg failures,
-  R̄ = 1 − C(N_neg,k)/C(N,k), σ = sqrt(R̄(1−R̄)); a success gets (1−R̄)/σ, a failure
-  (1 − R̄ − C(N_neg−1,k−1)/C(N−1,k−1))/σ. k=1 is GRPO with the population std.
-- gpg: A = α·(r − mean_group), no std, α = B/(B − M) rescales for the M samples of groups whose
-  rewards are all equal (zero gradient) (Chu et al. 2025, GPG, arXiv:2504.02546). verl takes
-  M = number of zero scores; we use the paper's definition.
-- otb: optimal *token* baseline B_t = Σ_i G_t^i W_t^i / Σ_i W_t^i over the group, W_t = Σ_{j≤t} w_j,
-  w_j = 1 − 2π_j + Σ_v π_v² = ||∇_logits log π||², a path-variance proxy (OTB, arXiv:2602.07078, as
-  in verl). Without sum_sq_probs we use the lower bound Σπ² ≥ π_j², i.e. w_j = (1 − π_j)²; without
-  old_logprobs too, w_j = 1 (W_t = tokens so far).
-- gdpo: with several named rewards, normalise each component within its group, sum, then whiten over
-  the batch, so distinct reward combinations do not collapse to one advantage (Liu et al. 2026,
-  GDPO, arXiv:2601.05242; token-weighted whitening as in its verl code).
+The policy gradient is ∇J = E[Σ_t ∇log π(a_t|s_t) · Ψ_t]. With Ψ_t = G_t, the *return* (the
+reward from token t on), every token of a good answer gets the same noisy push (REINFORCE). Subtracting a
+*baseline* b(s_t) that does not depend on a_t keeps the gradient unbiased (E[∇log π] = 0) and can
+shrink its variance a lot; Ψ_t = G_t − b is the *advantage*. Which tokens earn an outcome reward that
+arrives at the end is the *credit-assignment* problem; each estimator answers it differently.
+
+- gae / gae_chunked: a critic V, δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l} (Schulman et al.
+  2015, arXiv:1506.02438); γ=λ=1 gives A_t = G_t − V_t. The trainer whitens them (as verl does inside).
+- grpo: A = (r − mean_group)/(std_group + ε) on every token (Shao et al. 2024, arXiv:2402.03300);
+  dr_grpo drops the std (Liu et al. 2025, arXiv:2503.20783). rloo: the mean of the *other* samples,
+  A_i = r_i − (Σ_j r_j − r_i)/(n−1) (Ahmadian et al. 2024, arXiv:2402.14740). remax: the greedy
+  response's reward, A_t = G_t − b (Li et al. 2023, arXiv:2310.10505; verl: G_t undiscounted).
+- reinforce_pp: discounted return of a reward carrying the KL per token, whitened over the batch (Hu
+  2025, arXiv:2501.03262). reinforce_pp_baseline: A_t = r_i − mean_g − β·KL_t, whitened; the per-token
+  KL term is slime's form (kl_penalty given: KL in the reward), without it verl's; whiten=False is
+  slime's unwhitened option.
+- opo: length-weighted baseline b = Σ_j |o_j| r_j / Σ_j |o_j| (Hao et al. 2025, arXiv:2505.23585).
+- grpo_passk: pass@k's closed form (Chen et al. 2025, arXiv:2508.10751): over size-k subsets of a
+  group with N_neg failures R̄ = 1 − C(N_neg,k)/C(N,k), σ = sqrt(R̄(1−R̄)); a success gets (1−R̄)/σ, a
+  failure (1 − R̄ − C(N_neg−1,k−1)/C(N−1,k−1))/σ; k=1 is GRPO with the population std.
+  grpo_passk_max is verl's grpo_passk (arXiv:2503.19595, pass@n of the group): only the best sample
+  gets r_max − r_second, ÷ (std_g + ε); every other sample gets 0.
+- gpg: A = α·(r − mean_group), α = B/(B − M) for the M samples of all-equal groups (Chu et al. 2025,
+  arXiv:2504.02546). verl takes M = number of zero scores; we use the paper's definition.
+- otb: optimal *token* baseline B_t = Σ_i G_t^i W_t^i / Σ_i W_t^i, W_t = Σ_{j≤t} w_j, w_j = 1 − 2π_j +
+  Σ_v π_v² = ||∇_logits log π||² (arXiv:2602.07078, as verl); with rollout IS weights ρ̄, w_j·ρ̄_j²
+  (verl: MSE-optimal under truncated IS). Σπ² comes from the trainer's fused logprob pass; without it
+  Σπ² ≥ π_j² gives w_j = (1 − π_j)², without old_logprobs too w_j = 1.
+- gdpo: each named reward component normalised in its group, weighted (verl's gdpo_reward_weights),
+  summed, whitened over the batch (Liu et al. 2026, arXiv:2601.05242; token-weighted as verl).
 
 Choices (where verl and slime differ; each is tested in tests/test_advantage.py):
-- Masks with holes (multi-turn: tool output has mask 0) are *skipped*: recursions run over valid
-  tokens only, a valid token's "next" is the next valid token (its value, its reward), as verl's GAE
-  and OpenRLHF do; rewards/values on masked positions are ignored. verl's REINFORCE++ instead resets
-  the return at a hole; we keep one rule for every estimator.
-- Group of one: advantage 0, the natural r − mean(r) of a group that is only itself: no peer, no
-  information. verl uses mean 0 / std 1 (advantage = raw score, an unnormalised outlier in a
-  normalised batch); slime's unbiased std of one element is NaN. otb applies the rule per timestep
-  (verl's handle_zero_tail instead uses baseline 0 on the longest response's lone tail).
-- Group std is unbiased (as verl and slime); groups are vectorised with index_add_ over `index` (any
-  integer ids, no Python loop over groups). GAE advantages are not whitened (verl whitens inside; call
-  masked_whiten yourself). Outcome estimators return returns = score on every valid token.
-- float32, zero outside the mask, no autograd graph; NaN/inf on masked positions is removed with
-  torch.where before any arithmetic; NaN/inf in scores or on valid positions raises ValueError.
+- Outcome estimators take `scores` [B] or `token_rewards` [B, T], never both; with token rewards the
+  score is Σ_t token_rewards (verl's convention), so a KL penalty in the reward reaches every one.
+  An estimator reads only its keyword inputs: one it cannot use is a TypeError (direct call) or a
+  ValueError (compute_advantages), never silently ignored.
+- Masks with holes (multi-turn tool output) are *skipped*: recursions run over valid tokens, a valid
+  token's "next" is the next valid one, as in verl 0.9.1's GAE and REINFORCE++ and OpenRLHF.
+- Group of one: advantage 0 (no peer, no information). verl uses mean 0 / std 1 (the raw score, an
+  outlier in a normalised batch) and its grpo_passk raises; slime's std of one element is NaN. otb
+  applies it per timestep (verl's handle_zero_tail instead uses baseline 0 on the longest tail).
+- Group std is unbiased (as verl and slime), vectorised with index_add_ over any integer `index`.
+  Outcome estimators return returns = score on every valid token.
+- float32, zero outside the mask, no graph; NaN/inf on masked positions is removed with torch.where
+  before any arithmetic; NaN/inf in scores or on valid positions raises ValueError.
 
-Run:  python -m nanorl.advantage        (demo + loop-vs-chunked GAE timing)
-Test: python -m pytest tests/test_advantage.py -q
+Run: python -m nanorl.advantage (a demo). Test: python -m pytest tests/test_advantage.py -q
 """
+
+import inspect
 
 import torch
 
@@ -80,10 +78,13 @@ def masked_var(x, mask, unbiased=True):
     return masked_sum(dev * dev, mask) / ((n - 1.0) if unbiased else n).clamp_min(1.0) * (n > 1)
 
 
-def masked_whiten(x, mask, eps=1e-8):
-    """(x − mean) / sqrt(var + eps) over the masked entries of the whole tensor; zero outside."""
+def masked_whiten(x, mask, eps=1e-8, shift_mean=True):
+    """(x − mean) / sqrt(var + eps) over the masked entries of the whole tensor; zero outside.
+
+    shift_mean=False adds the mean back: unit variance, sign and offset kept (verl's and slime's flag)."""
     x = torch.where(mask > 0, x, torch.zeros_like(x))
-    out = (x - masked_mean(x, mask)) * torch.rsqrt(masked_var(x, mask) + eps)
+    mean = masked_mean(x, mask)
+    out = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps) + (0.0 if shift_mean else mean)
     return torch.where(mask > 0, out, torch.zeros_like(out))
 
 
@@ -100,23 +101,35 @@ def _check_tokens(name, x, m):
     return x
 
 
-def _check(mask, scores=None, index=None, who=None, need_scores=True):
+def _check_rows(name, x, B):
+    """Validate a per-sample tensor [B] → float32."""
+    if x.shape != (B,):
+        raise ValueError(f"{name} has shape {tuple(x.shape)}, expected ({B},)")
+    x = x.detach().to(torch.float32)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} contain NaN/inf")
+    return x
+
+
+def _check(mask, scores=None, index=None, who=None, need_scores=True, token_rewards=None):
     """mask [B, T] → bool; scores [B] → float32; index [B] → group ids 0..G−1 (and G).
 
-    `who` names a group estimator: then index (and, if need_scores, scores) must be given."""
-    if who is not None and (index is None or (need_scores and scores is None)):
-        raise ValueError(f"{who} needs index [B] (group id per sample)"
-                         + (" and scores [B]" if need_scores else ""))
+    token_rewards [B, T] instead of scores gives the score Σ_t token_rewards (verl's convention for
+    outcome estimators: a KL penalty in the reward lowers the score). `who` names a group estimator:
+    then index (and, if need_scores, a score) must be given."""
     if mask is None or mask.dim() != 2:
         raise ValueError(f"mask must be [B, T], got {None if mask is None else tuple(mask.shape)}")
     m = mask > 0
     B = m.shape[0]
-    if scores is not None:
-        if scores.shape != (B,):
-            raise ValueError(f"scores has shape {tuple(scores.shape)}, expected ({B},)")
-        scores = scores.detach().to(torch.float32)
-        if not torch.isfinite(scores).all():
-            raise ValueError("scores contain NaN/inf")
+    if token_rewards is not None:
+        if scores is not None:
+            raise ValueError(f"{who}: give scores [B] or token_rewards [B, T], not both")
+        scores = _check_tokens("token_rewards", token_rewards, m).sum(1)                 # [B]
+    elif scores is not None:
+        scores = _check_rows("scores", scores, B)
+    if who is not None and (index is None or (need_scores and scores is None)):
+        raise ValueError(f"{who} needs index [B] (group id per sample)"
+                         + (" and scores [B] (or token_rewards [B, T])" if need_scores else ""))
     gid, G = None, 0
     if index is not None:
         if index.shape != (B,) or index.is_floating_point():
@@ -144,8 +157,10 @@ def _broadcast(a, m):
 
 
 def _outcome_token_rewards(token_rewards, scores, m):
-    """token_rewards [B, T] if given, else the score placed on the last valid token."""
+    """token_rewards [B, T] if given, else the score placed on the last valid token (never both)."""
     if token_rewards is not None:
+        if scores is not None:
+            raise ValueError("give scores [B] or token_rewards [B, T], not both")
         return _check_tokens("token_rewards", token_rewards, m)
     if scores is None:
         raise ValueError("need scores or token_rewards")
@@ -222,7 +237,7 @@ def _gae_inputs(who, mask, values, token_rewards, scores):
     return m, _check_tokens("values", values, m), _outcome_token_rewards(token_rewards, scores, m)
 
 
-def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0, **_):
+def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0):
     """GAE as the plain reverse loop (the reference). values, token_rewards, mask: [B, T].
 
     Masked positions are skipped: `last` (the running advantage) and `next_v` (the next valid value)
@@ -242,7 +257,7 @@ def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0, **
 
 
 def gae_chunked(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0,
-                chunk_size=128, **_):
+                chunk_size=128):
     """GAE as a chunked matrix scan of δ with discount γλ; equals `gae` (≤1e-5), many times faster."""
     m, v, r = _gae_inputs("gae_chunked", mask, values, token_rewards, scores)
     dest = _compact_dest(m)
@@ -256,9 +271,9 @@ def gae_chunked(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam
 # ----------------------------------------------------------------------------- group baselines
 
 
-def grpo(*, scores, mask, index, norm_by_std=True, eps=1e-6, **_):
+def grpo(*, mask, index, scores=None, token_rewards=None, norm_by_std=True, eps=1e-6):
     """A_i = (r_i − mean_g)/(std_g + ε) (or r_i − mean_g if not norm_by_std) on every valid token."""
-    m, scores, gid, G = _check(mask, scores, index, who="grpo")
+    m, scores, gid, G = _check(mask, scores, index, who="grpo", token_rewards=token_rewards)
     _, mean, std = _group_stats(scores, gid, G)
     a = scores - mean
     if norm_by_std:
@@ -266,22 +281,32 @@ def grpo(*, scores, mask, index, norm_by_std=True, eps=1e-6, **_):
     return _broadcast(a, m), _broadcast(scores, m)
 
 
-def dr_grpo(**inputs):
+def dr_grpo(*, mask, index, scores=None, token_rewards=None):
     """GRPO without the std division (Dr.GRPO)."""
-    return grpo(**{**inputs, "norm_by_std": False})
+    return grpo(mask=mask, index=index, scores=scores, token_rewards=token_rewards, norm_by_std=False)
 
 
-def rloo(*, scores, mask, index, **_):
+def rloo(*, mask, index, scores=None, token_rewards=None):
     """A_i = r_i − mean of the other samples of its group = n/(n−1)·(r_i − mean_g); 0 if n = 1."""
-    m, scores, gid, G = _check(mask, scores, index, who="rloo")
+    m, scores, gid, G = _check(mask, scores, index, who="rloo", token_rewards=token_rewards)
     cnt, mean, _ = _group_stats(scores, gid, G)
     a = (scores - mean) * cnt / (cnt - 1).clamp_min(1)
     return _broadcast(a, m), _broadcast(scores, m)
 
 
-def opo(*, scores, mask, index, **_):
+def remax(*, mask, baselines, scores=None, token_rewards=None):
+    """A_t = G_t − b_i: G_t the reward-to-go (undiscounted, as verl), b_i [B] the greedy response's reward."""
+    m, scores, _, _ = _check(mask, scores)
+    b = _check_rows("baselines", baselines, m.shape[0])
+    r = _outcome_token_rewards(token_rewards, scores, m)
+    dest = _compact_dest(m)
+    ret = _uncompact(_suffix_scan(_compact(r, dest), 1.0), dest, m)                   # [B, T] G_t
+    return torch.where(m, ret - b[:, None], 0.0), ret
+
+
+def opo(*, mask, index, scores=None, token_rewards=None):
     """A_i = r_i − Σ_j |o_j| r_j / Σ_j |o_j| with |o_j| the number of valid tokens of sample j."""
-    m, scores, gid, G = _check(mask, scores, index, who="opo")
+    m, scores, gid, G = _check(mask, scores, index, who="opo", token_rewards=token_rewards)
     length = m.sum(1).to(torch.float32)                                         # [B]
     cnt, mean, _ = _group_stats(torch.stack([length * scores, length], 1), gid, G)  # [B, 2]
     base = torch.where(mean[:, 1] > 0, mean[:, 0] / mean[:, 1].clamp_min(1e-12), scores)
@@ -289,9 +314,9 @@ def opo(*, scores, mask, index, **_):
     return _broadcast(a, m), _broadcast(scores, m)
 
 
-def gpg(*, scores, mask, index, eps=1e-6, **_):
+def gpg(*, mask, index, scores=None, token_rewards=None, eps=1e-6):
     """A_i = α(r_i − mean_g), α = B/(B − M), M = samples in groups with equal rewards (or of one)."""
-    m, scores, gid, G = _check(mask, scores, index, who="gpg")
+    m, scores, gid, G = _check(mask, scores, index, who="gpg", token_rewards=token_rewards)
     _, mean, std = _group_stats(scores, gid, G)
     B, M = scores.numel(), int((std <= eps).sum())                              # all-equal groups
     alpha = B / (B - M) if B > M else 1.0
@@ -306,9 +331,9 @@ def _comb_ratio(a, b, k):
     return torch.where(a >= k, lr.exp(), 0.0)
 
 
-def grpo_passk(*, scores, mask, index, pass_k=1, norm_by_std=True, eps=1e-6, **_):
+def grpo_passk(*, mask, index, scores=None, token_rewards=None, pass_k=1, norm_by_std=True, eps=1e-6):
     """Pass@k training advantage (closed form, binary 0/1 scores). Needs pass_k ≤ every group size."""
-    m, scores, gid, G = _check(mask, scores, index, who="grpo_passk")
+    m, scores, gid, G = _check(mask, scores, index, who="grpo_passk", token_rewards=token_rewards)
     if not ((scores == 0) | (scores == 1)).all():
         raise ValueError("grpo_passk needs binary 0/1 scores (pass/fail)")
     k = int(pass_k)
@@ -326,11 +351,28 @@ def grpo_passk(*, scores, mask, index, pass_k=1, norm_by_std=True, eps=1e-6, **_
     return _broadcast(a.to(torch.float32), m), _broadcast(scores, m)
 
 
-def gdpo(*, mask, index, components=None, scores=None, norm_by_std=True, eps=1e-6,
-         batch_whiten=True, **_):
-    """Σ_c group-normalised component c, then token-weighted batch whitening. components: [B, C].
+def grpo_passk_max(*, mask, index, scores=None, token_rewards=None, norm_by_std=True, eps=1e-6):
+    """verl's grpo_passk: the group's unique best sample gets r_max − r_second (÷ (std_g + ε)), all
+    others 0. A tie at the top gives everyone 0 (verl's topk picks one tied sample, whose r_max −
+    r_second is 0 too). Any real-valued scores; a group of one gets 0 (verl raises)."""
+    m, s, gid, G = _check(mask, scores, index, who="grpo_passk_max", token_rewards=token_rewards)
+    cnt, _, std = _group_stats(s, gid, G)
+    ninf = torch.full((G,), -torch.inf, device=m.device)
+    top = ninf.scatter_reduce(0, gid, s, "amax")[gid]                           # [B] group max
+    at_top = s == top
+    n_top = torch.zeros(G, device=m.device).index_add_(0, gid, at_top.float())[gid]
+    second = ninf.scatter_reduce(0, gid, torch.where(at_top, -torch.inf, s), "amax")[gid]
+    gap = torch.where(at_top & (n_top == 1) & (cnt > 1), top - second, 0.0)     # [B] (inf unselected)
+    a = gap / (std + eps) if norm_by_std else gap
+    return _broadcast(a, m), _broadcast(s, m)
+
+
+def gdpo(*, mask, index, components=None, scores=None, component_weights=None, norm_by_std=True,
+         eps=1e-6, whiten=True):
+    """Σ_c w_c · group-normalised component c, then token-weighted batch whitening. components: [B, C].
 
     components None → scores is the single component (GDPO = GRPO + batch whitening).
+    component_weights [C] (verl's gdpo_reward_weights); None = all 1.
     """
     m, scores, gid, G = _check(mask, scores, index, who="gdpo", need_scores=False)
     if components is None and scores is None:
@@ -340,10 +382,14 @@ def gdpo(*, mask, index, components=None, scores=None, norm_by_std=True, eps=1e-
         raise ValueError(f"components must be [B, C] with B={m.shape[0]}, got {tuple(comps.shape)}")
     if not torch.isfinite(comps).all():
         raise ValueError("components contain NaN/inf")
+    w = torch.ones(comps.shape[1]) if component_weights is None else torch.as_tensor(component_weights)
+    if w.shape != (comps.shape[1],):
+        raise ValueError(f"component_weights must be [C={comps.shape[1]}], got {tuple(w.shape)}")
     _, mean, std = _group_stats(comps, gid, G)                                  # [B, C]
     a = comps - mean
-    adv = _broadcast((a / (std + eps) if norm_by_std else a).sum(1), m)
-    if batch_whiten:
+    a = (a / (std + eps) if norm_by_std else a) * w.to(a)                       # [B, C]
+    adv = _broadcast(a.sum(1), m)
+    if whiten:
         adv = masked_whiten(adv, m)
     ret = comps.sum(1) if scores is None else scores
     return adv, _broadcast(ret, m)
@@ -352,28 +398,34 @@ def gdpo(*, mask, index, components=None, scores=None, norm_by_std=True, eps=1e-
 # ----------------------------------------------------------------------------- batch-normalised
 
 
-def reinforce_pp(*, mask, token_rewards=None, scores=None, gamma=1.0, chunk_size=128, **_):
+def reinforce_pp(*, mask, token_rewards=None, scores=None, gamma=1.0, chunk_size=128, whiten=True):
     """G_t = discounted return of token_rewards (KL penalty inside), whitened over the batch."""
     m, scores, _, _ = _check(mask, scores)
     r = _outcome_token_rewards(token_rewards, scores, m)
     dest = _compact_dest(m)
     returns = _uncompact(_suffix_scan(_compact(r, dest), gamma, chunk_size), dest, m)   # [B, T] G_t
-    return masked_whiten(returns, m), returns
+    return (masked_whiten(returns, m) if whiten else returns), returns
 
 
-def reinforce_pp_baseline(*, scores, mask, index, **_):
-    """A = r_i − mean_g broadcast over tokens, then whitened over all valid tokens of the batch."""
+def reinforce_pp_baseline(*, scores, mask, index, kl_penalty=None, whiten=True):
+    """A_t = r_i − mean_g − kl_penalty_t, whitened over all valid tokens of the batch (unless whiten=False).
+
+    kl_penalty [B, T] = β·KL_t per token (slime's form: the KL stays per token, it is not summed into
+    the score); None = verl's form (the KL, if any, is a loss term)."""
     m, scores, gid, G = _check(mask, scores, index, who="reinforce_pp_baseline")
     _, mean, _ = _group_stats(scores, gid, G)
-    return masked_whiten(_broadcast(scores - mean, m), m), _broadcast(scores, m)
+    adv = _broadcast(scores - mean, m)
+    if kl_penalty is not None:
+        adv = adv - _check_tokens("kl_penalty", kl_penalty, m)
+    return (masked_whiten(adv, m) if whiten else adv), _broadcast(scores, m)
 
 
 # ----------------------------------------------------------------------------- token baseline
 
 
 def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_sq_probs=None,
-        gamma=1.0, eps=1e-6, chunk_size=128, **_):
-    """Optimal token baseline. old_logprobs, sum_sq_probs, token_rewards, mask: [B, T].
+        rollout_is_weights=None, gamma=1.0, eps=1e-6, chunk_size=128):
+    """Optimal token baseline. old_logprobs, sum_sq_probs, rollout_is_weights, token_rewards, mask: [B, T].
 
     Timestep t is the t-th *valid* token of each response (holes skipped); a timestep with one live
     sample in its group gets advantage 0; if no live path has weight yet, the baseline is the mean.
@@ -381,11 +433,15 @@ def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_
     m, scores, gid, G = _check(mask, scores, index, who="otb", need_scores=False)
     r = _outcome_token_rewards(token_rewards, scores, m)
     if old_logprobs is None:
+        if sum_sq_probs is not None:
+            raise ValueError("otb: sum_sq_probs needs old_logprobs (w = 1 − 2π + Σπ²)")
         w = torch.ones(m.shape, device=m.device)                                # W_t = t
     else:
         pi = _check_tokens("old_logprobs", old_logprobs, m).exp()
         ssq = pi * pi if sum_sq_probs is None else _check_tokens("sum_sq_probs", sum_sq_probs, m)
         w = (1 - 2 * pi + ssq).clamp_min(0)                                     # ||∇_z log π||²
+    if rollout_is_weights is not None:  # verl: W scaled by ρ̄², MSE-optimal under truncated IS
+        w = w * _check_tokens("rollout_is_weights", rollout_is_weights, m).square()
     dest = _compact_dest(m)
     mc = _compact(m.to(torch.float32), dest)                                    # [B, T] 1…1 0…0
     ret = _suffix_scan(_compact(r, dest), gamma, chunk_size)                    # [B, T] G_t
@@ -403,28 +459,33 @@ def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_
 # ----------------------------------------------------------------------------- registry
 
 ADVANTAGE_ESTIMATORS = {
-    "gae": gae, "gae_chunked": gae_chunked, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo,
+    "gae": gae, "gae_chunked": gae_chunked, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "remax": remax,
     "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "opo": opo,
-    "grpo_passk": grpo_passk, "gpg": gpg, "otb": otb, "gdpo": gdpo,
+    "grpo_passk": grpo_passk, "grpo_passk_max": grpo_passk_max, "gpg": gpg, "otb": otb, "gdpo": gdpo,
 }
 
 
+def estimator_inputs(name):
+    """The keyword inputs estimator `name` can use (a frozenset of names)."""
+    return frozenset(inspect.signature(ADVANTAGE_ESTIMATORS[name]).parameters)
+
+
 def compute_advantages(name, **inputs):
-    """Run estimator `name` on the common keyword inputs → (advantages [B, T], returns [B, T])."""
+    """Run estimator `name` on keyword inputs → (advantages [B, T], returns [B, T]).
+
+    An input set to None counts as not given; any other input the estimator cannot use raises."""
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
-    return ADVANTAGE_ESTIMATORS[name](**inputs)
+    given = {k: v for k, v in inputs.items() if v is not None}
+    unusable = sorted(set(given) - estimator_inputs(name))
+    if unusable:
+        raise ValueError(f"advantage estimator {name!r} cannot use {', '.join(unusable)}; it takes "
+                         f"{', '.join(sorted(estimator_inputs(name)))}")
+    return ADVANTAGE_ESTIMATORS[name](**given)
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
     kw = dict(scores=torch.tensor([1.0, 0, 0, 1, 0.5, 0.5]), index=torch.tensor([0, 0, 0, 0, 1, 1]),
               mask=torch.ones(6, 3))
-    for name in ["grpo", "dr_grpo", "rloo", "gpg", "opo"]:
-        print(f"{name:8s}", compute_advantages(name, **kw)[0][:, 0])
-    B, T = 64, 4096
-    mask = (torch.arange(T)[None] < torch.randint(1, T + 1, (B, 1))).float()
-    kw = dict(scores=torch.rand(B), mask=mask, values=torch.randn(B, T), gamma=0.99, lam=0.95)
-    a, b = gae(**kw)[0], gae_chunked(**kw)[0]  # timings: `python bench.py --only gae`
-    print(f"GAE {B}x{T}: loop vs chunked max |diff| {(a - b).abs().max():.1e}")
+    for name in ["grpo", "dr_grpo", "rloo", "gpg", "opo", "grpo_passk_max"]:  # GAE timing: bench.py
+        print(f"{name:14s}", compute_advantages(name, **kw)[0][:, 0])

@@ -25,8 +25,10 @@ attention confined to each sample).
    ranks agree on a larger count, crashing in torch.cat([]) (slime issue #1838). Here an over-long sample
    gets a micro-batch of its own with a warning (never dropped), no bucket is ever empty, and a count
    imposed from outside (`agree_num_micro_batches`: every rank runs as many passes as the busiest, an
-   all-reduce MAX) is reached by splitting the heaviest splittable bucket. An imposed count above the
-   number of samples is a ValueError (dummy rows, as an open EasyR1 PR adds, would hide such bugs).
+   all-reduce MAX) is reached by splitting the heaviest splittable bucket. A count above the number of
+   samples (a rank the DAPO filter left few samples) gives each sample its own micro-batch plus EMPTY
+   ones at the end: an explicit `[]` the caller runs as a zero-weight forward (nanorl/update.py), never
+   rows made up to fill it — so a real micro-batch is never empty, and an empty one is never data.
 2. Packed forward, `packed_response_logprobs` (drop-in for policy.response_logprobs): samples in one row
    [1, N], position ids restarting at 0 per sample. Flash-attention models get `cu_seq_lens_q/k` and
    `max_length_q/k`, which transformers 5.x passes to `flash_attn_varlen_func` (no mask, no padding);
@@ -198,6 +200,20 @@ def _split_heaviest(bins: Bins, lengths: list[int], k: int) -> Bins:
     return bins
 
 
+def _beyond_samples(lengths: list[int], max_tokens: int, k: int | None) -> Bins | None:
+    """The planners' shared checks. An imposed k above the number of samples: each sample alone
+    (heaviest first), then k − n empty micro-batches; else None (the planner plans)."""
+    if max_tokens < 1 or (k is not None and k < 1):
+        raise ValueError(f"need max_tokens >= 1 and num_micro_batches >= 1, got {max_tokens} and {k}")
+    if k is None or k <= len(lengths):
+        return None
+    if any(n > max_tokens for n in lengths):
+        warnings.warn(f"sample(s) longer than max_tokens={max_tokens}: each gets a micro-batch of its own",
+                      stacklevel=3)
+    alone = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [[i] for i in alone] + [[] for _ in range(k - len(lengths))]
+
+
 # ----------------------------------------------------------------------------- public partitioning API
 
 def make_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: int | None = None) -> Bins:
@@ -205,19 +221,17 @@ def make_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: i
 
     lengths: tokens per sample (prompt + response, real tokens only), each >= 1.
     max_tokens: cap on the token total of a micro-batch; a longer sample is alone in its micro-batch.
-    num_micro_batches: impose exactly this many (e.g. from `agree_num_micro_batches`); must be between
-        the minimum this cap needs and len(lengths).
-    Returns lists of sample indices: every index exactly once, no list empty, heaviest first.
+    num_micro_batches: impose exactly this many (e.g. from `agree_num_micro_batches`), at least the
+        minimum this cap needs; above len(lengths), every sample is alone and the rest are empty.
+    Returns lists of sample indices: every index exactly once, heaviest first; a list is empty only
+    when num_micro_batches > len(lengths) (the last num_micro_batches − len(lengths) lists).
     """
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if any(int(n) != n or n < 1 for n in lengths):
         raise ValueError("every sample length must be a positive integer (prompt + response tokens)")
     lengths = [int(n) for n in lengths]
     n = len(lengths)
-    if num_micro_batches is not None and not 1 <= num_micro_batches <= n:
-        raise ValueError(f"imposed num_micro_batches={num_micro_batches} needs 1 <= count <= number of samples "
-                         f"({n}): a micro-batch cannot be empty")
+    if (bins := _beyond_samples(lengths, max_tokens, num_micro_batches)) is not None:
+        return bins  # alone is the lightest a sample can be
     over = [i for i in range(n) if lengths[i] > max_tokens]
     if over:
         warnings.warn(f"{len(over)} sample(s) longer than max_tokens={max_tokens} (longest "
@@ -252,13 +266,12 @@ def make_padded_micro_batches(prompt_lens: list[int], response_lens: list[int], 
     really run over (PaddedBatch.select trims the rest) — and that padded size is what the budget
     caps, so memory per micro-batch is bounded whatever the length mix. Samples sorted longest first
     fill micro-batches in turn (similar lengths share one: little padding); a sample over the budget
-    runs alone. num_micro_batches (agreed across ranks) is reached by halving the fullest ones."""
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    runs alone. num_micro_batches (agreed across ranks) is reached by halving the fullest ones; above
+    the number of samples, each sample runs alone and the rest are empty (as make_micro_batches)."""
     n = len(prompt_lens)
-    if num_micro_batches is not None and not 1 <= num_micro_batches <= n:
-        raise ValueError(f"imposed num_micro_batches={num_micro_batches} needs 1 <= count <= number of samples "
-                         f"({n}): a micro-batch cannot be empty")
+    if (bins := _beyond_samples([p + r for p, r in zip(prompt_lens, response_lens)], max_tokens,
+                                num_micro_batches)) is not None:
+        return bins
     order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
     bins: Bins = []
     width_p = width_r = 0
@@ -287,33 +300,11 @@ def split_fixed(n: int, micro_batch_size: int) -> Bins:
 
 def agree_num_micro_batches(n: int, group=None) -> int:
     """All ranks must run the same number of micro-batches (collectives in backward): all-reduce MAX."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return int(n)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return int(n)  # one rank agrees with itself (vLLM makes a world-1 group: no collective there)
     t = torch.tensor([n], dtype=torch.long, device=comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
-
-
-def sample_lengths(batch: PaddedBatch) -> list[int]:
-    """The cost of each row of a collated batch: its real (prompt + response) tokens."""
-    return batch.attention_mask.sum(1).tolist()
-
-
-def split_batch(batch: PaddedBatch, max_tokens: int | None = None, micro_batch_size: int | None = None,
-                group=None) -> list[PaddedBatch]:
-    """An optimizer-step batch → micro-batches, by token budget (count agreed across ranks) or by count."""
-    if (max_tokens is None) == (micro_batch_size is None):
-        raise ValueError("give exactly one of max_tokens (dynamic) or micro_batch_size (fixed)")
-    n = batch.input_ids.shape[0]
-    if micro_batch_size is not None:
-        rows = split_fixed(n, micro_batch_size)
-    else:
-        lengths = sample_lengths(batch)
-        rows = make_micro_batches(lengths, max_tokens)
-        agreed = agree_num_micro_batches(len(rows), group)
-        if agreed != len(rows):
-            rows = make_micro_batches(lengths, max_tokens, agreed)
-    return [batch.select(r) for r in rows]
 
 
 def padding_share(lengths: list[int], micro_batches: Bins, packed: bool, pad_to_multiple: int = 1) -> float:
@@ -437,7 +428,7 @@ def global_denominators(batch_masks: list[torch.Tensor], group=None) -> tuple[in
         valid = m > 0                                                 # [b, T]
         counts[0] += int(valid.sum())
         counts[1] += int(valid.any(-1).sum())
-    if dist.is_available() and dist.is_initialized():
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         t = torch.tensor(counts, dtype=torch.long, device=comm_device(group))
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
         counts = t.tolist()

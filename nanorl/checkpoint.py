@@ -3,12 +3,19 @@ newest one that is whole (every save_every steps, after the optimizer step and w
 
 A crash, a kill or a full disk must cost at most the steps since the last checkpoint, and a resumed
 run must go on as if nothing had happened. `out_dir/checkpoints/step_NNNNNN/` holds the model and
-tokenizer (`save_pretrained`: safetensors, loadable as is by transformers / vLLM); trainer_state.pt
-(optimizer, scheduler, critic, every RNG state per rank); trainer_state.json (step, loader position,
-KL controller, counters, reward faults, config, length of metrics.jsonl); and manifest.json (size
-and sha256 of every other file) written LAST. Nothing is unpickled: JSON, safetensors, and
-`torch.load(weights_only=True)` (tensors and plain containers only). The reference model is the
-starting `--model`, not saved.
+tokenizer (safetensors, loadable as is by transformers / vLLM); trainer_state.pt (scheduler, every
+RNG state per rank; optimizer and critic in the full layout); trainer_state.json (step, loader
+position, KL controller, counters, reward faults, config, layout, length of metrics.jsonl); and
+manifest.json (size and sha256 of every other file) written LAST. Nothing is unpickled: JSON,
+safetensors, DCP, and `torch.load(weights_only=True)` (tensors and plain containers only). The
+reference model is the starting `--model`, not saved.
+
+Two layouts. One process or DDP ("full"): rank 0 writes the one copy (`save_pretrained`, the
+optimizer's state_dict). FSDP ("sharded"): every rank writes and reads only its own shards of the
+weights, optimizer state and critic (torch.distributed.checkpoint, nanorl/ckpt_sharded.py); such a
+checkpoint resumes on any number of ranks, one process without FSDP included. The layout read is
+the checkpoint's, whatever the resuming run's mode. Ranks split the hashing (save and verify) and
+agree on every verdict, so no rank resumes from a checkpoint another one skipped.
 
 Atomicity: files go to a hidden `.tmp-step_N-<pid>/`, are fsync'd, the manifest comes last, and one
 rename puts the directory in place: a reader sees a whole checkpoint or none. One damaged later (a
@@ -24,6 +31,9 @@ metrics.jsonl is cut back to the checkpoint. Limits: bitwise for the HF engine o
 thread count. GPU kernels with atomics (some attention / scatter backwards) differ run to run unless
 `torch.use_deterministic_algorithms(True)`; vLLM has its own per-request sampling RNG and
 batch-shape-dependent kernels: it resumes from the right state, equal in distribution, not bitwise.
+
+Asynchronous runs (--async-steps K) also store the K batches sampled ahead from versions the
+checkpoint does not hold (pipeline.pt); what that guarantees is in nanorl/pipeline.py.
 
 Test hook: NANORL_CHECKPOINT_PAUSE=<seconds> sleeps between the weights and the trainer state, so a
 test can SIGKILL a save midway.        python -m pytest tests/test_reliability.py -q
@@ -46,7 +56,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from nanorl import distributed
+from torch.distributed.checkpoint import CheckpointException
+
+from nanorl import ckpt_sharded, distributed
 
 FORMAT = "nanorl-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -122,65 +134,132 @@ def _sha256(path: str) -> str:
 
 
 def save(run) -> str:
-    """Checkpoint the current step (every rank calls it, rank 0 writes); returns the path."""
+    """Checkpoint the current step; every rank calls it and returns the path, or raises the same
+    CheckpointError. FSDP: each rank writes its own shards (nanorl/ckpt_sharded.py). Else rank 0
+    writes the one copy (DDP replicas are identical). Every rank hashes a share of the files."""
     local = {"rng": rng_state(run), "reward_faults": dict(run.rewards.faults)}
     ranks = [local] * run.world  # RNG streams differ by rank: collect them all
     if run.world > 1:
         torch.distributed.all_gather_object(ranks, local)
-    # --fsdp: each rank holds shards; gather them in full (every rank takes part, rank 0 writes).
-    weights = distributed.full_state_dict(run.model) if run.cfg.fsdp else None  # None: the module's own
-    critic = distributed.full_state_dict(run.critic) if run.critic is not None else None
-    optim = distributed.optimizer_state(run.trained, run.optimizer, run.cfg.fsdp)
-    if run.rank != 0:
-        return ""
     root = os.path.join(run.cfg.out_dir, "checkpoints")
     final = os.path.join(root, f"step_{run.step:06d}")
-    tmp, trash = (os.path.join(root, f".{kind}-step_{run.step:06d}-{os.getpid()}") for kind in ("tmp", "trash"))
-    os.makedirs(root, exist_ok=True)
-    for name in os.listdir(root):  # leftovers of a save that was killed: never valid, never read
-        if name.startswith((".tmp-", ".trash-")):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    tmp, err = _from_rank0(run, _make_tmp(root, run.step) if run.rank == 0 else None)
+    trash = tmp.replace(f"{os.sep}.tmp-", f"{os.sep}.trash-")
     try:
-        os.makedirs(tmp)
-        run.model.save_pretrained(tmp, state_dict=weights)
-        run.tokenizer.save_pretrained(tmp)
-        time.sleep(float(os.environ.get(PAUSE_ENV) or 0))  # test hook (module docstring)
-        torch.save({"optimizer": optim, "scheduler": run.scheduler.state_dict(), "critic": critic,
-                    "rng": [r["rng"] for r in ranks]},
-                   os.path.join(tmp, "trainer_state.pt"))  # read back with weights_only=True
-        logfile = getattr(run.logger, "file", None)  # rank 0's metrics.jsonl
-        if logfile is not None:
-            logfile.flush()
-        _write_json(os.path.join(tmp, "trainer_state.json"), {
-            "format": FORMAT, "step": run.step, "config": dataclasses.asdict(run.cfg),
-            "loader": run.loader.state_dict(), "kl_ctl": run.kl_ctl.state_dict(), "counters": dict(run.counters),
-            "reward_faults": [r["reward_faults"] for r in ranks],
-            "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None})
-        files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, ns in os.walk(tmp) for n in ns)
-        for f in files:
-            _fsync(os.path.join(tmp, f))
-        _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": run.step, "files": {
-            f: {"bytes": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
-            for f in files}})  # last: its presence means "complete"
-        _fsync(tmp)
-        if os.path.exists(final):  # the same step saved again (save_every, then the end of the run)
-            os.rename(final, trash)
-        os.rename(tmp, final)
-        _fsync(root)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            prev = [p for _, p in list_checkpoints(root)]
-            raise CheckpointError(f"could not write checkpoint {final}: {e}. Nothing was replaced: the "
-                                  f"previous checkpoint ({prev[0] if prev else 'none'}) is intact. Free disk "
-                                  "space, then resume with --resume latest.") from e
+        if err is None:
+            try:
+                sharded = ckpt_sharded.save(run, tmp) if run.cfg.fsdp else None  # collective
+                if run.rank == 0:
+                    _write_rank0(run, tmp, ranks, sharded)
+            except (OSError, CheckpointException) as e:
+                err = f"{type(e).__name__}: {e}"
+        err = _first_error(run, err)
+        entries = {}
+        if err is None:  # sizes and sha256 (after an fsync): each rank a share of the files
+            files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, ns in os.walk(tmp) for n in ns)
+            try:
+                entries = {f: _entry(tmp, f) for f in files[run.rank::run.world]}
+            except OSError as e:
+                err = f"{type(e).__name__}: {e}"
+        shares = [(entries, err)] * run.world
+        if run.world > 1:
+            torch.distributed.all_gather_object(shares, (entries, err))
+        err = next((e for _, e in shares if e), None)
+        if run.rank == 0 and err is None:
+            try:
+                _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": run.step, "files": {
+                    f: m for share, _ in shares for f, m in sorted(share.items())}})  # last: it means "complete"
+                _fsync(tmp)
+                if os.path.exists(final):  # the same step saved again (save_every, then the end of the run)
+                    os.rename(final, trash)
+                os.rename(tmp, final)
+                _fsync(root)
+            except OSError as e:
+                err = f"{type(e).__name__}: {e}"
+        err = _from_rank0(run, err)
+    except BaseException:  # anything else (a bug, Ctrl-C): leave no half-written directory behind
+        if run.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(trash, ignore_errors=True)
-    complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
-    for s, p in list_checkpoints(root):  # keep the newest K complete ones, delete everything older
-        if len(complete) >= run.cfg.keep_checkpoints and s < complete[run.cfg.keep_checkpoints - 1][0]:
-            shutil.rmtree(p, ignore_errors=True)
+    if err is not None:
+        if run.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = [p for _, p in list_checkpoints(root)]
+        raise CheckpointError(f"could not write checkpoint {final}: {err}. Nothing was replaced: the previous "
+                              f"checkpoint ({prev[0] if prev else 'none'}) is intact. Free disk space, then "
+                              "resume with --resume latest.")
+    if run.rank == 0:
+        shutil.rmtree(trash, ignore_errors=True)
+        complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+        for s, p in list_checkpoints(root):  # keep the newest K complete ones, delete everything older
+            if len(complete) >= run.cfg.keep_checkpoints and s < complete[run.cfg.keep_checkpoints - 1][0]:
+                shutil.rmtree(p, ignore_errors=True)
     return final
+
+
+def _make_tmp(root: str, step: int) -> tuple[str, str | None]:
+    """Rank 0: clear what killed saves left behind, create this save's hidden directory: (path, error)."""
+    tmp = os.path.join(root, f".tmp-step_{step:06d}-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        for name in os.listdir(root):  # leftovers of a save that was killed: never valid, never read
+            if name.startswith((".tmp-", ".trash-")):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        os.makedirs(tmp)
+        return tmp, None
+    except OSError as e:
+        return tmp, f"{type(e).__name__}: {e}"
+
+
+def _write_rank0(run, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
+    """Rank 0's files: the model (not sharded: the module's own tensors) or, sharded, its config; the
+    tokenizer; trainer_state.pt and trainer_state.json."""
+    if sharded is None:
+        critic = distributed.full_state_dict(run.critic) if run.critic is not None else None
+        run.model.save_pretrained(tmp)
+    else:  # the weights were written by every rank (ckpt_sharded); the critic and optimizer too
+        critic = None
+        run.model.config.save_pretrained(tmp)
+        if run.model.generation_config is not None:
+            run.model.generation_config.save_pretrained(tmp)
+    run.tokenizer.save_pretrained(tmp)
+    time.sleep(float(os.environ.get(PAUSE_ENV) or 0))  # test hook (module docstring)
+    torch.save({"optimizer": run.optimizer.state_dict() if sharded is None else None, "critic": critic,
+                "scheduler": run.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]},
+               os.path.join(tmp, "trainer_state.pt"))  # read back with weights_only=True
+    if getattr(run, "pipeline", None) is not None:  # --async-steps: the batches in flight (nanorl/pipeline.py)
+        run.pipeline.save(tmp, run.step)
+    logfile = getattr(run.logger, "file", None)  # rank 0's metrics.jsonl
+    if logfile is not None:
+        logfile.flush()
+    _write_json(os.path.join(tmp, "trainer_state.json"), {
+        "format": FORMAT, "step": run.step, "config": dataclasses.asdict(run.cfg),
+        "layout": "full" if sharded is None else "sharded", "sharded": sharded,
+        "loader": run.loader.state_dict(), "kl_ctl": run.kl_ctl.state_dict(), "counters": dict(run.counters),
+        "reward_faults": [r["reward_faults"] for r in ranks],
+        "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None})
+
+
+def _entry(root: str, name: str) -> dict:
+    path = os.path.join(root, name)
+    _fsync(path)
+    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
+
+
+def _from_rank0(run, value):
+    """Rank 0's value on every rank (a broadcast; one process: the value)."""
+    box = [value]
+    if run.world > 1:
+        torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _first_error(run, err: str | None) -> str | None:
+    """The first rank's error, or None: the same verdict on every rank (an all-gather)."""
+    errs = [err] * run.world
+    if run.world > 1:
+        torch.distributed.all_gather_object(errs, err)
+    return next((e for e in errs if e), None)
 
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
@@ -190,8 +269,9 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def verify(path: str) -> dict:
-    """The manifest of a complete, intact checkpoint; else CheckpointError saying what is wrong."""
+def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
+    """The manifest of a complete, intact checkpoint; else CheckpointError saying what is wrong.
+    part=(rank, world): hash only every world-th file from the rank-th (ranks split the reading)."""
     try:
         with open(os.path.join(path, MANIFEST)) as f:
             manifest = json.load(f)
@@ -202,29 +282,36 @@ def verify(path: str) -> dict:
         raise CheckpointError(f"{path}: corrupt {MANIFEST} ({e})") from None
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    for name, meta in files.items():
+    for i, (name, meta) in enumerate(sorted(files.items())):
         p = os.path.join(path, name)
         if not os.path.isfile(p):
             raise CheckpointError(f"{path}: {name} is missing")
-        if os.path.getsize(p) != meta["bytes"] or _sha256(p) != meta["sha256"]:
+        if os.path.getsize(p) != meta["bytes"] or (i % part[1] == part[0] and _sha256(p) != meta["sha256"]):
             raise CheckpointError(f"{path}: {name} is corrupt (size or sha256 differs from the manifest)")
     return manifest
 
 
-def _read(path: str) -> tuple[dict, dict, list[dict]]:
-    """Verified trainer state, trainer tensors and model weight shards, all in memory."""
-    manifest = verify(path)
+def _read(run, path: str) -> tuple[dict, dict, list[dict]]:
+    """Verified trainer state, trainer tensors and — full layout only — the model's weight shards, in
+    memory (sharded: read later, each rank its slices). Every rank reaches the same verdict."""
+    state = tensors = weights = err = None
     try:
+        manifest = verify(path, (run.rank, run.world))
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
         # weights_only: tensors and plain containers only, no arbitrary unpickling
         tensors = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
         shards = sorted(f for f in manifest["files"] if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", f))
-        weights = [load_file(os.path.join(path, s)) for s in shards]
+        if not shards:
+            raise CheckpointError(f"{path}: has no model.safetensors")
+        weights = [] if state.get("layout") == "sharded" else [load_file(os.path.join(path, s)) for s in shards]
+    except CheckpointError as e:
+        err = str(e)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-        raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    if not weights:
-        raise CheckpointError(f"{path}: has no model.safetensors")
+        err = f"{path}: unreadable ({type(e).__name__}: {e})"
+    err = _first_error(run, err)
+    if err is not None:
+        raise CheckpointError(err)
     return state, tensors, weights
 
 
@@ -242,7 +329,7 @@ def resume(run, path_or_latest: str) -> str | None:
     skipped = []
     for path in candidates:
         try:
-            loaded = _read(path)
+            loaded = _read(run, path)
             break
         except CheckpointError as e:
             if not latest:  # a checkpoint named explicitly is that one or nothing
@@ -284,9 +371,12 @@ def _apply(run, path: str, state: dict, tensors: dict, weights: list[dict]) -> N
     if changed:
         run.logger.print(f"note: config differs from the checkpoint's (saved, now): {changed}")
     try:
-        _load_weights(run, path, weights, tensors)
-        distributed.load_optimizer_state(run.trained, run.optimizer, tensors["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as e:  # shapes / groups differ: another model or setup
+        if state.get("layout") == "sharded":  # every rank reads its slices (any world size, FSDP or not)
+            ckpt_sharded.load(run, path, state["sharded"])
+        else:
+            _load_weights(run, path, weights, tensors)
+            distributed.load_optimizer_state(run.trained, run.optimizer, tensors["optimizer"])
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:  # another model or setup
         raise CheckpointError(f"{path} does not fit this run (another model or --vf-coef?): {e}") from None
     run.scheduler.load_state_dict(tensors["scheduler"])
     run.kl_ctl.load_state_dict(state["kl_ctl"])

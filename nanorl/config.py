@@ -21,8 +21,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
              dict(advantage="grpo", kl_coef=0.001, kl_estimator="k3", loss_agg="seq-mean-token-mean")),
     "dr_grpo": ("GRPO without std division or length bias (Dr. GRPO, Liu et al. 2025)",
                 dict(advantage="dr_grpo", loss_agg="seq-mean-token-sum-norm")),
-    "dapo": ("clip-higher 0.2/0.28, token-mean, drop zero-variance groups (DAPO, Yu et al. 2025)",
-             dict(advantage="grpo", clip_high=0.28, loss_agg="token-mean", filter_groups=True)),
+    "dapo": ("clip-higher 0.2/0.28, token-mean, dynamic sampling, overlong filter + soft punishment (DAPO)",
+             dict(advantage="grpo", clip_high=0.28, loss_agg="token-mean", filter_groups=True, max_gen_batches=10,
+                  drop_truncated=True, overlong_buffer=0.2, overlong_penalty=1.0)),
     "rloo": ("leave-one-out baseline (Ahmadian et al. 2024)", dict(advantage="rloo")),
     "reinforce_pp": ("REINFORCE++: KL in the reward, batch-whitened returns (Hu 2025)",
                      dict(advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True, kl_estimator="k1")),
@@ -38,6 +39,15 @@ PRESETS: dict[str, tuple[str, dict]] = {
              dict(policy_loss="gmpo", clip_low=0.4, clip_high=0.4, loss_agg="seq-mean-token-mean")),
     "opo": ("length-weighted group baseline (OPO, Hao et al. 2025)", dict(advantage="opo")),
     "otb": ("optimal token baseline, variance-weighted per timestep", dict(advantage="otb")),
+    "remax": ("greedy-response reward as the baseline (ReMax, Li et al. 2023)", dict(advantage="remax")),
+    "sapo": ("soft gate σ(τ(r−1))·4/τ instead of a clip, seq-mean-token-mean (SAPO, Gao et al. 2025)",
+             dict(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, loss_agg="seq-mean-token-mean")),
+    "gpg": ("REINFORCE loss, group-mean advantage rescaled for zero-variance groups (GPG, Chu et al. 2025)",
+            dict(advantage="gpg", policy_loss="gpg", loss_agg="token-mean")),
+    "kl_cov": ("KL penalty on the highest-covariance tokens (KL-Cov, Cui et al. 2025; verl's defaults)",
+               dict(policy_loss="kl_cov", cov_ratio=2e-4, cov_kl_coef=1.0, loss_agg="token-mean")),
+    "clip_cov": ("detach random high-covariance tokens (Clip-Cov, Cui et al. 2025; verl's defaults)",
+                 dict(policy_loss="clip_cov", cov_ratio=2e-4, loss_agg="token-mean")),
     "gdpo": ("each reward component normalised in its group, then summed (GDPO)",
              dict(advantage="gdpo", reward="exact_format")),
 }
@@ -61,7 +71,8 @@ PRETRAINED_HIDDEN = 512  # every pretrained LM from ~100M parameters up; nanorl'
 class Config:
     # --- what to train
     algo: str = "grpo"
-    """Preset: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, gspo, cispo, gmpo, opo, otb, gdpo."""
+    """Preset: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, gspo, cispo, gmpo, opo, otb,
+    remax, sapo, gpg, kl_cov, clip_cov, gdpo."""
     model: str = ""
     """Hugging Face name or local path of a causal LM; empty = the built-in tiny Qwen2 (nanorl/task.py)."""
     train_data: str = ""
@@ -129,45 +140,106 @@ class Config:
     """Most kept ids stored per token with keep_sampling_mask; a larger set falls back to full vocab."""
     routing_replay: bool = False
     """MoE only: replay the rollout's experts in every training forward (nanorl/moe_replay.py)."""
+    # --- multi-turn environments (nanorl/env.py): the environment answers between turns, scores episodes
+    env: str = ""
+    """calc (the built-in task with a calculator; builds its own model without --model), python_tool
+    (a Python-expression tool with ChatML tool calls, for chat models), or module:Class / file.py:Class;
+    empty = single-turn responses scored by --reward."""
+    env_max_turns: int = 4
+    """--env: model turns per episode; an episode not done by then ends as turn_cap (truncated)."""
+    env_max_tokens: int = 0
+    """--env: response tokens per episode, model and environment tokens together (0 = env_max_turns ×
+    max_new_tokens); the context bound: reaching it ends the episode as token_cap (truncated)."""
+    tool_timeout: float = -1.0
+    """--env: seconds per tool call; > 0 runs tools in a worker process killed at the limit (the episode
+    ends as tool_timeout), 0 in-process; -1 = the environment's default (calc 0, python_tool 5, others 10)."""
+    # --- asynchronous rollout (nanorl/pipeline.py): generation overlapped with training
+    async_steps: int = 0
+    """K: a worker process samples and scores batch b from weight version max(0, b − K) while the trainer
+    trains on the batches before it (so no sample is more than K versions old); 0 = the synchronous loop.
+    The worker runs --threads torch threads (1 when 0); correct the staleness with --tis-cap / --mis-high."""
+    partial_rollout: bool = False
+    """--async-steps: a generation running when newer weights are published goes on under them
+    (re-prefilled) instead of finishing under the old ones; per-token versions are recorded."""
+    mask_offpolicy_in_partial_rollout: bool = False
+    """--partial-rollout: tokens sampled under an older version than their sample's newest leave the loss
+    (else they train, IS-corrected by their own rollout logprobs with --tis-cap / --mis-high)."""
+    rollout_device: str = ""
+    """--async-steps: the worker's device, e.g. cuda:1 to give the engine its own GPU; empty = the trainer's."""
     # --- advantage and loss
     advantage: str = "grpo"
     """Advantage estimator (nanorl/advantage.py ADVANTAGE_ESTIMATORS)."""
     policy_loss: str = "ppo"
-    """Policy loss (nanorl/losses.py POLICY_LOSSES): ppo, gspo, cispo, gmpo, dppo_tv, dppo_kl."""
+    """Policy loss (nanorl/losses.py POLICY_LOSSES): ppo, gspo, cispo, gmpo, dppo_tv, dppo_kl, sapo,
+    reinforce, gpg, dro, kl_cov, clip_cov."""
     loss_agg: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
     clip_low: float = 0.2
     """Lower clip ε (ratio ≥ 1 − ε) or the loss's own lower bound."""
     clip_high: float = 0.2
     """Upper clip ε (ratio ≤ 1 + ε); DAPO's clip-higher raises it."""
     dual_clip: float = 3.0
     """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    sapo_tau_pos: float = 1.0
+    """SAPO: gate temperature τ for A > 0 (Gao et al. 2025: 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: gate temperature τ for A ≤ 0 (Gao et al. 2025: 1.05; larger damps negative updates faster)."""
+    dro_beta: float = 1.0
+    """DRO: β of the quadratic penalty ½β(log π_θ − log π_old)² (verl requires it set; no paper default online)."""
+    cov_ratio: float = 2e-4
+    """KL-Cov / Clip-Cov: share of the step's tokens selected by covariance (verl's default 2e-4)."""
+    cov_kl_coef: float = 1.0
+    """KL-Cov: κ of κ·|log r| on the selected tokens (verl's kl_cov fallback 1.0)."""
+    top_entropy_quantile: float = 0.0
+    """> 0: train only on the top q of the step's tokens by entropy (Wang et al. 2025, "80/20": 0.2)."""
     gamma: float = 1.0
-    """Discount (GAE, REINFORCE++)."""
+    """Discount (GAE, REINFORCE++, OTB)."""
     lam: float = 1.0
     """GAE λ."""
+    whiten_advantages: bool = True
+    """Whiten the advantages over the batch where the estimator does (gae, reinforce_pp,
+    reinforce_pp_baseline, gdpo); --no-whiten-advantages keeps them raw (slime's option)."""
+    gdpo_weights: str = ""
+    """GDPO: comma-separated weight per reward component, in the reward's component order (empty = all 1)."""
     filter_groups: bool = False
-    """Drop groups whose rewards are all equal (no learning signal; DAPO dynamic sampling)."""
+    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts until
+    the step has prompts_per_step groups with signal (nanorl/dapo.py)."""
+    max_gen_batches: int = 10
+    """DAPO: most generation rounds per step before training on the groups found (the recipe's 10)."""
+    drop_truncated: bool = False
+    """DAPO overlong filtering: truncated responses (no stop token) leave the loss; they still count in
+    their group's baseline."""
+    overlong_buffer: float = 0.0
+    """DAPO soft overlong punishment: the last share of max_new_tokens where the reward falls linearly
+    to −overlong_penalty (the paper's 4096 of 20480 = 0.2; 0 = off)."""
+    overlong_penalty: float = 1.0
+    """DAPO: the penalty at max_new_tokens of the soft overlong punishment (the paper's 1.0)."""
     kl_coef: float = 0.0
     """β of the KL to the reference policy (0 = no reference model at all)."""
     kl_estimator: str = "k3"
     """k1, k2, k3, abs, or a straight-through k1+/k3+ (nanorl/kl.py)."""
     kl_in_reward: bool = False
-    """Put −β·KL in the per-token reward instead of the loss."""
+    """Put −β·KL in the per-token reward instead of the loss (outcome estimators: score = Σ rewards)."""
+    unbiased_kl: bool = False
+    """KL as a loss, weighted by π_θ/π_old: unbiased for off-policy tokens (DeepSeek-V3.2; slime's flag)."""
     kl_target: float = 0.0
-    """> 0: adapt β toward this KL per token (Ziegler et al. 2019)."""
+    """> 0: adapt β toward this KL per token (Ziegler et al. 2019), in either placement."""
     entropy_coef: float = 0.0
     """Entropy bonus coefficient."""
     vf_coef: float = 0.0
     """Value-loss coefficient; > 0 creates a critic (PPO)."""
     tis_cap: float = 0.0
-    """Truncated importance sampling cap C on π_old/π_rollout (0 = off)."""
-    icepop_low: float = 0.0
-    """ICEPOP: zero the loss of tokens whose π_old/π_rollout is below this (needs icepop_high)."""
-    icepop_high: float = 0.0
-    """ICEPOP: ... or above this (0 = ICEPOP off; the paper's band is 0.5 to 5)."""
+    """Truncated importance sampling: clip π_old/π_rollout at C (0 = off; nanorl/offpolicy.py)."""
+    tis_low: float = 0.0
+    """TIS: also clip it from below at this (slime's tis_clip_low; 0 = verl's upper-only TIS)."""
+    mis_low: float = 0.0
+    """Masked IS: zero the loss where π_old/π_rollout is below this (needs mis_high)."""
+    mis_high: float = 0.0
+    """Masked IS: ... or above this (0 = off; ICEPOP's token band is 0.5 to 5)."""
+    is_level: str = "token"
+    """TIS / MIS weights per token, or per sequence (the product of the token ratios)."""
     opsm_delta: float = 0.0
-    """OPSM: drop negative-advantage sequences whose mean KL to the rollout policy exceeds δ (0 = off)."""
+    """OPSM: mask negative-advantage tokens of sequences whose mean KL to the rollout policy exceeds δ (0 = off)."""
     # --- optimisation
     steps: int = 800
     """Optimizer steps (one rollout batch each, times ppo_epochs × mini_batches)."""
@@ -271,7 +343,7 @@ class Config:
              f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
                      "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
-                     "tis_cap", "icepop_low", "icepop_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip",
+                     "tis_cap", "tis_low", "mis_low", "mis_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip",
                      "eval_temperature", "eval_max_new_tokens"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -279,14 +351,59 @@ class Config:
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
-        need(self.advantage != "gae" or self.vf_coef > 0, "advantage gae needs a critic: set vf_coef > 0")
+        self._check_advantage_and_loss(need)
+        from nanorl.tool_envs import check_config
+        check_config(self, need, {f.name: f.default for f in fields(Config)})
+        from nanorl import pipeline
+        pipeline.check_config(self, need)
         need(not (self.fsdp and self.routing_replay), "--fsdp with --routing-replay is not supported: routing"
              " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
         need(self.prompts_per_step * self.samples_per_prompt >= self.mini_batches,
              "mini_batches cannot exceed the number of samples per step")
+
+    def _check_advantage_and_loss(self, need) -> None:
+        """The advantage / loss / KL / off-policy / DAPO group: ranges, and no flag that does nothing."""
+        from nanorl.advantage import estimator_inputs
+        from nanorl.losses import COV_LOSSES
+        defaults = {f.name: f.default for f in fields(Config)}
+        moved = lambda name: getattr(self, name) != defaults[name]  # noqa: E731
+        uses = estimator_inputs(self.advantage)
+        need(self.advantage not in ("gae", "gae_chunked") or self.vf_coef > 0,
+             f"advantage {self.advantage} needs a critic: set vf_coef > 0")
+        need(self.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {self.advantage}")
+        need(self.lam == 1 or "lam" in uses, f"lam does nothing with advantage {self.advantage}")
+        need(self.whiten_advantages or "whiten" in uses or self.advantage in ("gae", "gae_chunked"),
+             f"--no-whiten-advantages does nothing with advantage {self.advantage} (it never whitens)")
+        need(not self.gdpo_weights or self.advantage == "gdpo", "gdpo_weights needs advantage gdpo")
+        need(self.gdpo_weights == "" or all(_is_float(x) for x in self.gdpo_weights.split(",")),
+             f"gdpo_weights must be comma-separated numbers, got {self.gdpo_weights!r}")
         need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
-        need(not self.icepop_high or 0 <= self.icepop_low < 1 < self.icepop_high,
-             "ICEPOP band needs icepop_low < 1 < icepop_high")
+        need(not self.kl_in_reward or self.advantage not in ("gdpo", "grpo_passk"),
+             f"kl_in_reward: {self.advantage} normalises raw reward components / needs 0/1 scores; put KL in the loss")
+        need(not self.unbiased_kl or (self.kl_coef > 0 and not self.kl_in_reward),
+             "unbiased_kl weights the KL loss term: needs kl_coef > 0 without kl_in_reward")
+        need(not self.kl_target or self.kl_coef > 0, "kl_target adapts β: needs kl_coef > 0")
+        for name, loss in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"), ("dro_beta", "dro")):
+            need(getattr(self, name) > 0, f"{name} must be > 0")
+            need(not moved(name) or self.policy_loss == loss, f"{name} needs policy_loss {loss}")
+        for name in ("cov_ratio", "cov_kl_coef"):
+            need(not moved(name) or self.policy_loss in COV_LOSSES, f"{name} needs policy_loss kl_cov or clip_cov")
+        need(0 < self.cov_ratio <= 1, f"cov_ratio must be in (0, 1], got {self.cov_ratio}")
+        need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile must be in [0, 1]")
+        need(not self.tis_cap or self.tis_cap > 1 > self.tis_low, "TIS needs tis_low < 1 < tis_cap")
+        need(not self.tis_low or self.tis_cap, "tis_low needs tis_cap")
+        need(not (self.mis_low or self.mis_high) or 0 <= self.mis_low < 1 < self.mis_high,
+             "masked IS needs 0 <= mis_low < 1 < mis_high")
+        need(self.is_level in ("token", "sequence"), f"is_level must be token or sequence, got {self.is_level!r}")
+        need(self.is_level == "token" or self.tis_cap or self.mis_high, "is_level needs tis_cap or mis_high")
+        need(self.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
+        need(not moved("max_gen_batches") or self.filter_groups, "max_gen_batches needs filter_groups")
+        need(not (self.filter_groups and self.advantage == "remax"),
+             "filter_groups with remax is not supported: a refilled group has no greedy baseline")
+        need(0 <= self.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
+             f"{self.overlong_buffer}")
+        need(self.overlong_penalty > 0, "overlong_penalty must be > 0")
+        need(not moved("overlong_penalty") or self.overlong_buffer, "overlong_penalty needs overlong_buffer")
 
     @property
     def chat_template_dict(self) -> dict | None:
@@ -298,9 +415,22 @@ class Config:
         return value if isinstance(value, dict) else None
 
     @property
+    def episode_tokens(self) -> int:
+        """--env: the most response tokens of one episode (0 without an environment)."""
+        return (self.env_max_tokens or self.env_max_turns * self.max_new_tokens) if self.env else 0
+
+    @property
     def uses_reference(self) -> bool:
         """A reference model exists only when a KL term is on."""
         return self.kl_coef > 0
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def field_docs() -> dict[str, str]:

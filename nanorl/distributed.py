@@ -24,14 +24,24 @@ FSDP (`--fsdp`, `shard`): weights, gradients and Adam state are split over the r
 replicated — for a policy whose training state does not fit on one device. Every forward still goes
 through `Trained.forward` (old logprobs and values too; the reference model has its own sharded
 `Trained`); the HF engine samples from a full copy per rank, refreshed by all-gathering the shards
-(`full_state_dict`) after each step, as the vLLM engine's own copy is; checkpoints gather full
-tensors (the saved model is an ordinary HF directory) and load them back into shards.
+(`iter_full_tensors`) after each step, as the vLLM engine's own copy is; checkpoints are sharded:
+each rank writes and reads its own shards (nanorl/ckpt_sharded.py).
 Not with `--routing-replay` (its record/replay forwards call the HF model directly).
+
+Lockstep: every collective must be entered by every rank the same number of times, so every rank
+runs the same number of forwards and backwards whatever its share of the samples (nanorl/update.py
+micro_batches); gradients are reduced once per optimizer step (`sync_gradients_after`, DDP and FSDP);
+and a rank that raises takes the others down with its error instead of leaving them waiting
+(`fail_together`). Sharded checkpoints: nanorl/ckpt_sharded.py.
 
 Test: python -m pytest tests/test_multirank.py -q   (2 CPU processes over gloo)
 """
 from __future__ import annotations
 
+import os
+import sys
+import threading
+import time
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -154,22 +164,9 @@ def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor])
     set_model_state_dict(unwrap(model), state, options=StateDictOptions(full_state_dict=True))
 
 
-def optimizer_state(trained: torch.nn.Module, optimizer, fsdp: bool) -> dict:
-    """The optimizer state to checkpoint. FSDP: gathered in full, keyed by parameter name (rank 0
-    gets it, every rank takes part); empty before the first step, as torch's helper would otherwise
-    take a zero-gradient step to create it. Else the optimizer's own state_dict."""
-    if not fsdp:
-        return optimizer.state_dict()
-    if not optimizer.state:
-        return {}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(unwrap(trained), optimizer, options=opts)
-
-
 def load_optimizer_state(trained: torch.nn.Module, optimizer, state: dict) -> None:
-    """Load what `optimizer_state` saved (either layout: keyed by name, FSDP; or by index)."""
+    """Load a full optimizer state: keyed by index (optimizer.state_dict()), or by parameter name
+    (what FSDP checkpoints held before they were sharded)."""
     if not state:
         return
     groups = state["param_groups"]
@@ -187,13 +184,91 @@ def loss_scale(world: int) -> float:
 
 
 def sync_gradients_after(model: torch.nn.Module, last: bool):
-    """Accumulate micro-batch gradients locally; DDP all-reduces once, in the last backward.
-
-    Every rank must run the same number of optimizer steps, each with exactly one synced backward;
-    the count of local (no_sync) micro-batches before it may differ between ranks."""
+    """Accumulate micro-batch gradients locally; reduce them over ranks once, in the last backward of
+    the optimizer step. DDP: `no_sync` around the others (one all-reduce per step). FSDP2 has no
+    no_sync: `set_requires_gradient_sync(False)` keeps each micro-batch's gradient unsharded and local,
+    and the last backward reduce-scatters the sum — one reduce-scatter per FSDP unit per step instead
+    of one per micro-batch, in fp32 either way (MixedPrecisionPolicy's reduce dtype). Its cost: the
+    full, unsharded gradient lives between the micro-batches of a step (a 7B model in fp32: 28 GB per
+    rank); a step of one micro-batch pays nothing. Every rank runs as many micro-batches (lockstep)."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard): every unit, recursively
+        model.set_requires_gradient_sync(last)
+        return nullcontext()
     if last or not hasattr(model, "no_sync"):
         return nullcontext()
     return model.no_sync()
+
+
+FAILED, SEEN = "nanorl/failed", "nanorl/failed_seen"  # keys in the process group's store
+
+
+@contextmanager
+def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 30.0):
+    """One rank's error ends every rank, with that rank's error, instead of a hang.
+
+    Without it, a rank that raises leaves the others blocked in their next collective: NCCL waits out
+    its timeout (10 minutes by default), then kills the job with a message that names neither the
+    rank nor the error; a rank kept alive by a non-daemon thread can hang them forever. Here the
+    failing rank (1) posts "rank R failed: Type: message" to the process group's key-value store (the
+    rendezvous store every rank already holds; the first failure wins), (2) aborts its process group
+    (NCCL: its communicators, so that its own exit cannot hang on them), (3) waits up to linger_s for
+    every peer to read the message (rank 0 may host the store), then re-raises. The others learn it
+    within poll_s from a watcher thread polling the store: a rank blocked inside a collective cannot
+    raise — a peer's abort did not wake it, neither on NCCL nor here on gloo (measured: it waited
+    until the failing process exited) — so the watcher prints the message and ends the process (exit
+    status 1); a rank whose own collective failed first raises with the peer's error as the cause.
+    Not covered: a rank killed outright (SIGKILL, the OOM killer) posts nothing — the launcher or the
+    collective timeout ends the others."""
+    if world == 1 or not dist.is_initialized():
+        yield
+        return
+    store = dist.distributed_c10d._get_default_store()
+    done = threading.Event()
+    threading.Thread(target=_watch_peers, args=(store, rank, done, poll_s), daemon=True,
+                     name="nanorl-fail-together").start()
+    try:
+        yield
+    except BaseException as e:
+        done.set()
+        if isinstance(e, SystemExit) and e.code in (0, None):
+            raise
+        mine = f"rank {rank} failed: {type(e).__name__}: {str(e)[:2000]}"
+        try:
+            first = store.compare_set(FAILED, "", mine).decode()  # set only if no rank failed before
+            if first != mine:  # a peer failed first: ours is a consequence (e.g. "connection closed")
+                store.add(SEEN, 1)
+                raise RuntimeError(f"rank {rank} stopped because {first}") from e
+        except dist.DistError:  # the store is gone (its host exited): nobody left to tell
+            raise e from None
+        print(f"nanorl: {mine}; aborting the process group so that every rank stops", file=sys.stderr, flush=True)
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)  # private in 2.13
+        abort()
+        end = time.monotonic() + linger_s
+        try:
+            while time.monotonic() < end and int(store.add(SEEN, 0)) < world - 1:
+                time.sleep(0.1)
+        except dist.DistError:
+            pass  # the store went away with its host: stop waiting, the message was posted
+        raise
+    finally:
+        done.set()
+
+
+def _watch_peers(store, rank: int, done: threading.Event, poll_s: float) -> None:
+    while not done.wait(poll_s):
+        try:
+            if not store.check([FAILED]):
+                continue
+            msg = store.get(FAILED).decode()
+        except dist.DistError:  # the store's host exited (a normal end on another rank): stop watching
+            return
+        if done.is_set() or msg.startswith(f"rank {rank} "):
+            return
+        print(f"nanorl: rank {rank} stops: {msg}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        store.add(SEEN, 1)
+        time.sleep(2 * poll_s)  # the failing rank exits first: a launcher then names it the root cause
+        os._exit(1)  # the main thread may be stuck in a collective: no exception can reach it
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:

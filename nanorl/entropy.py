@@ -12,7 +12,10 @@ tokens under the distribution the rollout sampled from), m = max_j z_j, s = Σ_j
     lse = m + log s                        — one pass with an online max (Milakov & Gimelshein 2018)
     logprob = (z_y − m) − log s            (= z_y − lse; subtracting m first keeps fp32 digits)
     H = lse − Σ_j p_j z_j = log s − d / s  with d = Σ_j exp(z_j − m)(z_j − m)
-and the exact gradient of g_lp·logprob + g_ent·H, with log p_j = z_j − lse:
+and, on request (sum_sq=True; no gradient), Σ_j p_j² = q / s² with q = Σ_j exp(z_j − m)² kept in the
+same pass (rescaled by α² when the running max moves) — the optimal token baseline's
+||∇_z log p_y||² = 1 − 2p_y + Σ_j p_j² (nanorl/advantage.py otb). The exact gradient of
+g_lp·logprob + g_ent·H, with log p_j = z_j − lse:
     dlogprob/dx_j = (δ_jy − p_j) / T
     dH/dx_j       = −p_j (z_j − Σ_k p_k z_k) / T = −p_j (log p_j + H) / T
 Chosen deliberately: verl's `entropy_from_logits` computes lse − Σ p·x, which cancels catastrophically
@@ -68,13 +71,14 @@ _FAR = -1e20                      # torch path: stands in for log p = −inf whe
 if HAS_TRITON:
 
     @triton.jit
-    def _fwd_kernel(x_ptr, stride_x, tgt_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, V, inv_temp,
-                    ignore_index, BLOCK_V: tl.constexpr):
+    def _fwd_kernel(x_ptr, stride_x, tgt_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, sq_ptr, V, inv_temp,
+                    ignore_index, BLOCK_V: tl.constexpr, WITH_SQ: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride exceeds 2**31 for N·V ≈ 6e8
         x_row = x_ptr + row * stride_x
         m = float("-inf")  # running max of z
         s = 0.0            # Σ exp(z − m)
         d = 0.0            # Σ exp(z − m)(z − m)
+        q = 0.0            # Σ exp(z − m)², for Σπ² = q / s² (OTB's path-variance proxy)
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
@@ -86,6 +90,8 @@ if HAS_TRITON:
             e = tl.exp(z - m_new_s)                                      # 0 on −inf columns
             zc = tl.where(z == float("-inf"), 0.0, z - m_new_s)          # zero BEFORE multiplying
             d = alpha * (d + s * (m_s - m_new_s)) + tl.sum(e * zc, 0)
+            if WITH_SQ:
+                q = alpha * alpha * q + tl.sum(e * e, 0)
             s = alpha * s + tl.sum(e, 0)
             m = m_new
         m_fin = tl.where(m == float("-inf"), 0.0, m)
@@ -100,6 +106,8 @@ if HAS_TRITON:
         tl.store(ent_ptr + row, tl.where(ignored, 0.0, ent))
         tl.store(m_ptr + row, m_fin)
         tl.store(ls_ptr + row, ls)
+        if WITH_SQ:
+            tl.store(sq_ptr + row, tl.where(ignored | (s <= 0.0), 0.0, q / (s * s)))
 
     @triton.jit
     def _bwd_kernel(x_ptr, stride_x, g_ptr, stride_g, tgt_ptr, m_ptr, ls_ptr, ent_ptr, glp_ptr,
@@ -131,14 +139,15 @@ def _block_v(V):
     return min(triton.next_power_of_2(V), _MAX_BLOCK_V)
 
 
-def _triton_forward(x, targets, inv_temp, ignore_index):
+def _triton_forward(x, targets, inv_temp, ignore_index, want_sq=False):
     N, V = x.shape
     lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
     norm = torch.empty(2, N, device=x.device, dtype=torch.float32)
+    sq = torch.empty(N if want_sq else 0, device=x.device, dtype=torch.float32)
     if N > 0:
-        _fwd_kernel[(N,)](x, x.stride(0), targets, lp, ent, norm[0], norm[1], V, inv_temp,
-                          ignore_index, BLOCK_V=_block_v(V), num_warps=8)
-    return lp, ent, norm
+        _fwd_kernel[(N,)](x, x.stride(0), targets, lp, ent, norm[0], norm[1], sq if want_sq else lp, V,
+                          inv_temp, ignore_index, BLOCK_V=_block_v(V), WITH_SQ=want_sq, num_warps=8)
+    return lp, ent, norm, sq
 
 
 def _triton_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
@@ -161,10 +170,11 @@ def _z(x_chunk, inv_temp):
     return z * inv_temp if inv_temp != 1.0 else z
 
 
-def _torch_forward(x, targets, inv_temp, ignore_index):
+def _torch_forward(x, targets, inv_temp, ignore_index, want_sq=False):
     N, V = x.shape
     lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
     norm = torch.empty(2, N, device=x.device, dtype=torch.float32)    # rows: m, ls (lse = m + ls)
+    sq = torch.empty(N if want_sq else 0, device=x.device, dtype=torch.float32)  # Σπ² (OTB)
     for a, b in _row_chunks(N, V):
         z = _z(x[a:b], inv_temp)                                         # [n, V]
         m = z.amax(1)                                                    # [n]
@@ -174,6 +184,8 @@ def _torch_forward(x, targets, inv_temp, ignore_index):
         s = p.sum(1)                                                     # [n], 0 for a dead row
         ls = torch.where(s > 0, s.log(), 0.0)                            # lse = m + ls
         p.div_(torch.where(s > 0, s, 1.0)[:, None])
+        if want_sq:
+            sq[a:b] = torch.where(targets[a:b] == ignore_index, 0.0, (p * p).sum(1))
         # Clamped far below any real log-prob: p·logp is then 0·finite, not 0·(−inf) = NaN.
         logp.sub_(ls[:, None]).clamp_(min=_FAR)
         ignored = targets[a:b] == ignore_index
@@ -182,7 +194,7 @@ def _torch_forward(x, targets, inv_temp, ignore_index):
         lp[a:b] = torch.where(ignored, 0.0, lp_c)
         ent[a:b] = torch.where(ignored, 0.0, -(p * logp).sum(1))
         norm[0, a:b], norm[1, a:b] = m, ls
-    return lp, ent, norm
+    return lp, ent, norm, sq
 
 
 def _torch_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
@@ -223,9 +235,10 @@ def _backend(x, backend=None):
     return "torch"
 
 
-def _rows_forward(x, targets, inv_temp, ignore_index, backend):
+def _rows_forward(x, targets, inv_temp, ignore_index, backend, want_sq=False):
+    """(logprobs [N], entropy [N], norm [2, N], Σπ² [N] if want_sq else [0])."""
     fn = _triton_forward if backend == "triton" else _torch_forward
-    return fn(x, targets, inv_temp, ignore_index)
+    return fn(x, targets, inv_temp, ignore_index, want_sq)
 
 
 def _rows_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out, backend):
@@ -242,7 +255,7 @@ def _grads_or_zeros(g_lp, g_ent, like):
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_temp, ignore_index, backend):
-        lp, ent, norm = _rows_forward(logits, targets, inv_temp, ignore_index, backend)
+        lp, ent, norm, _ = _rows_forward(logits, targets, inv_temp, ignore_index, backend)
         ctx.save_for_backward(logits, targets, norm, ent)
         ctx.args = (inv_temp, ignore_index, backend)
         return lp, ent
@@ -287,8 +300,10 @@ def _support_keep(support, V):
     return keep | ~(support >= 0).any(1, keepdim=True)
 
 
-def naive_logprobs_entropy(logits, targets, temperature=1.0, support=None, ignore_index=-100):
-    """The materialised reference: log_softmax over the full [N, V]. Same args/returns as below."""
+def naive_logprobs_entropy(logits, targets, temperature=1.0, support=None, ignore_index=-100, *,
+                           sum_sq=False):
+    """The materialised reference: log_softmax over the full [N, V]. Same args/returns as below
+    (sum_sq=True adds Σ_v π_v² [N], no gradient, as fused_linear_logprobs_entropy)."""
     _check(logits.shape, targets, temperature, support, ignore_index)
     z = logits.float() / temperature                                    # [N, V]
     if support is not None:
@@ -300,7 +315,11 @@ def naive_logprobs_entropy(logits, targets, temperature=1.0, support=None, ignor
     ignored = targets == ignore_index
     lp = logp.gather(1, torch.where(ignored, 0, targets).long()[:, None]).squeeze(1)
     lp = torch.where(ignored, 0.0, lp)
-    return lp, torch.where(ignored | ~live.any(-1), 0.0, ent)
+    ent = torch.where(ignored | ~live.any(-1), 0.0, ent)
+    if not sum_sq:
+        return lp, ent
+    p = logp_safe.detach().exp() * live                                 # [N, V]
+    return lp, ent, torch.where(ignored | ~live.any(-1), 0.0, (p * p).sum(-1))
 
 
 def logprobs_and_entropy(logits, targets, temperature=1.0, support=None, ignore_index=-100, *,
@@ -364,21 +383,25 @@ def _chunk_logits(hidden, weight, bias, support, a, b):
 
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, support, inv_temp, ignore_index, chunk, backend):
+    def forward(ctx, hidden, weight, bias, targets, support, inv_temp, ignore_index, chunk, backend, want_sq):
         N = hidden.shape[0]
         lp, ent = (torch.empty(N, device=hidden.device, dtype=torch.float32) for _ in range(2))
         norm = torch.empty(2, N, device=hidden.device, dtype=torch.float32)
+        sq = torch.empty(N if want_sq else 0, device=hidden.device, dtype=torch.float32)  # Σπ², no grad
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
             logits = _chunk_logits(hidden, weight, bias, support, a, b)
-            out = _rows_forward(logits, targets[a:b], inv_temp, ignore_index, backend)
-            lp[a:b], ent[a:b], norm[:, a:b] = out
+            out = _rows_forward(logits, targets[a:b], inv_temp, ignore_index, backend, want_sq)
+            lp[a:b], ent[a:b], norm[:, a:b] = out[:3]
+            if want_sq:
+                sq[a:b] = out[3]
         ctx.save_for_backward(hidden, weight, bias, targets, support, norm, ent)
         ctx.args = (inv_temp, ignore_index, chunk, backend)
-        return lp, ent
+        ctx.mark_non_differentiable(sq)
+        return lp, ent, sq
 
     @staticmethod
-    def backward(ctx, g_lp, g_ent):
+    def backward(ctx, g_lp, g_ent, _g_sq):
         hidden, weight, bias, targets, support, norm, ent = ctx.saved_tensors
         inv_temp, ignore_index, chunk, backend = ctx.args
         g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
@@ -399,17 +422,18 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             if need_b:
                 grad_b += logits.float().sum(0)
         grad_b = grad_b.to(bias.dtype) if need_b else None
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def fused_linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, support=None,
-                                  ignore_index=-100, chunk_size=None, *, bias=None, backend=None):
+                                  ignore_index=-100, chunk_size=None, *, bias=None, backend=None, sum_sq=False):
     """logprobs_and_entropy(hidden @ weightᵀ + bias, ...) without ever holding the [N, V] logits.
 
     hidden [N, H], weight [V, H] (the LM head, same dtype as hidden), bias None or [V], targets [N]
     long, support None or [N, K] long. chunk_size = tokens per chunk; None picks it so one chunk's
     logits fit in _LINEAR_BUDGET_BYTES. Returns (logprobs [N] fp32, entropy [N] fp32), differentiable
-    w.r.t. hidden, weight and bias.
+    w.r.t. hidden, weight and bias; sum_sq=True adds Σ_v π_v² [N] fp32 (no gradient), accumulated in
+    the same pass over the vocabulary (the optimal token baseline's ||∇_z log π||² = 1 − 2π_y + Σπ²).
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [N, H] and weight [V, H], got {list(hidden.shape)} and "
@@ -422,6 +446,7 @@ def fused_linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, supp
     _check((hidden.shape[0], V), targets, temperature, support, ignore_index)
     chunk = _chunk_rows(V, hidden.element_size(), support is not None, chunk_size)
     support = None if support is None else support.long().contiguous()
-    return _FusedLinearLogprobEntropy.apply(hidden, weight, bias, targets.long().contiguous(), support,
-                                            1.0 / temperature, int(ignore_index), chunk,
-                                            _backend(hidden, backend))
+    lp, ent, sq = _FusedLinearLogprobEntropy.apply(hidden, weight, bias, targets.long().contiguous(), support,
+                                                   1.0 / temperature, int(ignore_index), chunk,
+                                                   _backend(hidden, backend), bool(sum_sq))
+    return (lp, ent, sq) if sum_sq else (lp, ent)

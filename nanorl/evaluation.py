@@ -10,7 +10,10 @@ without `name=` is named after its file or dataset). For each set, every `eval_e
 - `eval/<name>/response_length_mean`: mean greedy response length in tokens;
 and `eval/accuracy`, `eval/pass@k` pooled over the prompts of all sets (the run's headline number),
 and `time/eval`, the slowest rank's seconds.
-Eval responses may be longer than training's (`--eval-max-new-tokens`).
+Eval responses may be longer than training's (`--eval-max-new-tokens`). With `--env` every eval
+sample is an episode of the multi-turn driver, scored by its environment (nanorl/env.py), and
+`eval/<name>/tool_use_rate` (`eval/tool_use_rate` pooled) is the share of greedy episodes that
+called a tool.
 
 With N ranks every rank scores its own slice of every set (prompts r, r+N, ...) with its own engine,
 and the counts are summed over ranks: the wall time falls with N, no rank waits in a collective while
@@ -71,30 +74,45 @@ def evaluate(run) -> dict:
     start = time.perf_counter()
     with checkpoint.isolated_rng(run, seed=run.cfg.seed + run.rank):  # never shifts training's stream
         counts = torch.stack([_score_slice(run, s.prompts[run.rank::run.world]) for s in run.eval_sets])
-    distributed.all_reduce(counts)  # [S, 4] summed over ranks
-    k, out = run.cfg.pass_k, {}
-    for s, (n, greedy, passed, length) in zip(run.eval_sets, counts.tolist()):
+    distributed.all_reduce(counts)  # [S, 5] summed over ranks
+    k, out, env = run.cfg.pass_k, {}, getattr(run, "episodes", None) is not None
+    for s, (n, greedy, passed, length, tools) in zip(run.eval_sets, counts.tolist()):
         out.update({f"eval/{s.name}/accuracy": greedy / n, f"eval/{s.name}/pass@{k}": passed / n,
                     f"eval/{s.name}/response_length_mean": length / n})
-    n, greedy, passed, _ = counts.sum(0).tolist()
+        if env:  # --env: the share of greedy episodes that called a tool
+            out[f"eval/{s.name}/tool_use_rate"] = tools / n
+    n, greedy, passed, _, tools = counts.sum(0).tolist()
+    if env:
+        out["eval/tool_use_rate"] = tools / n
     seconds = distributed.all_reduce(torch.tensor([time.perf_counter() - start]), dist.ReduceOp.MAX)
     return {"eval/accuracy": greedy / n, f"eval/pass@{k}": passed / n, **out, "time/eval": float(seconds)}
 
 
+def _scored(run, prompts, n: int, sampling: SamplingConfig) -> list:
+    """n scored samples per prompt: the engine's, scored by the reward; with --env the episodes of the
+    multi-turn driver, which the environment scored (nanorl/env.py)."""
+    if getattr(run, "episodes", None) is not None:
+        return run.episodes.generate(prompts, n, sampling)
+    samples = run.engine.generate([p.ids for p in prompts], n, sampling)
+    for s, r in zip(samples, score_samples(run.rewards, run.tokenizer, prompts, samples)):
+        s.reward = r
+    return samples
+
+
 def _score_slice(run, prompts) -> torch.Tensor:
-    """[prompts, greedy correct, pass@k hits, greedy response tokens] of this rank's slice."""
+    """[prompts, greedy correct, pass@k hits, greedy response tokens, greedy episodes that called a
+    tool] of this rank's slice."""
     if not prompts:  # more ranks than prompts: this rank adds nothing (no collective inside)
-        return torch.zeros(4, dtype=torch.float64)
+        return torch.zeros(5, dtype=torch.float64)
     cfg, stop = run.cfg, stop_token_ids(run.model, run.tokenizer)
     max_new = cfg.eval_max_new_tokens or cfg.max_new_tokens
-    ids = [p.ids for p in prompts]
-    greedy = run.engine.generate(ids, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new,
-                                                        stop_token_ids=stop))
-    right = [correct(r) >= 1.0 for r in score_samples(run.rewards, run.tokenizer, prompts, greedy)]
-    sampled = run.engine.generate(ids, cfg.pass_k, SamplingConfig(
+    greedy = _scored(run, prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new, stop_token_ids=stop))
+    right = [correct(s.reward) >= 1.0 for s in greedy]
+    sampled = _scored(run, prompts, cfg.pass_k, SamplingConfig(
         temperature=cfg.eval_temperature or cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
         max_new_tokens=max_new, stop_token_ids=stop))
-    hits = torch.tensor([correct(r) >= 1.0 for r in score_samples(run.rewards, run.tokenizer, prompts, sampled)])
+    hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled])
     hits = hits.view(len(prompts), cfg.pass_k)  # [prompts, k]
     length = sum(s.response_length for s in greedy)
-    return torch.tensor([len(prompts), sum(right), float(hits.any(1).sum()), length], dtype=torch.float64)
+    tools = sum(s.metadata.get("env", {}).get("tool_calls", 0) > 0 for s in greedy)
+    return torch.tensor([len(prompts), sum(right), float(hits.any(1).sum()), length, tools], dtype=torch.float64)

@@ -35,10 +35,12 @@ E_old[w·∇k2] = ∇KL as well. `importance_weighted_kl` defaults to the first 
 
 Where it sits in the chain: rollout → reward → logprob recompute (policy, old, REFERENCE) →
 [KL: either folded into the reward before the advantage (`kl_penalized_rewards`, InstructGPT /
-REINFORCE++), or added to the loss (per-token values passed to losses.total_loss(kl=...), which
-aggregates them exactly like the policy loss, GRPO)] → advantage → loss → backward → step.
-β is either fixed or adapted to hit a target KL (Ziegler et al. 2019, "Fine-Tuning Language
-Models from Human Preferences"): β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·n_steps/horizon).
+REINFORCE++; an outcome estimator such as GRPO then scores Σ_t of it, verl's convention), or added
+to the loss (per-token values passed to losses.total_loss(kl=...), which aggregates them exactly like
+the policy loss, GRPO)] → advantage → loss → backward → step. β is either fixed or adapted to hit a
+target KL (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"):
+β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·n_steps/horizon); the trainer feeds it the per-token KL
+it logs as `kl_ref`, in either placement.
 
 Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_kl.py -q
 """

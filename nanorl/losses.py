@@ -1,72 +1,72 @@
-"""Policy-gradient losses, off-policy corrections, the value loss, and how a [B, T] loss becomes a scalar.
+"""Policy-gradient losses, the value loss, and how a [B, T] loss becomes a scalar.
+
+    rollout → reward → logprob recompute → advantage → **loss** → backward → optimizer step → weight sync
 
 The problem. The advantage A_t says how much better token y_t was than expected; the loss turns
 it into a gradient on log π_θ(y_t). Samples were drawn by an older policy (a few optimizer steps
-ago, and by a different engine: vLLM in bf16, not the trainer), so every loss compares the
-current policy with that one through the per-token ratio r_t = π_θ/π_old, computed as
+ago, and by a different engine: vLLM in bf16, not the trainer), so most losses compare the current
+policy with that one through the per-token ratio r_t = π_θ/π_old, computed as
 exp(clamp(logp − old_logp, −20, 20)) (clamp before exp: no inf, ever).
 
 Surrogates (each returns a per-token loss matrix [B, T] to minimise; registry POLICY_LOSSES):
 - ppo   (Schulman 2017): max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)). Separate ε_low/ε_high is
         DAPO's clip-higher (Yu 2025: 0.2/0.28). Dual-clip (Ye 2020, arXiv 1912.09729): for A < 0
-        the loss is also capped at −c·A (c > 1): a token whose probability rose c-fold despite a
-        negative advantage would otherwise add an unbounded −A·r. verl turns it on (c = 3);
-        slime leaves it off. We default LossConfig.dual_clip = 3.0: it never binds near
-        on-policy (r ≈ 1) and is exactly the safety net stale or mismatched samples need; the
-        primitive ppo_clip_loss keeps dual_clip=None (textbook PPO).
+        the loss is also capped at −c·A (c > 1). verl turns it on (c = 3); slime leaves it off.
+        We default LossConfig.dual_clip = 3.0: it never binds near on-policy (r ≈ 1) and is the
+        safety net stale or mismatched samples need; ppo_clip_loss keeps dual_clip=None.
 - gspo  (Zheng 2025, Qwen3): one ratio per sequence, s_i = exp(mean_t(logp − old_logp)), clipped
-        like PPO (the paper's ε are ~3e-4/4e-4). GSPO-token form: log s_it = sg(log s_i) + logp_t
-        − sg(logp_t); same value, gradient s_i·∇logp_t, so per-token advantages are allowed and
-        with a per-sequence A it IS GSPO. Aggregate with seq-mean-token-mean to match the paper.
-- cispo (MiniMax-M1 2025): −sg(clip(r, 1−ε_low, 1+ε_high))·A·logp. The weight is clipped and
-        detached, so every token keeps a gradient (PPO drops clipped tokens entirely).
-        MiniMax-M1 clips only above (use a large ε_low).
-- gmpo  (Zhao 2025, Geometric-Mean PO): per sequence −A·exp(mean_t clip(log r_t)), the clip
-        taken token-wise in LOG space with PPO's pessimism (A > 0 caps log r at +ε_high, A < 0
-        at −ε_low; the paper uses ε = 0.4). The geometric mean is less sensitive to one outlier
-        token than GRPO's arithmetic mean. The sequence loss sits on every valid token: use
-        seq-mean-token-mean. The advantage is the sequence's mean advantage.
-- dppo_tv / dppo_kl (Qi et al. 2026, "Rethinking the Trust Region in LLM RL", arXiv 2602.04879,
-        formula as in the authors' verl code): −A·sg(min(r, C))·logp·M_t. The trust region
-        is a divergence mask, not a ratio clip: with p = π_θ(y_t), q = π_old(y_t),
-        TV: A > 0 keeps the token iff p − q ≤ δ_high; A ≤ 0 iff p − q ≥ −δ_low.
-        KL (binary KL of Bernoulli(q) vs Bernoulli(p)): D = q·log(q/p) + (1−q)·log((1−q)/(1−p));
-        A > 0 drops iff D > δ_high and p > q; A ≤ 0 drops iff D > δ_low and p < q.
-        Authors' δ: TV 0.15, KL 0.05, C = 10. They anchor at the ROLLOUT policy: pass rollout
-        log-probs as old_logp and leave TIS off (their "recompute" variant uses old_logp).
-        For dppo, LossConfig.clip_low/clip_high are read as δ_low/δ_high.
+        like PPO (ε ~3e-4/4e-4), in the GSPO-token form: log s_it = sg(log s_i) + logp_t − sg(logp_t),
+        so per-token advantages are allowed. Aggregate with seq-mean-token-mean to match the paper.
+- cispo (MiniMax-M1 2025): −sg(clip(r, 1−ε_low, 1+ε_high))·A·logp: every token keeps a gradient.
+- gmpo  (Zhao 2025): per sequence −A·exp(mean_t clip(log r_t)), the clip token-wise in log space
+        with PPO's pessimism (ε = 0.4); seq-mean-token-mean; A is the sequence's mean advantage.
+- dppo_tv / dppo_kl (Qi et al. 2026, arXiv 2602.04879, as in the authors' verl code):
+        −A·sg(min(r, C))·logp·M_t, M_t a divergence trust region on p = π_θ(y_t), q = π_old(y_t):
+        TV: A > 0 keeps iff p − q ≤ δ_high, A ≤ 0 iff p − q ≥ −δ_low; binary KL
+        D = q·log(q/p) + (1−q)·log((1−q)/(1−p)): A > 0 drops iff D > δ_high and p > q, A ≤ 0 iff
+        D > δ_low and p < q. δ: TV 0.15, KL 0.05, C = 10; clip_low/clip_high are read as δ.
+- sapo  (Gao et al. 2025, Qwen, arXiv 2511.20347, as verl): −A·f(r), f(r) = σ(τ(r − 1))·4/τ, τ_pos
+        for A > 0, τ_neg for A ≤ 0 (1.0 / 1.05): a smooth gate instead of a hard clip, f'(1) = 1 so
+        on-policy it is REINFORCE. verl forces seq-mean-token-mean inside; here the preset sets it.
+- reinforce / gpg: −A·logp, no ratio (vanilla REINFORCE; GPG, Chu et al. 2025, uses exactly this
+        loss, verl registers both). Off-policy it needs an IS correction (nanorl/offpolicy.py).
+- dro   (Richemond et al. 2024, arXiv 2405.19107, as verl): −(A·logp − ½β·(logp − old_logp)²).
+- kl_cov / clip_cov (Cui et al. 2025, "The Entropy Mechanism of RL", arXiv 2505.22617, as verl):
+        tokens with the largest centred covariance c_t = (A_t − Ā)(logp_t − mean logp) drive entropy
+        collapse. kl_cov adds κ·|log r| to −A·r on the k = max(1, ⌊ρ·N⌋) largest; clip_cov takes PPO's
+        clipped loss and detaches k tokens drawn at random among lb < c_t < ub (1, 5), ρ = 2e-4.
+        Choice: verl selects per micro-batch from the current logp (and skips tokens PPO already
+        clipped); nanorl selects once per optimizer step over the whole step (`cov_selection` on
+        π_old, = π_θ at the first pass; trainer: nanorl/update.py) with a seeded generator, so the
+        step does not depend on micro-batching; a selected token PPO clips simply has no gradient.
+Token selection (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939): train only on the top
+⌈q·N⌉ entropy tokens of the step (`top_entropy_mask`, q = 0.2); the trainer applies it as the loss
+mask of the step, denominators included, as the authors' fork replaces its response mask.
 
-Off-policy corrections for the train/inference mismatch (detached weights on the loss matrix):
-- TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL
-  training"): w = min(exp(old_logp − rollout_logp), C), per token or per sequence (product).
-- ICEPOP (Ring-1T / "Small leak can sink a great ship", 2025): w = k if low ≤ k ≤ high else 0,
-  k the same train/rollout ratio: outliers are discarded, not truncated.
-- OPSM (DeepSeek-V3.2 2025): drop a sequence whose advantage is negative and whose sequence mean
-  of (rollout_logp − logp) — a k1 estimate of KL(π_rollout ‖ π_θ) — exceeds δ.
-Weights multiply the loss; denominators are NOT changed (DeepSeek's formula), which also keeps
-the micro-batch invariance below.
+Off-policy corrections (TIS, MIS/ICEPOP, OPSM: nanorl/offpolicy.py) reach total_loss as a detached
+[B, T] `weights` matrix on the policy loss; denominators are NOT changed (DeepSeek's formula).
 
-Aggregation ([B, T] → scalar). token-mean: Σ l / N_tokens (DAPO). seq-mean-token-mean: mean over
-sequences of each sequence's token mean (GRPO paper). seq-mean-token-sum: mean over sequences of
-token sums. seq-mean-token-sum-norm: Σ l / (N_seqs · L) with a constant L (Dr. GRPO, Liu 2025;
-verl divides by L only, we keep the seq-mean the name promises, so the scale does not grow with
-batch size). N counts only sequences with at least one valid token. Gradient accumulation: a
+Aggregation ([B, T] → scalar). token-mean: Σ l / N_tokens (DAPO). token-sum: Σ l (verl's token-sum;
+the gradient grows with the batch). seq-mean-token-mean: mean over sequences of each sequence's token
+mean (GRPO paper). seq-mean-token-sum: mean over sequences of token sums. seq-mean-token-sum-norm:
+Σ l / (N_seqs · L) with a constant L (Dr. GRPO, Liu 2025; verl 0.9.1 does the same: seq-mean, then
+÷ loss_scale_factor). N counts only sequences with at least one valid token. Gradient accumulation: a
 micro-batch's own means are NOT the full batch's mean (TRL #3021). Pass num_tokens / num_seqs
 of the whole optimizer step (all micro-batches, all ranks: `global_denominators`) and a constant
 norm_len, and the micro-batch losses SUM to the full-batch loss exactly, for every mode.
 
-Where it sits: rollout → reward → logprob recompute → advantage → [losses] → backward → step.
 Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_losses.py -q
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 LOG_RATIO_CLAMP = 20.0
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 # ----------------------------------------------------------------------------- masked helpers
@@ -201,39 +201,86 @@ def dppo_kl_loss(logp, old_logp, adv, mask, delta_low=0.05, delta_high=0.05, rat
     return _dppo(logp, old_logp, adv, mask, delta_low, delta_high, ratio_cap, "kl")
 
 
-# ----------------------------------------------------------------------------- off-policy corrections
-def tis_weights(old_logp, rollout_logp, mask, cap=2.0, level="token"):
-    """TIS weight min(π_train/π_rollout, C), detached, [B, T]; level "sequence" uses the product of
-    token ratios per sequence. Returns (weights, truncated indicator [B, T])."""
-    _check(mask, old_logp=old_logp, rollout_logp=rollout_logp)
-    if level not in ("token", "sequence"):
-        raise ValueError(f"TIS level must be 'token' or 'sequence', got {level!r}")
+def sapo_loss(logp, old_logp, adv, mask, tau_pos=1.0, tau_neg=1.05):
+    """SAPO: −A·σ(τ(r − 1))·4/τ, τ = τ_pos where A > 0 else τ_neg. A soft, differentiable trust region."""
+    _check(mask, logp=logp, old_logp=old_logp, adv=adv)
     valid = mask > 0
-    log_w = _clean(old_logp.detach(), valid) - _clean(rollout_logp.detach(), valid)  # [B, T]
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)  # product of ratios, in log space
-    w = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    return _clean(w.clamp(max=cap), valid), (w > cap) & valid
+    logp, old_logp, adv = _clean(logp, valid), _clean(old_logp, valid), _clean(adv, valid)
+    _, ratio = log_ratio_and_ratio(logp, old_logp)
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))  # [B, T]
+    return -adv * torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau), {}
 
 
-def icepop_weights(old_logp, rollout_logp, mask, low=0.5, high=5.0):
-    """ICEPOP: the train/rollout ratio k where low ≤ k ≤ high, else 0. Returns (weights, zeroed)."""
-    _check(mask, old_logp=old_logp, rollout_logp=rollout_logp)
+def reinforce_loss(logp, old_logp, adv, mask):
+    """−A·logp: the policy gradient itself (REINFORCE; GPG's loss). old_logp only for the shared signature."""
+    _check(mask, logp=logp, old_logp=old_logp, adv=adv)
     valid = mask > 0
-    log_k = _clean(old_logp.detach(), valid) - _clean(rollout_logp.detach(), valid)
-    k = torch.exp(log_k.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [B, T]
-    inside = (k >= low) & (k <= high)
-    return torch.where(inside & valid, k, torch.zeros_like(k)), valid & ~inside
+    return -_clean(adv, valid) * _clean(logp, valid), {}
 
 
-def opsm_mask(logp, rollout_logp, adv, mask, delta):
-    """OPSM keep-mask [B, T]: 0 for a sequence with mean advantage < 0 and mean(rollout_logp − logp)
-    > δ, else 1. Returns (keep [B, T] float, dropped [B] bool)."""
-    _check(mask, logp=logp, rollout_logp=rollout_logp, adv=adv)
+def dro_loss(logp, old_logp, adv, mask, beta=1.0):
+    """DRO: −(A·logp − ½β·(logp − old_logp)²), a quadratic pull back to π_old instead of a clip."""
+    _check(mask, logp=logp, old_logp=old_logp, adv=adv)
+    if not beta > 0:
+        raise ValueError(f"DRO needs beta > 0, got {beta}")
     valid = mask > 0
-    seq_kl = _seq_mean(rollout_logp.detach().float() - logp.detach().float(), valid)  # [B]
-    dropped = (_seq_mean(adv, valid) < 0) & (seq_kl > delta) & valid.any(-1)  # [B]
-    return (~dropped).float().unsqueeze(-1).expand_as(valid), dropped
+    logp, old_logp, adv = _clean(logp, valid), _clean(old_logp, valid), _clean(adv, valid)
+    return -(adv * logp - 0.5 * beta * (logp - old_logp).square()), {}
+
+
+def cov_selection(logp, adv, mask, ratio, mode, bounds=(1.0, 5.0), generator=None):
+    """Tokens [B, T] bool that kl_cov / clip_cov treat specially, from c_t = (A_t − Ā)(logp_t − mean logp)
+    over the valid tokens: kl_cov the k = max(1, ⌊ratio·N⌋) largest; clip_cov k drawn at random among
+    lb < c_t < ub. Pass the whole optimizer step's tensors (logp detached)."""
+    _check(mask, logp=logp, adv=adv)
+    if mode not in ("kl_cov", "clip_cov") or not ratio > 0:
+        raise ValueError(f"cov_selection: mode kl_cov or clip_cov and ratio > 0, got {mode!r}, {ratio}")
+    valid = mask > 0
+    lp, a = _clean(logp.detach(), valid), _clean(adv, valid)
+    cov = (a - _mean(a, valid)) * (lp - _mean(lp, valid))                      # [B, T]
+    k = max(1, int(ratio * int(valid.sum())))
+    if mode == "kl_cov":
+        score = torch.where(valid, cov, torch.full((), -torch.inf))
+    else:
+        band = valid & (cov > bounds[0]) & (cov < bounds[1])
+        noise = torch.rand(cov.shape, generator=generator).to(cov.device)       # a random k of the band
+        score = torch.where(band, noise, torch.full((), -torch.inf))
+    picked = torch.zeros(valid.numel(), dtype=torch.bool, device=cov.device)
+    top = score.flatten().topk(min(k, valid.numel())).indices
+    picked[top] = True
+    return picked.view_as(valid) & (score > -torch.inf)
+
+
+def kl_cov_loss(logp, old_logp, adv, mask, selected, kl_coef=1.0):
+    """KL-Cov: −A·r everywhere, plus kl_coef·|log r| on the selected high-covariance tokens."""
+    _check(mask, logp=logp, old_logp=old_logp, adv=adv, selected=selected)
+    valid = mask > 0
+    logp, old_logp, adv = _clean(logp, valid), _clean(old_logp, valid), _clean(adv, valid)
+    log_ratio, ratio = log_ratio_and_ratio(logp, old_logp)
+    sel = selected.bool() & valid
+    return -adv * ratio + kl_coef * log_ratio.abs() * sel, {"clip": sel}
+
+
+def clip_cov_loss(logp, old_logp, adv, mask, selected, clip_low=0.2, clip_high=0.2):
+    """Clip-Cov: PPO's clipped loss with the selected high-covariance tokens detached (zero gradient)."""
+    loss, stats = ppo_clip_loss(logp, old_logp, adv, mask, clip_low, clip_high)
+    _check(mask, selected=selected)
+    sel = selected.bool() & (mask > 0)
+    stats["clip"] = stats["clip"] | sel
+    return torch.where(sel, torch.zeros((), device=loss.device), loss), stats  # verl: loss · 0
+
+
+def top_entropy_mask(entropy, mask, q):
+    """The top ⌈q·N⌉ entropy tokens among the N valid ones → [B, T] bool (the 80/20 rule: q = 0.2)."""
+    _check(mask, entropy=entropy)
+    if not 0 < q <= 1:
+        raise ValueError(f"top-entropy quantile must be in (0, 1], got {q}")
+    valid = mask > 0
+    n = int(valid.sum())
+    score = torch.where(valid, entropy.detach().float(), torch.full((), -torch.inf))
+    picked = torch.zeros(valid.numel(), dtype=torch.bool, device=valid.device)
+    picked[score.flatten().topk(min(math.ceil(q * n), valid.numel())).indices] = True
+    return picked.view_as(valid) & valid
 
 
 # ----------------------------------------------------------------------------- value loss
@@ -282,6 +329,8 @@ def aggregate(loss_mat, mask, mode="token-mean", num_tokens=None, num_seqs=None,
     n_tok, n_seq = n_tok.float().clamp(min=1), n_seq.float().clamp(min=1)
     if mode == "token-mean":
         return l.sum() / n_tok
+    if mode == "token-sum":
+        return l.sum()
     if mode == "seq-mean-token-sum":
         return l.sum() / n_seq
     if mode == "seq-mean-token-mean":
@@ -294,82 +343,88 @@ def aggregate(loss_mat, mask, mode="token-mean", num_tokens=None, num_seqs=None,
 @dataclass
 class LossConfig:
     policy: str = "ppo"                # a key of POLICY_LOSSES
-    clip_low: float = 0.2              # ε_low (ppo/gspo/cispo), log-space bound (gmpo), δ_low (dppo)
+    clip_low: float = 0.2              # ε_low (ppo/gspo/cispo/clip_cov), log-space bound (gmpo), δ_low (dppo)
     clip_high: float = 0.2             # ε_high ...; DAPO clip-higher uses 0.28
     dual_clip: float | None = 3.0      # ppo only: c > 1 bounds the loss for A < 0 (None = off)
     ratio_cap: float = 10.0            # dppo: truncation C of the detached IS weight
+    sapo_tau: tuple[float, float] = (1.0, 1.05)  # sapo: (τ_pos, τ_neg)
+    dro_beta: float = 1.0              # dro: β of the quadratic log-ratio penalty
+    cov_ratio: float = 2e-4            # kl_cov / clip_cov: share of tokens selected
+    cov_kl_coef: float = 1.0           # kl_cov: κ of κ·|log r| on the selected tokens
     agg_mode: str = "token-mean"       # one of AGG_MODES
     norm_len: int | None = None        # L for seq-mean-token-sum-norm
     entropy_coef: float = 0.0          # loss −= entropy_coef · aggregated entropy
     kl_coef: float = 0.0               # loss += kl_coef · aggregated kl
     vf_coef: float = 0.0               # loss += vf_coef · aggregated value loss
     value_clip: float | None = 0.2
-    tis_cap: float | None = None       # TIS truncation C (needs rollout_logp); None = off
-    tis_level: str = "token"           # "token" | "sequence"
-    icepop: tuple[float, float] | None = None  # (low, high) band; None = off
-    opsm_delta: float | None = None    # OPSM threshold δ; None = off
 
 
 def _by_name(fn: Callable, low: str, high: str, **extra: str) -> Callable:
-    return lambda lp, old, adv, m, c: fn(lp, old, adv, m, **{low: c.clip_low, high: c.clip_high},
-                                         **{k: getattr(c, v) for k, v in extra.items()})
+    return lambda lp, old, adv, m, c, sel: fn(lp, old, adv, m, **{low: c.clip_low, high: c.clip_high},
+                                              **{k: getattr(c, v) for k, v in extra.items()})
 
 
-POLICY_LOSSES: dict[str, Callable] = {  # name -> fn(logp, old_logp, adv, mask, cfg) -> (loss [B, T], stats)
+POLICY_LOSSES: dict[str, Callable] = {  # name -> fn(logp, old_logp, adv, mask, cfg, selected) -> (loss [B, T], stats)
     "ppo": _by_name(ppo_clip_loss, "clip_low", "clip_high", dual_clip="dual_clip"),
     "gspo": _by_name(gspo_loss, "clip_low", "clip_high"),
     "cispo": _by_name(cispo_loss, "clip_low", "clip_high"),
     "gmpo": _by_name(gmpo_loss, "clip_low", "clip_high"),
     "dppo_tv": _by_name(dppo_tv_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"),
     "dppo_kl": _by_name(dppo_kl_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"),
+    "sapo": lambda lp, old, adv, m, c, sel: sapo_loss(lp, old, adv, m, *c.sapo_tau),
+    "reinforce": lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m),
+    "gpg": lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m),
+    "dro": lambda lp, old, adv, m, c, sel: dro_loss(lp, old, adv, m, c.dro_beta),
+    "kl_cov": lambda lp, old, adv, m, c, sel: kl_cov_loss(lp, old, adv, m, sel, c.cov_kl_coef),
+    "clip_cov": lambda lp, old, adv, m, c, sel: clip_cov_loss(lp, old, adv, m, sel, c.clip_low, c.clip_high),
 }
+COV_LOSSES = ("kl_cov", "clip_cov")  # the losses that take a token selection
 
 
 def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=None, kl=None,
-               rollout_logp=None, values=None, old_values=None, returns=None,
+               rollout_logp=None, values=None, old_values=None, returns=None, weights=None, selected=None,
                num_tokens=None, num_seqs=None):
     """loss = pg_loss − entropy_coef·entropy + kl_coef·kl (+ vf_coef·value loss), for ONE micro-batch.
 
     All tensors [B, T]: logp (grad) and old_logp of the sampled tokens, advantages, mask; entropy
     (grad) per token; kl per token (e.g. kl.kl_estimator(logp, ref_logp, "k3+", mask=mask));
-    rollout_logp, the engine's logprobs (enables TIS/ICEPOP/OPSM and the mismatch metrics); values (grad),
-    old_values, returns for the critic. Every term is aggregated with cfg.agg_mode and the same
-    global denominators, so summing the returned losses over micro-batches equals the loss of
-    the whole batch. Returns (loss, metrics): metrics are detached 0-d tensors; loss, pg_loss,
-    kl_loss, vf_loss are this micro-batch's contributions (sum them over micro-batches); all
-    others are masked token means over this micro-batch (weight them by metrics["num_tokens"]),
-    except opsm_maskfrac (a fraction of sequences) and the *_max values.
+    rollout_logp, the engine's logprobs (the mismatch metrics); weights, detached off-policy
+    corrections on the policy loss (nanorl/offpolicy.py); selected, kl_cov/clip_cov's tokens
+    (`cov_selection` over the whole step; None = selected on this micro-batch, as verl does);
+    values (grad), old_values, returns for the critic. Every term is aggregated with cfg.agg_mode
+    and the same global denominators, so summing the returned losses over micro-batches equals the
+    loss of the whole batch. Returns (loss, metrics): metrics are detached 0-d tensors; loss,
+    pg_loss, kl_loss, vf_loss are this micro-batch's contributions (sum them over micro-batches);
+    all others are masked token means over this micro-batch (weight them by metrics["num_tokens"]),
+    except the *_max values.
     """
     if cfg.policy not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {cfg.policy!r}; choose one of {', '.join(POLICY_LOSSES)}")
     _check(mask, logp=logp, old_logp=old_logp, advantages=advantages, entropy=entropy, kl=kl,
-           rollout_logp=rollout_logp, values=values, old_values=old_values, returns=returns)
+           rollout_logp=rollout_logp, values=values, old_values=old_values, returns=returns, weights=weights,
+           selected=selected)
+    if selected is not None and cfg.policy not in COV_LOSSES:
+        raise ValueError(f"total_loss: `selected` is for {' / '.join(COV_LOSSES)}, not {cfg.policy!r}")
     valid = mask > 0
     agg = lambda x: aggregate(x, mask, cfg.agg_mode, num_tokens, num_seqs, cfg.norm_len)  # noqa: E731
     zero = torch.zeros((), device=logp.device)
+    if cfg.policy in COV_LOSSES and selected is None:
+        selected = cov_selection(logp, advantages, mask, cfg.cov_ratio, cfg.policy,
+                                 generator=torch.Generator().manual_seed(0))
 
-    pg_mat, stats = POLICY_LOSSES[cfg.policy](logp, old_logp, advantages, mask, cfg)  # [B, T]
-    weight = torch.ones_like(pg_mat)  # off-policy corrections, detached, on the loss only
-    m = {"tis_clipfrac": zero, "icepop_maskfrac": zero, "opsm_maskfrac": zero,
-         "logprob_diff_abs": zero, "logprob_diff_abs_max": zero}
+    pg_mat, stats = POLICY_LOSSES[cfg.policy](logp, old_logp, advantages, mask, cfg, selected)  # [B, T]
+    if weights is not None:  # off-policy corrections, detached, on the policy loss only
+        pg_mat = pg_mat * _clean(weights.detach(), valid)
+    pg_loss = agg(pg_mat)
+    loss = pg_loss
+    m = {"logprob_diff_abs": zero, "logprob_diff_abs_max": zero}
     if rollout_logp is not None:
         diff = (_clean(old_logp, valid) - _clean(rollout_logp, valid)).abs()
         m["logprob_diff_abs"], m["logprob_diff_abs_max"] = _mean(diff, valid), _max(diff, valid)
-        if cfg.tis_cap is not None:
-            w, hit = tis_weights(old_logp, rollout_logp, mask, cfg.tis_cap, cfg.tis_level)
-            weight, m["tis_clipfrac"] = weight * w, _mean(hit.float(), valid)
-        if cfg.icepop is not None:
-            w, hit = icepop_weights(old_logp, rollout_logp, mask, *cfg.icepop)
-            weight, m["icepop_maskfrac"] = weight * w, _mean(hit.float(), valid)
-    if cfg.opsm_delta is not None:  # the behaviour policy: rollout if known, else old
-        behaviour = rollout_logp if rollout_logp is not None else old_logp
-        keep, dropped = opsm_mask(logp, behaviour, advantages, mask, cfg.opsm_delta)
-        weight = weight * keep
-        m["opsm_maskfrac"] = dropped.float().sum() / valid.any(-1).sum().clamp(min=1)
-    pg_loss = agg(pg_mat * weight)
-    loss = pg_loss
 
     kl_loss = agg(kl) if kl is not None else zero
+    if kl is not None:
+        m["kl_ref"] = _mean(kl.detach(), valid)  # per-token KL to the reference (the β controller's input)
     ent = _mean(entropy, valid) if entropy is not None else zero
     if kl is not None and cfg.kl_coef:
         loss = loss + cfg.kl_coef * kl_loss

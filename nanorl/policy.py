@@ -15,6 +15,9 @@ P − 1 … P + T − 2 go through the LM head. By default the head is fused wit
 entropy (nanorl/entropy.py), so the [B·T, V] logits never exist at once — for a 150k vocabulary that
 tensor is the largest activation of the whole step. `impl="naive"` materialises them, for comparison.
 
+Inside `record_sum_sq_probs()` every scored token also yields Σ_v π_v², accumulated in the same fused
+pass over the vocabulary (the optimal token baseline's path-variance proxy needs it; no extra forward).
+
 The critic for PPO (`ValueModel`) is a copy of the policy's transformer with a scalar head; the
 value at column P − 1 + t estimates V(s_t), the return expected before token t is chosen.
 
@@ -25,7 +28,7 @@ dtype inside, every per-token tensor leaves here as fp32.
 from __future__ import annotations
 
 import copy
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -34,6 +37,7 @@ from nanorl.precision import head_is_fp32
 from nanorl.trajectory import PaddedBatch
 
 IGNORE = -100
+_SUM_SQ: list | None = None  # while record_sum_sq_probs() is active: Σπ² [M] of every head_logprobs call
 
 
 def load_model(name_or_path: str, device: str = "cpu"):
@@ -88,7 +92,7 @@ def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, temperature: fl
     """Score hidden states h [N, H] with the LM head: (logprobs [N], entropy [N]) of `targets` [N]
     (IGNORE rows give 0). Fused by default; heads with a bias or a logit transform (Gemma's
     soft-capping, Cohere's scale) fall back to materialised logits."""
-    head = model.get_output_embeddings()
+    head, want_sq = model.get_output_embeddings(), _SUM_SQ is not None
     if impl == "fused" and getattr(head, "bias", None) is None and not _has_logit_transform(model):
         # The fused function runs its own matmuls: give it the dtype autocast would have used (or
         # fp32 for an fp32 head) explicitly, with autocast off, so forward and backward agree.
@@ -96,10 +100,31 @@ def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, temperature: fl
         dtype = (torch.float32 if head_is_fp32(head) else
                  torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype)
         with torch.autocast(device_type=dev, enabled=False):
-            return fused_linear_logprobs_entropy(h.to(dtype), w.to(dtype), targets, temperature=temperature,
-                                                 support=support)
-    logits = model.lm_head(h) if hasattr(model, "lm_head") else head(h)  # [N, V]
-    return naive_logprobs_entropy(logits.float(), targets, temperature=temperature, support=support)
+            out = fused_linear_logprobs_entropy(h.to(dtype), w.to(dtype), targets, temperature=temperature,
+                                                support=support, sum_sq=want_sq)
+    else:
+        logits = model.lm_head(h) if hasattr(model, "lm_head") else head(h)  # [N, V]
+        out = naive_logprobs_entropy(logits.float(), targets, temperature=temperature, support=support,
+                                     sum_sq=want_sq)
+    if want_sq:
+        _SUM_SQ.append(out[2])
+    return out[0], out[1]
+
+
+@contextmanager
+def record_sum_sq_probs():
+    """Inside, every scoring forward also returns Σ_v π_v² of each scored token, computed in the same
+    fused pass over the vocabulary (no extra forward): yields a list that gets one [M] tensor per LM-head
+    call, M = the real response tokens of that call in row-major [B, T] order (the order
+    `response_logprobs` and the packed path scatter logprobs in). The optimal token baseline needs it."""
+    global _SUM_SQ
+    if _SUM_SQ is not None:
+        raise RuntimeError("record_sum_sq_probs is already active")
+    _SUM_SQ = []
+    try:
+        yield _SUM_SQ
+    finally:
+        _SUM_SQ = None
 
 
 def _has_logit_transform(model) -> bool:

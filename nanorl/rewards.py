@@ -25,12 +25,9 @@ run in worker processes, so a hanging or crashing function is killed without tou
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import multiprocessing as mp
 import numbers
-import os
 import re
 import traceback
 from collections import Counter
@@ -38,6 +35,7 @@ from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeou
 from concurrent.futures.process import BrokenProcessPool
 
 from nanorl import math_grader
+from nanorl.plugins import load_object
 
 # ----------------------------------------------------------------------------- built-in rewards
 
@@ -89,18 +87,7 @@ def load_reward_fn(spec: str):
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: expected one of {sorted(BUILTIN)}, 'module:function' "
                          "or 'file.py:function'")
-    where, name = spec.rsplit(":", 1)
-    if where.endswith(".py"):
-        if not os.path.isfile(where):
-            raise FileNotFoundError(f"reward file {where!r} does not exist")
-        module_spec = importlib.util.spec_from_file_location(f"nanorl_user_reward_{abs(hash(where))}", where)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    if not callable(getattr(module, name, None)):
-        raise ValueError(f"reward {spec!r}: {where} has no callable {name!r}")
-    return getattr(module, name)
+    return load_object(spec, "reward")
 
 
 def score_samples(runner, tokenizer, prompts, samples) -> list:

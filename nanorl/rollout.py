@@ -19,6 +19,7 @@ trainer then recomputes on that same support; nanorl/sampling.py).
 Two engines implement the same two methods (`generate`, `update_weights`):
 - `HFEngine` (here): a plain batched sampling loop over a Hugging Face causal LM with a KV cache.
   It shares the policy module with the trainer, so a weight "sync" is free and exact.
+  (With --async-steps the rollout worker's HFEngine holds its own copy: nanorl/pipeline.py.)
 - `VLLMEngine` (nanorl/vllm_engine.py): vLLM in-process, weights hot-swapped after each step.
 
 Try it: `python -m pytest tests/test_rollout.py -q`.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -91,19 +93,31 @@ class HFEngine(RolloutEngine):
     compute_dtype: torch.dtype = torch.float32
     max_batch: int = 512  # rows per forward; larger requests are generated in chunks
     generator: torch.Generator = field(default_factory=torch.Generator)
+    # Partial rollouts (nanorl/pipeline.py): called before every decode step after the first; True
+    # means it loaded newer weights into the module and set `version`. The KV cache is then rebuilt
+    # under them and each Sample records its tokens' versions in metadata["token_versions"].
+    between_steps: Callable[[], bool] | None = None
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         # Same process, same module: the engine *is* the trainer's model, so there is nothing to copy
         # and no way for the two to drift apart. (vLLM needs a real copy: nanorl/vllm_engine.py.)
         # With --fsdp the trainer's weights are sharded, so the engine holds its own full copy and
-        # every rank all-gathers the shards into it here (all ranks call this together).
+        # every rank all-gathers the shards into it here (all ranks call this together), one tensor at
+        # a time: gathering the whole state dict first would hold a second full model per rank.
         if model is not self.model:
-            from nanorl.distributed import full_state_dict
-            self.model.load_state_dict(full_state_dict(model))
+            from nanorl.distributed import iter_full_tensors
+            own = self.model.state_dict()
+            if set(own) != set(dict(model.state_dict())):
+                raise ValueError("HFEngine.update_weights: the trainer's model and the engine's differ in names")
+            with torch.no_grad():
+                for name, full in iter_full_tensors(model):
+                    own[name].copy_(full)
         self.version = version
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
+        if self.record_routing and self.between_steps is not None:  # a re-prefill would record twice
+            raise ValueError("HFEngine: record_routing with between_steps (partial rollouts) is not supported")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
@@ -133,8 +147,14 @@ class HFEngine(RolloutEngine):
         done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] row has sampled a stop token
         step_ids, step_pos = ids, pos
         recording = self._recorder()
+        versions = []  # [R] the weight version of each decode step
         with recording as rec:
-            for _ in range(sp.max_new_tokens):
+            for i in range(sp.max_new_tokens):
+                if i and self.between_steps is not None and self.between_steps():
+                    # New weights mid-generation: re-prefill prompt + response so far under them (the old
+                    # weights' KV cache would make the next tokens samples of neither policy).
+                    cache, step_pos = DynamicCache(), (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P+i]
+                    step_ids = torch.cat([ids, torch.stack(tokens, 1)], 1)  # [B, P+i]
                 out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
                                  past_key_values=cache, use_cache=True, **self._last_logits_only)
                 cache = out.past_key_values
@@ -144,6 +164,7 @@ class HFEngine(RolloutEngine):
                                            record_support=sp.keep_support, support_cap=sp.support_cap)
                 tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)  # [B] finished rows pad
                 tokens.append(tok)
+                versions.append(self.version)
                 logps.append(lp)
                 supports.append(sup)
                 done = done | torch.isin(tok, stop)
@@ -164,7 +185,9 @@ class HFEngine(RolloutEngine):
             s = Sample(prompt_ids=list(prompt), response_ids=resp[:length],
                        rollout_logprobs=logps[b, :length].tolist(),
                        status="completed" if hit else "truncated",
-                       weight_version=self.version, group_id=g)
+                       weight_version=versions[0], group_id=g)  # its oldest token's version
+            if self.between_steps is not None:
+                s.metadata["token_versions"] = versions[:length]
             if sp.keep_support:
                 s.sampling_support = support[b, :length].to(torch.int32).cpu()  # [R, K]
             if experts is not None:  # drop the left padding: position 0 is the first prompt token

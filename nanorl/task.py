@@ -133,16 +133,22 @@ def make_default(out_dir: str, seed: int = 0, sft_steps: int = 60, hidden: int =
         model = build_model(len(tokenizer), seed=seed, hidden=hidden)
         sft_items = train[: max(1, int(len(train) * sft_fraction))]
         warm_start(model, tokenizer, sft_items, steps=sft_steps, seed=seed)
-        tmp = f"{model_dir}.tmp{os.getpid()}"
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, model_dir)  # atomic: a half-written model dir is never picked up
-        except OSError:  # another process built the same model first: use theirs
-            shutil.rmtree(tmp)
-            if not os.path.exists(os.path.join(model_dir, "config.json")):
-                raise
+        save_model_dir(model, tokenizer, model_dir)
     return paths
+
+
+def save_model_dir(model, tokenizer, model_dir: str) -> None:
+    """Save model + tokenizer to model_dir atomically: a half-written directory is never picked up,
+    and when another process built the same model first, theirs is kept."""
+    tmp = f"{model_dir}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        os.replace(tmp, model_dir)
+    except OSError:  # the directory exists: another process got there first
+        shutil.rmtree(tmp)
+        if not os.path.exists(os.path.join(model_dir, "config.json")):
+            raise
 
 
 # ----------------------------------------------------------------------------- the real-shape model
@@ -212,10 +218,7 @@ def make_real_shape(out_dir: str, layers: int = 2, seed: int = 0, n_train: int =
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)  # Qwen ships bf16 weights
     model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT, eos_token_id=[IM_END, ENDOFTEXT],
                                                pad_token_id=ENDOFTEXT)
-    tmp = f"{model_dir}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    build_real_shape_tokenizer().save_pretrained(tmp)
-    os.replace(tmp, model_dir)
+    save_model_dir(model, build_real_shape_tokenizer(), model_dir)
     return paths
 
 

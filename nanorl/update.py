@@ -7,9 +7,18 @@
 steps, each of those split into micro-batches that fit in memory (`micro_batches`: a sample count or
 a balanced token budget). The loss of every micro-batch is aggregated with the denominators of the
 WHOLE optimizer step (valid tokens and sequences, summed over micro-batches and ranks), so the
-accumulated gradient does not depend on how the step was split (TRL #3021). Gradients are
-summed over ranks by DDP (nanorl/distributed.py), clipped, and applied — unless the loss or a
-gradient is not finite, in which case the update is skipped and counted.
+accumulated gradient does not depend on how the step was split (TRL #3021). For the same reason
+the token selections some losses make from batch statistics (the 80/20 rule's top-entropy tokens,
+KL-Cov / Clip-Cov's covariance tokens) are made once per optimizer step (`select_tokens`), and the
+off-policy weights (TIS / MIS, computed once per rollout batch in train.py; OPSM, per token here)
+multiply the policy loss of each micro-batch. Gradients are summed over ranks by DDP
+(nanorl/distributed.py), clipped, and applied — unless the loss or a gradient is not finite, in
+which case the update is skipped and counted.
+
+Lockstep (several ranks): every rank runs the same number of forwards, and of backwards, in every
+mode — each FSDP forward all-gathers weights and each synced backward reduces gradients (DDP too), so
+a rank that ran one pass fewer would leave the others waiting in a collective (NCCL: for its 10-minute
+timeout, then the job dies). `micro_batches` is the one place that decides the count (below).
 
 `forward` scores the response tokens (nanorl/policy.py; packed when a token budget is set and
 flash-attention can run the packed row, nanorl/batching.py) and replays MoE routing when asked
@@ -20,14 +29,17 @@ from __future__ import annotations
 
 import functools
 import math
+from contextlib import nullcontext
 
 import torch
 
 from nanorl import batching, moe_replay
 from nanorl.distributed import loss_scale, sync_gradients_after
-from nanorl.kl import kl_estimator
-from nanorl.losses import LossConfig, total_loss
-from nanorl.policy import response_logprobs
+from nanorl.kl import importance_weighted_kl, kl_estimator
+from nanorl.losses import COV_LOSSES, LossConfig, cov_selection, top_entropy_mask, total_loss
+from nanorl.offpolicy import opsm_mask
+from nanorl.policy import record_sum_sq_probs, response_logprobs
+from nanorl.trajectory import PaddedBatch, Sample, collate
 
 
 def forward(cfg, model, batch, support):
@@ -70,86 +82,145 @@ def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
     return lp
 
 
-def micro_batches(run, batch) -> list[list[int]]:
-    """Row groups of one batch: by token budget (packed: real tokens, balanced; padded: padded size),
-    by sample count, or all at once."""
-    cfg, n = run.cfg, batch.input_ids.shape[0]
-    if cfg.max_tokens_per_micro_batch:
-        budget, P = cfg.max_tokens_per_micro_batch, batch.prompt_width
+def micro_batches(run, batch: PaddedBatch | None) -> list[list[int]]:
+    """Row groups of one batch (None: this rank holds no row of this optimizer step): by token budget
+    (packed: real tokens, balanced; padded: padded size), by sample count, or all at once.
+
+    The lockstep rule, for every mode: the count is agreed over ranks (all-reduce MAX) and a rank with
+    fewer gets EMPTY groups `[]` at the end, each run as a zero-weight forward (and backward, in
+    training: `pad_batch`, `pad_loss`). Padding rather than moving samples between ranks: moving would
+    ship variable-length rows and every per-token tensor attached to them each step, and cannot help
+    when the whole step holds fewer samples than ranks × micro-batches; a pad costs one 2-token pass,
+    on a rank that would otherwise wait for the busiest, and leaves every real row where it was. One
+    rank agrees with itself: no pad, the 1-rank result is unchanged. [] when no rank has a row."""
+    cfg, n = run.cfg, 0 if batch is None else batch.input_ids.shape[0]
+    if cfg.max_tokens_per_micro_batch:  # the planners emit the empty groups themselves
+        budget, P = cfg.max_tokens_per_micro_batch, 0 if batch is None else batch.prompt_width
+        am = batch.attention_mask.tolist() if batch is not None else []  # [B, P+T]
         if batching.packs_varlen(run.model):
-            lengths = batch.attention_mask.sum(-1).tolist()
-            plan = functools.partial(batching.make_micro_batches, lengths, budget)
+            plan = functools.partial(batching.make_micro_batches, [sum(r) for r in am], budget)
         else:
-            prompts, responses = batch.attention_mask[:, :P].sum(-1).tolist(), batch.attention_mask[:, P:].sum(-1).tolist()
-            plan = functools.partial(batching.make_padded_micro_batches, prompts, responses, budget)
-        bins = plan()
-        agreed = batching.agree_num_micro_batches(len(bins))  # every rank runs the same count
-        return bins if agreed == len(bins) else plan(agreed)
-    if cfg.micro_batch_size:
-        return batching.split_fixed(n, cfg.micro_batch_size)
-    return [list(range(n))]
+            plan = functools.partial(batching.make_padded_micro_batches, [sum(r[:P]) for r in am],
+                                     [sum(r[P:]) for r in am], budget)
+    else:
+        own = batching.split_fixed(n, cfg.micro_batch_size) if cfg.micro_batch_size else [list(range(n))] if n else []
+
+        def plan(count=None):
+            return own + [[] for _ in range((count or 0) - len(own))]
+    bins = plan()
+    agreed = batching.agree_num_micro_batches(len(bins))  # every rank runs the same count
+    return bins if agreed == len(bins) else plan(agreed)
+
+
+def zero_weight_samples(pad_id: int, n: int) -> list[Sample]:
+    """n samples that train nothing (1 prompt + 1 response token, loss mask 0, reward 0, one group):
+    the batch of a rank that DAPO's filter left empty while other ranks train (train.py), so that it
+    still runs the step's passes; a whole group, so group-wise estimators see their usual group size."""
+    return [Sample(prompt_ids=[pad_id], response_ids=[pad_id], loss_mask=[0], reward=0.0, group_id=-1)
+            for _ in range(n)]
+
+
+def pad_batch(run) -> PaddedBatch:
+    """What an empty group runs forward: one zero-weight row."""
+    pad = run.tokenizer.pad_token_id
+    return collate(zero_weight_samples(pad, 1), pad).to(next(run.model.parameters()).device)
+
+
+def pad_loss(outputs) -> torch.Tensor:
+    """A zero-weight loss over a forward's outputs (logprobs, entropy, values): its backward reaches
+    every parameter the forward used — so DDP and FSDP run their gradient collectives — and adds
+    exactly 0 to each gradient: torch.where, not a product, so an inf/NaN output still sends back 0."""
+    off = [torch.where(torch.zeros_like(t, dtype=torch.bool), t.float(), 0.0).sum() for t in outputs if t is not None]
+    return torch.stack(off).sum()
 
 
 @torch.no_grad()
-def score_batch(run, module, batch, support):
+def score_batch(run, module, batch, support, sum_sq: bool = False):
     """The recompute forwards (old policy + critic through `run.trained`, or the reference model),
-    micro-batch by micro-batch as training will run them: (logprobs [B, T], values [B, T] or None)."""
+    micro-batch by micro-batch as training will run them: (logprobs [B, T], values [B, T] or None,
+    entropy [B, T], Σπ² [B, T] or None). sum_sq: also Σ_v π_v² per token, a by-product of the same
+    fused pass (nanorl/policy.py record_sum_sq_probs; the optimal token baseline reads it)."""
     groups = micro_batches(run, batch)
-    if len(groups) == 1:  # the whole batch in one forward: nothing to split or scatter back
-        logp, _, values = module(batch, support)
-        return logp, values
     B, T = batch.response_ids.shape
-    logp = torch.zeros(B, T, device=batch.input_ids.device)  # [B, T] padding stays 0
-    values = None
+    out = [torch.zeros(B, T, device=batch.input_ids.device) for _ in range(4)]  # logp, values, ent, Σπ²
+    has_values = False
     for rows in groups:
-        mb = batch.select(rows)
+        if not rows:  # a lockstep pad (micro_batches): the same collectives, its outputs dropped
+            module(pad_batch(run), None)
+            continue
+        mb = batch if len(groups) == 1 else batch.select(rows)
         t = mb.response_ids.shape[1]  # select trims right padding: columns 0..t-1 of these rows
-        lp, _, v = module(mb, mb.sampling_support if support is not None else None)
-        idx = torch.as_tensor(rows, device=logp.device)
-        logp[idx, :t] = lp
+        with record_sum_sq_probs() if sum_sq else nullcontext() as rec:
+            lp, ent, v = module(mb, mb.sampling_support if support is not None else None)
+        idx = torch.as_tensor(rows, device=out[0].device)
+        out[0][idx, :t], out[2][idx, :t] = lp, ent
         if v is not None:
-            values = torch.zeros(B, T, device=logp.device) if values is None else values  # [B, T]
-            values[idx, :t] = v
-    return logp, values
+            out[1][idx, :t], has_values = v, True
+        if sum_sq:  # one LM-head call per forward, its tokens in row-major order of the real ones
+            real = mb.attention_mask[:, mb.prompt_width:].bool()                # [b, t]
+            out[3][idx, :t] = torch.zeros(real.shape, device=real.device).masked_scatter(real, torch.cat(rec))
+    return out[0], out[1] if has_values else None, out[2], out[3] if sum_sq else None
 
 
 def loss_config(run) -> LossConfig:
     c = run.cfg
     return LossConfig(policy=c.policy_loss, clip_low=c.clip_low, clip_high=c.clip_high,
-                      dual_clip=c.dual_clip or None, agg_mode=c.loss_agg, norm_len=c.max_new_tokens,
-                      entropy_coef=c.entropy_coef, kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta,
-                      vf_coef=c.vf_coef, tis_cap=c.tis_cap or None, opsm_delta=c.opsm_delta or None,
-                      icepop=(c.icepop_low, c.icepop_high) if c.icepop_high else None)
+                      dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg), dro_beta=c.dro_beta,
+                      cov_ratio=c.cov_ratio, cov_kl_coef=c.cov_kl_coef, agg_mode=c.loss_agg,
+                      norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
+                      kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
+
+
+def select_tokens(run, mini, step_index: int) -> None:
+    """Token selections made once per optimizer step over the whole step (so micro-batching changes
+    nothing), from the recompute pass (π_old: π_θ itself at the first pass): the 80/20 rule's top-q
+    entropy tokens become the step's loss mask (denominators included, as the authors' fork does);
+    kl_cov / clip_cov get their covariance-selected tokens (nanorl/losses.py)."""
+    cfg, td = run.cfg, mini.token_data
+    if cfg.top_entropy_quantile:
+        keep = top_entropy_mask(td["old_entropy"], mini.response_mask, cfg.top_entropy_quantile)  # [b, T]
+        mini.response_mask = mini.response_mask * keep
+    if cfg.policy_loss in COV_LOSSES:
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + run.step) * 1009 + step_index)
+        td["cov_selected"] = cov_selection(td["old_logprobs"], td["advantages"], mini.response_mask,
+                                           cfg.cov_ratio, cfg.policy_loss, generator=gen)
 
 
 def train_on(run, batch) -> dict:
     """ppo_epochs × mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
     cfg, B = run.cfg, batch.input_ids.shape[0]
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
-    lcfg, sums, steps = loss_config(run), {}, 0
+    lcfg, sums, counts, steps = loss_config(run), {}, {}, 0
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.tensor_split(cfg.mini_batches):  # exactly mini_batches optimizer steps
-            if len(rows) == 0:  # fewer samples than mini-batches (one process; train.py guards ranks)
+        for rows in order.tensor_split(cfg.mini_batches):  # at most mini_batches optimizer steps
+            mini = batch.select(rows.tolist()) if len(rows) else None  # None: no row of this step here
+            groups = micro_batches(run, mini)  # agreed over ranks: pads where this rank has fewer
+            if not groups:  # no rank holds a row of this step (fewer samples than mini-batches): no step
                 continue
-            mini = batch.select(rows.tolist())
+            if mini is not None:
+                select_tokens(run, mini, steps)
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
-            n_tok, n_seq = batching.global_denominators([mini.response_mask])
-            stats, groups = {}, micro_batches(run, mini)
+            n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
+            stats = {}
             for i, mrows in enumerate(groups):
-                with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # DDP: one all-reduce
-                    loss, m = micro_step(run, mini.select(mrows), lcfg, n_tok, n_seq)
+                with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # one reduction per step
+                    if mrows:
+                        loss, m = micro_step(run, mini.select(mrows), lcfg, n_tok, n_seq)
+                    else:  # a lockstep pad: the collectives of a micro-batch, zero gradient
+                        loss, m = pad_loss(run.trained(pad_batch(run), None)), None
                     loss = loss * loss_scale(run.world)  # DDP's mean over ranks → the global sum
                     (run.scaler.scale(loss) if run.scaler else loss).backward()  # fp16: scaled
-                accumulate(stats, m)
+                if m is not None:
+                    accumulate(stats, m)
             grad_norm = sync_and_step(run, params)
-            stats = finish(stats)
+            stats = finish(stats) if stats else {}  # a rank that ran only pads has no loss metrics
             stats["grad_norm"] = grad_norm
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
-    out = {k: v / steps for k, v in sums.items()}
+    out = {k: v / counts[k] for k, v in sums.items()}
     out.update(lr=run.scheduler.get_last_lr()[0], skipped_updates=run.counters["skipped_updates"])
     return out
 
@@ -158,30 +229,37 @@ def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = run.cfg
     support = mb.sampling_support if cfg.keep_sampling_mask else None
     logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
-    td = mb.token_data
+    td, mask = mb.token_data, mb.response_mask
     old = td.get("old_logprobs", logp.detach())  # on-policy: π_old is the current policy, detached
     kl = None
     if run.ref is not None and not cfg.kl_in_reward:
-        kl = kl_estimator(logp, td["ref_logprobs"], cfg.kl_estimator, mask=mb.response_mask)
-    loss, m = total_loss(lcfg, logp, old, td["advantages"], mb.response_mask, entropy=ent, kl=kl,
+        kl = (importance_weighted_kl(logp, td["ref_logprobs"], old, cfg.kl_estimator, mask=mask)
+              if cfg.unbiased_kl else kl_estimator(logp, td["ref_logprobs"], cfg.kl_estimator, mask=mask))
+    weights, extra = td.get("is_weights"), {}  # TIS / MIS weights of the step (train.py), detached
+    if cfg.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
+        keep, masked = opsm_mask(logp, mb.rollout_logprobs, td["advantages"], mask, cfg.opsm_delta)
+        weights = keep if weights is None else weights * keep
+        extra["opsm_maskfrac"] = masked.sum() / (mask > 0).sum().clamp(min=1)
+    loss, m = total_loss(lcfg, logp, old, td["advantages"], mask, entropy=ent, kl=kl,
                          rollout_logp=mb.rollout_logprobs, values=values, old_values=td.get("old_values"),
-                         returns=td.get("returns") if values is not None else None,
-                         num_tokens=n_tok, num_seqs=n_seq)
+                         returns=td.get("returns") if values is not None else None, weights=weights,
+                         selected=td.get("cov_selected"), num_tokens=n_tok, num_seqs=n_seq)
+    m.update(extra)
     # Train/rollout mismatch: share of tokens whose logprob differs by > 0.5 between the trainer and
     # the engine that sampled them (0 for the HF engine; a rise with vLLM means a broken sync).
-    valid = mb.response_mask > 0  # [b, T]
+    valid = mask > 0  # [b, T]
     far = ((logp.detach() - mb.rollout_logprobs).abs() > 0.5) & valid  # [b, T]
     m["logprob_diff_gt_0.5_frac"] = far.sum() / valid.sum().clamp(min=1)
     return loss, m
 
 
 # Metrics of total_loss: loss contributions are summed over micro-batches, *_max are maxed, the rest
-# are token means weighted by each micro-batch's token count (opsm_maskfrac by sequence count).
+# are token means weighted by each micro-batch's token count.
 SUMMED = ("loss", "pg_loss", "kl_loss", "vf_loss")
 
 
 def accumulate(stats: dict, m: dict) -> None:
-    w_tok, w_seq = float(m["num_tokens"]), float(m["num_seqs"])
+    w_tok = float(m["num_tokens"])
     for k, v in m.items():
         v = float(v)
         if k in SUMMED or k in ("num_tokens", "num_seqs"):
@@ -189,8 +267,7 @@ def accumulate(stats: dict, m: dict) -> None:
         elif k.endswith("_max"):
             stats[k] = max(stats.get(k, -math.inf), v)
         else:
-            w = w_seq if k == "opsm_maskfrac" else w_tok
-            stats[k] = stats.get(k, 0.0) + v * w
+            stats[k] = stats.get(k, 0.0) + v * w_tok
 
 
 def finish(stats: dict) -> dict:
@@ -199,7 +276,7 @@ def finish(stats: dict) -> dict:
         if k in SUMMED or k.endswith("_max") or k in ("num_tokens", "num_seqs"):
             out[k] = v
         else:
-            out[k] = v / max(stats["num_seqs" if k == "opsm_maskfrac" else "num_tokens"], 1.0)
+            out[k] = v / max(stats["num_tokens"], 1.0)
     return out
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanorl import advantage as adv
-from nanorl.advantage import ADVANTAGE_ESTIMATORS, compute_advantages, masked_whiten
+from nanorl.advantage import ADVANTAGE_ESTIMATORS, compute_advantages, estimator_inputs, masked_whiten
 
 
 
@@ -43,7 +43,15 @@ def full_inputs(B=6, T=5, mask=None):
                 index=torch.tensor([5, 5, 5, 9, 9, 9])[:B], token_rewards=None,
                 values=torch.randn(B, T), components=torch.rand(B, 2),
                 old_logprobs=lp, sum_sq_probs=lp.exp() ** 2 + 0.1, gamma=1.0, lam=1.0,
-                norm_by_std=True, eps=1e-6, pass_k=1, chunk_size=4)
+                norm_by_std=True, eps=1e-6, pass_k=1, chunk_size=4, baselines=torch.rand(B))
+
+
+def inputs_for(name, kw):
+    """The inputs of `kw` that estimator `name` reads (scores or token_rewards, never both)."""
+    out = {k: v for k, v in kw.items() if k in estimator_inputs(name) and v is not None}
+    if "token_rewards" in out and "scores" in out:
+        out.pop("token_rewards" if name == "grpo_passk" else "scores")  # grpo_passk needs 0/1 scores
+    return out
 
 
 # ----------------------------------------------------------------------------- GAE
@@ -146,9 +154,11 @@ def test_grpo_by_hand_and_dr_grpo_has_no_std():
     scores, index, mask = torch.tensor([1.0, 0, 0, 1]), torch.zeros(4, dtype=torch.long), torch.ones(4, 2)
     a, _ = compute_advantages("grpo", scores=scores, mask=mask, index=index)
     close(a[:, 0], torch.tensor([1, -1, -1, 1.0]) * 0.5 / (math.sqrt(1 / 3) + 1e-6))
-    for dr in [compute_advantages("dr_grpo", scores=scores, mask=mask, index=index, norm_by_std=True),
+    for dr in [compute_advantages("dr_grpo", scores=scores, mask=mask, index=index),
                compute_advantages("grpo", scores=scores, mask=mask, index=index, norm_by_std=False)]:
         close(dr[0], torch.tensor([0.5, -0.5, -0.5, 0.5])[:, None].expand(4, 2))
+    with pytest.raises(ValueError, match="dr_grpo.*cannot use norm_by_std"):  # it used to be ignored
+        compute_advantages("dr_grpo", scores=scores, mask=mask, index=index, norm_by_std=True)
 
 
 def test_rloo_equals_leave_one_out_formula():
@@ -223,10 +233,13 @@ def test_gdpo_normalises_each_component_separately():
     index, mask = torch.tensor([0, 0, 1, 1]), torch.ones(4, 3)
     g, _ = compute_advantages("grpo", scores=comps.sum(1), mask=mask, index=index)
     close(g[:, 0].abs(), torch.full((4,), 0.5 / (math.sqrt(0.5) + 1e-6)))
-    a, _ = compute_advantages("gdpo", components=comps, mask=mask, index=index, batch_whiten=False)
+    a, _ = compute_advantages("gdpo", components=comps, mask=mask, index=index, whiten=False)
     u = 0.5 / (math.sqrt(0.5) + 1e-6)
     close(a[:, 0], torch.tensor([-u, u, -2 * u, 2 * u]))
     w, ret = compute_advantages("gdpo", components=comps, mask=mask, index=index)
+    weighted, _ = compute_advantages("gdpo", components=comps, mask=mask, index=index, whiten=False,
+                                     component_weights=[1.0, 0.5])  # verl's gdpo_reward_weights
+    close(weighted[:, 0], torch.tensor([-u, u, -u - 0.5 * u, u + 0.5 * u]))
     close(w, masked_whiten(a, mask))
     close(ret, comps.sum(1)[:, None].expand(4, 3))
     assert abs(float(w.mean())) < 1e-6 and abs(float(w.std()) - 1) < 1e-4
@@ -288,16 +301,105 @@ def test_otb_fallbacks_and_lone_timesteps():
     assert a[1, 2] == 0
 
 
+# ----------------------------------------------------------------------------- KL in the reward, new estimators
+
+
+OUTCOME = ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk_max", "remax"]
+
+
+@pytest.mark.parametrize("name", OUTCOME)
+def test_outcome_estimators_score_the_sum_of_token_rewards(name):
+    """--kl-in-reward used to vanish for these (token_rewards swallowed): now score = Σ_t token_rewards."""
+    mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]])   # a hole in row 2
+    tr = torch.tensor([[-0.1, -0.2, 1.0, 9.0], [-0.3, 0.5, 9.0, 9.0], [0.0, 7.0, -0.2, 1.0],
+                       [-0.1, -0.1, -0.1, 0.0]])                                    # 9, 7: masked out
+    hand = torch.tensor([0.7, 0.2, 0.8, -0.3])                                      # Σ over valid tokens
+    kw = dict(mask=mask, index=torch.tensor([0, 0, 0, 0]), baselines=torch.tensor([0.1] * 4))
+    kw = {k: v for k, v in kw.items() if k in estimator_inputs(name)}
+    a_tr, ret = compute_advantages(name, token_rewards=tr, **kw)
+    a_sc, _ = compute_advantages(name, scores=hand, **kw)
+    if name == "remax":  # per-token reward-to-go, not the sum: checked by hand in its own test
+        close(a_tr[:, 0], hand - 0.1)
+    else:
+        close(a_tr, a_sc)
+        close(ret, hand[:, None] * mask)
+    raw, _ = compute_advantages(name, scores=torch.tensor([1.0, 0.0, 1.0, 0.0]), **kw)
+    assert not torch.allclose(raw, a_tr)                                            # the KL changed it
+
+
+def test_remax_by_hand():
+    # A_t = Σ_{s≥t} r_s (valid s; the hole at t=1 is skipped) − b
+    mask = torch.tensor([[1.0, 0, 1, 1], [1, 1, 0, 0]])
+    tr = torch.tensor([[0.1, 5.0, -0.2, 1.0], [-0.5, 2.0, 3.0, 3.0]])
+    a, ret = compute_advantages("remax", token_rewards=tr, mask=mask, baselines=torch.tensor([0.5, 1.0]))
+    rtg = [[0.1 - 0.2 + 1.0, 0.0, -0.2 + 1.0, 1.0], [-0.5 + 2.0, 2.0, 0.0, 0.0]]
+    close(ret, torch.tensor(rtg))
+    close(a, (torch.tensor(rtg) - torch.tensor([[0.5], [1.0]])) * mask)
+    a, _ = compute_advantages("remax", scores=torch.tensor([1.0, 0.0]), mask=mask, baselines=torch.tensor([0.5, 1.0]))
+    close(a, torch.tensor([[0.5, 0, 0.5, 0.5], [-1.0, -1.0, 0, 0]]))
+
+
+def test_grpo_passk_max_is_verls_best_minus_second():
+    scores = torch.tensor([0.2, 0.9, 0.5, 1.0, 1.0, 0.0, 3.0])
+    index = torch.tensor([0, 0, 0, 1, 1, 1, 2])        # group 1 ties at the top; group 2 is alone
+    a, _ = compute_advantages("grpo_passk_max", scores=scores, mask=torch.ones(7, 2), index=index)
+    std0 = torch.tensor([0.2, 0.9, 0.5]).std()
+    close(a[:, 0], torch.tensor([0, (0.9 - 0.5) / (float(std0) + 1e-6), 0, 0, 0, 0, 0]))
+    a, _ = compute_advantages("grpo_passk_max", scores=scores, mask=torch.ones(7, 2), index=index,
+                              norm_by_std=False)
+    close(a[:, 0], torch.tensor([0, 0.4, 0, 0, 0, 0, 0]))
+
+
+def test_reinforce_pp_baseline_slime_form_and_unwhitened():
+    scores, index = torch.tensor([1.0, 0.0, 2.0, 1.0]), torch.tensor([0, 0, 1, 1])
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 1], [1, 0, 1], [1, 1, 0]])
+    pen = torch.tensor([[0.1, 0.2, 9.0], [0.0, 0.3, 0.1], [0.2, 9.0, 0.0], [0.1, 0.1, 9.0]])
+    a, _ = compute_advantages("reinforce_pp_baseline", scores=scores, mask=mask, index=index,
+                              kl_penalty=pen, whiten=False)
+    hand = torch.zeros(4, 3)
+    for i in range(4):                       # slime: (r − group mean) − β·KL_t, per token
+        mean = scores[index == index[i]].mean()
+        for t in range(3):
+            if mask[i, t]:
+                hand[i, t] = scores[i] - mean - pen[i, t]
+    close(a, hand)
+    w, _ = compute_advantages("reinforce_pp_baseline", scores=scores, mask=mask, index=index, kl_penalty=pen)
+    v = hand[mask > 0]
+    close(w[mask > 0], (v - v.mean()) / torch.sqrt(v.var() + 1e-8))
+
+
+def test_otb_with_rollout_importance_weights_by_hand():
+    # as test_otb_by_hand, with ρ̄ = [[1, 2], [1, 0.5]]: w·ρ̄² = [[.5, 2], [0, .1875]],
+    # W = [[.5, 2.5], [0, .1875]]
+    lp = torch.log(torch.tensor([[0.5, 0.5], [1.0, 0.25]]))
+    kw = dict(scores=torch.tensor([1.0, 0]), mask=torch.ones(2, 2), index=torch.zeros(2, dtype=torch.long),
+              old_logprobs=lp, sum_sq_probs=torch.tensor([[0.5, 0.5], [1.0, 0.25]]))
+    a, _ = compute_advantages("otb", **kw, rollout_is_weights=torch.tensor([[1.0, 2.0], [1.0, 0.5]]))
+    b1 = 2.5 / (2.5 + 0.1875)
+    close(a, torch.tensor([[0.0, 1 - b1], [-1.0, -b1]]))
+    assert not torch.allclose(a, compute_advantages("otb", **kw)[0])
+
+
+def test_masked_whiten_keeps_the_mean_when_asked():
+    x, m = torch.tensor([[1.0, 2.0, 9.0], [4.0, 5.0, 6.0]]), torch.tensor([[1.0, 1, 0], [1, 1, 1]])
+    v = torch.tensor([1.0, 2, 4, 5, 6])
+    w = masked_whiten(x, m, shift_mean=False)
+    close(w[m > 0], (v - v.mean()) / torch.sqrt(v.var() + 1e-8) + v.mean())
+    assert w[0, 2] == 0
+    a, ret = compute_advantages("reinforce_pp", scores=torch.tensor([1.0, 0.0]), mask=m, whiten=False)
+    close(a, ret)
+
+
 # ----------------------------------------------------------------------------- shared behaviour
 
 
 def test_group_of_one_gives_zero_advantage():
     scores, index, mask = torch.tensor([1.0, 0, 0.5, 3.0]), torch.tensor([0, 0, 0, 1]), torch.ones(4, 2)
     lp = torch.full((4, 2), -0.5)
-    for name in ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk", "otb", "gdpo"]:
+    for name in ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk", "grpo_passk_max", "otb", "gdpo"]:
         s = (scores > 0.6).float() if name == "grpo_passk" else scores
-        a, _ = compute_advantages(name, scores=s, mask=mask, index=index, old_logprobs=lp,
-                                  batch_whiten=False)
+        kw = inputs_for(name, dict(scores=s, mask=mask, index=index, old_logprobs=lp, whiten=False))
+        a, _ = compute_advantages(name, **kw)
         assert (a[3] == 0).all(), name
         assert (a[:3] != 0).any(), name
 
@@ -310,7 +412,7 @@ def test_unknown_name_lists_valid_names():
 
 @pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
 def test_all_zero_mask_gives_finite_zeros(name):
-    kw = full_inputs(mask=torch.zeros(6, 5))
+    kw = inputs_for(name, full_inputs(mask=torch.zeros(6, 5)))
     a, ret = compute_advantages(name, **kw)
     assert a.dtype == torch.float32 and ret.dtype == torch.float32 and a.shape == (6, 5)
     assert (a == 0).all() and (ret == 0).all()
@@ -326,8 +428,8 @@ def test_nan_inf_in_masked_positions_never_leak(name):
     for key, bad in [("token_rewards", float("nan")), ("values", float("inf")),
                      ("old_logprobs", float("-inf")), ("sum_sq_probs", float("nan"))]:
         dirty[key] = clean[key].masked_fill(pad, bad)
-    a0, r0 = compute_advantages(name, **clean)
-    a1, r1 = compute_advantages(name, **dirty)
+    a0, r0 = compute_advantages(name, **inputs_for(name, clean))
+    a1, r1 = compute_advantages(name, **inputs_for(name, dirty))
     assert torch.isfinite(a1).all() and torch.isfinite(r1).all()
     assert (a1[pad] == 0).all() and (r1[pad] == 0).all()
     close(a1, a0)
@@ -336,20 +438,36 @@ def test_nan_inf_in_masked_positions_never_leak(name):
 
 def test_bad_input_raises_clear_errors():
     kw = full_inputs()
+    g, r = inputs_for("gae", kw), inputs_for("grpo", kw)
     with pytest.raises(ValueError, match="values"):
-        adv.gae(**{**kw, "values": torch.zeros(6, 4)})
+        adv.gae(**{**g, "values": torch.zeros(6, 4)})
     with pytest.raises(ValueError, match="values"):
-        adv.gae_chunked(**{**kw, "values": None})
+        adv.gae_chunked(**{**g, "values": None})
     with pytest.raises(ValueError, match="scores"):
-        adv.grpo(**{**kw, "scores": torch.tensor([float("nan")] * 6)})
+        adv.grpo(**{**r, "scores": torch.tensor([float("nan")] * 6)})
     with pytest.raises(ValueError, match="scores"):
-        adv.grpo(**{**kw, "scores": torch.zeros(5)})
+        adv.grpo(**{**r, "scores": torch.zeros(5)})
     with pytest.raises(ValueError, match="index"):
-        adv.rloo(**{**kw, "index": torch.zeros(6)})                  # float ids
+        adv.rloo(**{**inputs_for("rloo", kw), "index": torch.zeros(6)})  # float ids
     bad = kw["values"].clone()
     bad[0, 0] = float("nan")                                       # row 0 is full: valid position
     with pytest.raises(ValueError, match="NaN"):
-        adv.gae(**{**kw, "values": bad})
+        adv.gae(**{**g, "values": bad})
+    with pytest.raises(ValueError, match="not both"):
+        adv.grpo(**r, token_rewards=torch.zeros(6, 5))
+
+
+@pytest.mark.parametrize("name", sorted(ADVANTAGE_ESTIMATORS))
+def test_an_input_an_estimator_cannot_use_is_an_error(name):
+    """Issue 19: estimators used to swallow unknown inputs through **_ (otb(..., rollout_is_weights=w)
+    returned the unweighted result). Direct calls raise TypeError, the registry a ValueError naming it."""
+    kw = inputs_for(name, full_inputs())
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ADVANTAGE_ESTIMATORS[name](**kw, rollout_is_weight=torch.ones(6, 5))  # a typo
+    unused = sorted({"values", "components", "rollout_is_weights", "baselines", "kl_penalty"}
+                    - estimator_inputs(name))[0]
+    with pytest.raises(ValueError, match=f"{name}' cannot use {unused}"):
+        compute_advantages(name, **kw, **{unused: torch.ones(6, 5)})
 
 
 def test_masked_helpers_by_hand():

@@ -19,7 +19,8 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
-           "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay"}
+           "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay",
+           "async_steps"}
 
 
 def test_quick_run_reports_every_entry(tmp_path):
@@ -68,6 +69,10 @@ def test_quick_run_reports_every_entry(tmp_path):
         assert r["median"] > 0 and r["peak_mib"] >= 0 and "KiB/token" in r["note"]
         assert math.isclose(r["bytes_per_token"], r["peak_mib"] * 2**20 / r["tokens"])
     assert any("flash-attn" in n for n in data["notes"])  # the packed caveat is stated
+
+    modes = {r["impl"]: r for r in rows if r["bench"] == "async_steps"}  # same task, sync vs K = 1, 2
+    assert set(modes) == {"sync", "async K=1", "async K=2", "async K=1, TIS 2"} and modes["sync"]["baseline"]
+    assert all(r["steps_per_s"] > 0 and r["steps_run"] == 3 and "steps/s" in r["note"] for r in modes.values())
 
     shares = {r["impl"]: r["padding_share"] for r in rows if r["bench"] == "padding"}
     assert shares["token budget, packed"] == 0.0

@@ -215,6 +215,37 @@ def test_fused_linear_matches_naive(backend, dtype, monkeypatch):
         torch.testing.assert_close(ent, ent_n, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sum_sq_probs_is_a_by_product_of_the_same_pass(backend, monkeypatch):
+    """Σ_v π_v² (the optimal token baseline's ||∇_z log π||² = 1 − 2π_y + Σπ²) from the fused pass,
+    chunked, with a support row and an ignored row, against softmax(z / T)² summed by hand; asking
+    for it changes neither the logprobs nor the gradients."""
+    monkeypatch.setattr(E, "_MAX_BLOCK_V", 64)  # 5 vocabulary blocks: the running max moves between them
+    N, H, V = 9, 8, 300
+    hidden, weight = torch.randn(N, H), torch.randn(V, H)
+    weight[-1] = hidden[0] * 3                  # row 0's largest logit sits in the last block
+    t = torch.randint(0, V, (N,))
+    t[4] = -100
+    support = torch.full((N, 3), -1)
+    support[2] = torch.tensor([t[2].item(), 5, 6])
+    h = hidden.clone().requires_grad_()
+    lp, ent, sq = E.fused_linear_logprobs_entropy(h, weight, t, 0.7, support, chunk_size=4, backend=backend,
+                                                  sum_sq=True)
+    z = (hidden @ weight.T) / 0.7
+    z[2] = z[2].masked_fill(~E._support_keep(support[2:3], V)[0], NEG_INF)
+    hand = (z.softmax(-1) ** 2).sum(-1)
+    hand[4] = 0.0
+    torch.testing.assert_close(sq, hand, atol=1e-6, rtol=1e-5)
+    assert not sq.requires_grad
+    (g,) = torch.autograd.grad((lp + ent).sum(), h)
+    h2 = hidden.clone().requires_grad_()
+    lp2, ent2 = E.fused_linear_logprobs_entropy(h2, weight, t, 0.7, support, chunk_size=4, backend=backend)
+    (g2,) = torch.autograd.grad((lp2 + ent2).sum(), h2)
+    assert torch.equal(lp, lp2) and torch.equal(g, g2)
+    _, _, sq_n = E.naive_logprobs_entropy(hidden @ weight.T, t, 0.7, support, sum_sq=True)
+    torch.testing.assert_close(sq_n, hand, atol=1e-6, rtol=1e-5)
+
+
 def test_fused_linear_chunk_size_from_budget(monkeypatch):
     monkeypatch.setattr(E, "_LINEAR_BUDGET_BYTES", 10 * 100 * 4)   # 10 fp32 rows of V = 100
     assert E._chunk_rows(100, 4, False, None) == 10
@@ -296,15 +327,17 @@ def test_kernels_compile_for_sm90():
         common = {"V": "i32", "inv_temp": "fp32", "ignore_index": "i32", "BLOCK_V": "constexpr"}
         for dt in ("bf16", "fp32"):
             fwd = {"x_ptr": f"*{dt}", "stride_x": "i64", "tgt_ptr": "*i64", "lp_ptr": "*fp32",
-                   "ent_ptr": "*fp32", "m_ptr": "*fp32", "ls_ptr": "*fp32", **common}
+                   "ent_ptr": "*fp32", "m_ptr": "*fp32", "ls_ptr": "*fp32", "sq_ptr": "*fp32", **common,
+                   "WITH_SQ": "constexpr"}
             bwd = {"x_ptr": f"*{dt}", "stride_x": "i64", "g_ptr": f"*{dt}", "stride_g": "i64",
                    "tgt_ptr": "*i64", "m_ptr": "*fp32", "ls_ptr": "*fp32", "ent_ptr": "*fp32",
                    "glp_ptr": "*fp32", "gent_ptr": "*fp32", **common}
-            for kernel, sig in ((E._fwd_kernel, fwd), (E._bwd_kernel, bwd)):
-                src = ASTSource(kernel, sig, constexprs={"BLOCK_V": E._MAX_BLOCK_V})
+            variants = [(E._fwd_kernel, fwd, {"WITH_SQ": sq}) for sq in ((False, True) if dt == "bf16" else (True,))]
+            for kernel, sig, extra in variants + [(E._bwd_kernel, bwd, {})]:
+                src = ASTSource(kernel, sig, constexprs={"BLOCK_V": E._MAX_BLOCK_V, **extra})
                 compiled = triton.compile(src, target=target, options=options)
                 assert len(compiled.asm["cubin"]) > 0 and ".target sm_90" in compiled.asm["ptx"]
                 print(compiled.metadata.name, dt, "ok")
     """, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count(" ok") == 4
+    assert out.stdout.count(" ok") == 5

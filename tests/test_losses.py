@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from nanorl.kl import kl_estimator
-from nanorl.losses import (AGG_MODES, POLICY_LOSSES, LossConfig, aggregate, cispo_loss, dppo_kl_loss,
-                           dppo_tv_loss, global_denominators, gmpo_loss, gspo_loss, icepop_weights,
-                           log_ratio_and_ratio, opsm_mask, ppo_clip_loss, tis_weights, total_loss, value_loss)
+from nanorl.losses import (AGG_MODES, COV_LOSSES, POLICY_LOSSES, LossConfig, aggregate, cispo_loss, clip_cov_loss,
+                           cov_selection, dppo_kl_loss, dppo_tv_loss, global_denominators, gmpo_loss, gspo_loss,
+                           kl_cov_loss, log_ratio_and_ratio, ppo_clip_loss, sapo_loss, top_entropy_mask,
+                           total_loss, value_loss)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -136,38 +137,86 @@ def test_dppo_kl_binary_divergence():
     assert torch.allclose(_grad(loss, logp), expected, atol=1e-5)
 
 
-def test_tis_truncation_token_and_sequence():
-    old = torch.log(_t([[3.0, 0.5, 1.0]]))  # train/rollout ratios 3, 0.5, 1 (rollout = 0)
-    mask = torch.ones(1, 3)
-    w, hit = tis_weights(old, torch.zeros(1, 3), mask, cap=2.0)
-    assert torch.allclose(w, _t([[2.0, 0.5, 1.0]])) and hit.tolist() == [[True, False, False]]
-    w, hit = tis_weights(old, torch.zeros(1, 3), mask, cap=2.0, level="sequence")  # product 1.5
-    assert torch.allclose(w, torch.full((1, 3), 1.5)) and not hit.any()
-    w, _ = tis_weights(old, torch.zeros(1, 3), _t([[1, 0, 0]]), cap=2.0, level="sequence")
-    assert torch.allclose(w, _t([[2.0, 0.0, 0.0]]))  # masked tokens are outside the product
+def test_sapo_soft_gate_value_and_gradient():
+    # f(r) = σ(τ(r − 1))·4/τ; d/dlogp (−A·f) = −A·4·σ(1 − σ)·r; τ = 1 for A > 0, 1.05 for A ≤ 0
+    ratios, adv = [1.0, 1.5, 0.5, 2.0], [1.0, 1.0, -1.0, -2.0]
+    logp = torch.log(_t([ratios])).requires_grad_()
+    loss, _ = sapo_loss(logp, torch.zeros(1, 4), _t([adv]), torch.ones(1, 4))
+    val, grad = [], []
+    for r, a in zip(ratios, adv):
+        tau = 1.0 if a > 0 else 1.05
+        sig = 1 / (1 + math.exp(-tau * (r - 1)))
+        val.append(-a * sig * 4 / tau)
+        grad.append(-a * 4 * sig * (1 - sig) * r)
+    assert torch.allclose(loss, _t([val]), atol=1e-6)
+    assert torch.allclose(_grad(loss, logp), _t([grad]), atol=1e-6)
+    assert grad[0] == pytest.approx(-1.0)  # on-policy (r = 1) the gate's slope is 1: REINFORCE
 
 
-def test_icepop_zeroes_outside_band():
-    old = torch.log(_t([[0.4, 1.0, 6.0, 4.0]]))
-    w, zeroed = icepop_weights(old, torch.zeros(1, 4), torch.ones(1, 4), low=0.5, high=5.0)
-    assert torch.allclose(w, _t([[0.0, 1.0, 0.0, 4.0]]))
-    assert zeroed.tolist() == [[True, False, True, False]]
+@pytest.mark.parametrize("name", ["reinforce", "gpg", "dro"])
+def test_reinforce_gpg_and_dro_by_hand(name):
+    logp = _t([[-0.5, -1.0, -2.0]], grad=True)
+    old, adv, mask = _t([[-0.7, -1.0, -1.5]]), _t([[1.0, -2.0, 0.5]]), _t([[1, 1, 0]])
+    cfg = LossConfig(policy=name, dro_beta=0.5, dual_clip=None)
+    loss, m = total_loss(cfg, logp, old, adv, mask, num_tokens=2)
+    if name == "dro":  # −(A·logp − ½β·lr²), grad −A + β·lr with lr = logp − old = [0.2, 0.0]
+        vals, grads = [-(1.0 * -0.5 - 0.25 * 0.04), -(-2.0 * -1.0)], [-1.0 + 0.5 * 0.2, 2.0, 0.0]
+    else:              # −A·logp, grad −A
+        vals, grads = [0.5, -2.0], [-1.0, 2.0, 0.0]
+    assert loss.item() == pytest.approx(sum(vals) / 2, abs=1e-6)
+    assert torch.allclose(_grad(loss.unsqueeze(0), logp), _t([grads]) / 2, atol=1e-6)
 
 
-def test_opsm_drops_only_negative_and_far_sequences():
-    logp = torch.zeros(3, 2)
-    rollout = _t([[0.3, 0.1], [0.3, 0.1], [0.01, 0.01]])  # seq KL 0.2, 0.2, 0.01
-    adv = _t([[-1.0, -1.0], [1.0, 1.0], [-1.0, -1.0]])
-    keep, dropped = opsm_mask(logp, rollout, adv, torch.ones(3, 2), delta=0.1)
-    assert dropped.tolist() == [True, False, False]
-    assert keep.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
-    # in the assembly: zero gradient on the dropped sequence, maskfrac = 1/3
-    lp = torch.zeros(3, 2, requires_grad=True)
-    loss, m = total_loss(LossConfig(opsm_delta=0.1), lp, torch.zeros(3, 2), adv, torch.ones(3, 2),
-                         rollout_logp=rollout)
-    g = _grad(loss.unsqueeze(0), lp)
-    assert torch.equal(g[0], torch.zeros(2)) and (g[1:] != 0).all()
-    assert m["opsm_maskfrac"].item() == pytest.approx(1 / 3)
+def test_cov_selection_kl_cov_and_clip_cov_by_hand():
+    adv = _t([[1.0, 1.0, -1.0, -1.0], [2.0, 0.0, 0.0, 9.0]])
+    logp = _t([[-0.5, -3.0, -0.5, -3.0], [-0.2, -1.0, -1.0, 7.0]])
+    mask = _t([[1, 1, 1, 1], [1, 1, 1, 0]])
+    a, lp = adv[mask > 0], logp[mask > 0]
+    cov = torch.zeros(2, 4)
+    cov[mask > 0] = (a - a.mean()) * (lp - lp.mean())   # token 0 of row 1 is the largest (≈ 1.9)
+    k_tokens = cov.flatten().argsort(descending=True)[:2]
+    sel = cov_selection(logp, adv, mask, ratio=2 / 7, mode="kl_cov")
+    assert sel.sum() == 2 and sel.flatten()[k_tokens].all() and not sel[1, 3]
+    band = cov_selection(logp, adv, mask, ratio=1.0, mode="clip_cov", bounds=(0.5, 5.0))
+    assert torch.equal(band, (cov > 0.5) & (cov < 5.0) & (mask > 0))  # ratio 1: the whole band
+    one = cov_selection(logp, adv, mask, ratio=0.01, mode="clip_cov", bounds=(0.5, 5.0),
+                        generator=torch.Generator().manual_seed(3))
+    assert one.sum() == 1 and (one <= band).all()       # k = max(1, ⌊0.01·7⌋) drawn from the band
+
+
+def test_kl_cov_and_clip_cov_losses_and_gradients():
+    logp = torch.log(_t([[1.1, 1.5, 0.5]])).requires_grad_()  # ratios (old = 0)
+    adv, mask, sel = _t([[1.0, 1.0, -1.0]]), torch.ones(1, 3), torch.tensor([[True, False, True]])
+    loss, st = kl_cov_loss(logp, torch.zeros(1, 3), adv, mask, sel, kl_coef=2.0)
+    lr = torch.log(_t([[1.1, 1.5, 0.5]]))
+    assert torch.allclose(loss, -adv * lr.exp() + 2.0 * lr.abs() * sel, atol=1e-6)
+    # d/dlogp: −A·r, plus κ·sign(log r) on the selected tokens
+    g = -adv * lr.exp() + 2.0 * torch.sign(lr) * sel
+    assert torch.allclose(_grad(loss, logp), g, atol=1e-6) and st["clip"].tolist() == sel.tolist()
+    loss, st = clip_cov_loss(logp, torch.zeros(1, 3), adv, mask, sel, 0.2, 0.2)
+    # token 1 (r = 1.5 > 1.2) is PPO-clipped; tokens 0 and 2 are detached by selection: all grads 0
+    assert torch.equal(_grad(loss, logp), torch.zeros(1, 3)) and loss[0, 1].item() == pytest.approx(-1.2)
+    assert loss[0, 0] == 0 and loss[0, 2] == 0 and st["clip"].all()
+    loss, _ = clip_cov_loss(logp, torch.zeros(1, 3), adv, mask, torch.zeros(1, 3, dtype=torch.bool))
+    assert _grad(loss, logp)[0, 0].item() == pytest.approx(-1.1)  # unselected: PPO's gradient
+
+
+def test_top_entropy_mask_keeps_the_top_q_of_valid_tokens():
+    ent = _t([[0.1, 2.0, 0.5, 9.0], [1.5, 0.2, 3.0, 0.0]])
+    mask = _t([[1, 1, 1, 0], [1, 1, 1, 1]])          # 9.0 is padding: never picked
+    keep = top_entropy_mask(ent, mask, 0.2)           # ⌈0.2·7⌉ = 2: entropies 3.0 and 2.0
+    assert keep.tolist() == [[False, True, False, False], [False, False, True, False]]
+    assert top_entropy_mask(ent, mask, 1.0).tolist() == (mask > 0).tolist()
+
+
+def test_weights_multiply_the_policy_loss_only():
+    logp = _t([[-0.5, -1.0]], grad=True)
+    w, kl = _t([[2.0, 0.0]]), _t([[0.3, 0.3]])
+    loss, m = total_loss(LossConfig(kl_coef=1.0, dual_clip=None), logp, logp.detach(), torch.ones(1, 2),
+                         torch.ones(1, 2), kl=kl, weights=w)
+    assert m["pg_loss"].item() == pytest.approx(-1.0) and loss.item() == pytest.approx(-1.0 + 0.3)
+    assert torch.allclose(_grad(loss.unsqueeze(0), logp), _t([[-1.0, 0.0]]))
+    assert m["kl_ref"].item() == pytest.approx(0.3)
 
 
 def test_value_loss_clipping_by_hand():
@@ -191,6 +240,7 @@ RAGGED_MASK = [[1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]]
 
 @pytest.mark.parametrize("mode,expected", [
     ("token-mean", 21 / 6),                   # (1+2+3+4+5+6) / 6 tokens
+    ("token-sum", 21.0),                      # verl's token-sum: no denominator
     ("seq-mean-token-sum", (6 + 4 + 11) / 3),  # 3 non-empty sequences
     ("seq-mean-token-mean", (2 + 4 + 5.5) / 3),
     ("seq-mean-token-sum-norm", 21 / (3 * 3)),  # L defaults to T = 3
@@ -223,7 +273,7 @@ def _batch(B=8, T=12, seed=0):
         rollout_logp=logp + 0.3 * torch.randn(B, T, generator=g),
         entropy=torch.rand(B, T, generator=g), kl_ref=logp - 0.2 * torch.rand(B, T, generator=g),
         values=torch.randn(B, T, generator=g), old_values=torch.randn(B, T, generator=g),
-        returns=torch.randn(B, T, generator=g))
+        returns=torch.randn(B, T, generator=g), weights=torch.rand(B, T, generator=g) * 2)
 
 
 def _run(cfg, b, rows, num_tokens=None, num_seqs=None, poison=False):
@@ -238,14 +288,20 @@ def _run(cfg, b, rows, num_tokens=None, num_seqs=None, poison=False):
     logp = s["logp"].requires_grad_()
     values = s["values"].requires_grad_()
     kl = kl_estimator(logp, s["kl_ref"], "k3+", mask=s["mask"])
+    sel = None
+    if cfg.policy in COV_LOSSES:  # selected once over the whole step, as the trainer does
+        full = cov_selection(b["logp"], b["advantages"], b["mask"], 0.1, cfg.policy, bounds=(-9.0, 9.0),
+                             generator=torch.Generator().manual_seed(0))
+        sel = full[rows][:, :width]
     loss, metrics = total_loss(cfg, logp, s["old_logp"], s["advantages"], s["mask"], entropy=s["entropy"], kl=kl,
                                rollout_logp=s["rollout_logp"], values=values, old_values=s["old_values"],
-                               returns=s["returns"], num_tokens=num_tokens, num_seqs=num_seqs)
+                               returns=s["returns"], weights=s["weights"], selected=sel,
+                               num_tokens=num_tokens, num_seqs=num_seqs)
     g_logp, g_values = torch.autograd.grad(loss, (logp, values), allow_unused=True)
     return loss, metrics, g_logp, g_values
 
 
-CFG = dict(kl_coef=0.1, entropy_coef=0.01, vf_coef=0.5, tis_cap=2.0, norm_len=12)
+CFG = dict(kl_coef=0.1, entropy_coef=0.01, vf_coef=0.5, norm_len=12)
 
 
 @pytest.mark.parametrize("policy", list(POLICY_LOSSES))
@@ -277,7 +333,7 @@ def test_local_denominators_break_gradient_accumulation():
 @pytest.mark.parametrize("policy", list(POLICY_LOSSES))
 def test_nan_in_masked_positions_never_reaches_loss_grad_or_metrics(policy):
     b = _batch(seed=1)
-    cfg = LossConfig(policy=policy, icepop=(0.5, 5.0), opsm_delta=0.05, **CFG)
+    cfg = LossConfig(policy=policy, **CFG)
     clean = _run(cfg, b, list(range(8)))
     loss, metrics, g, gv = _run(cfg, b, list(range(8)), poison=True)
     assert torch.isfinite(loss) and torch.isfinite(g).all() and torch.isfinite(gv).all()
@@ -327,8 +383,8 @@ def test_bad_input_gives_clear_errors():
         total_loss(LossConfig(), z, z, torch.zeros(2, 4), torch.ones(2, 3))
     with pytest.raises(ValueError, match="mask must be"):
         ppo_clip_loss(z, z, z, torch.ones(3))
-    with pytest.raises(ValueError, match="TIS level"):
-        tis_weights(z, z, torch.ones(2, 3), level="batch")
+    with pytest.raises(ValueError, match="`selected` is for kl_cov / clip_cov"):
+        total_loss(LossConfig(), z, z, z, torch.ones(2, 3), selected=z.bool())
     with pytest.raises(ValueError, match="old_values and returns"):
         total_loss(LossConfig(), z, z, z, torch.ones(2, 3), values=z)
 

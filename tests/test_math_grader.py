@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from nanorl.math_grader import extract_answer, grade, last_boxed
+from nanorl.math_grader import extract_answer, last_boxed
 from nanorl.rewards import BOUNDED, RewardRunner, format_reward, math_format, math_reward
 
 GSM = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"

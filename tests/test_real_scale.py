@@ -310,3 +310,17 @@ def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
     finally:
         run.rewards.close()
         run.logger.close()
+
+
+def test_readme_tool_command_runs_at_the_real_shape(real, tmp_path):
+    """The README's `--env python_tool` line (its multi-turn section) on the real-shape model and the
+    GSM8K files, HF engine, sizes shrunk: episodes run through the ChatML template and the run completes."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Multi-turn agents and tools", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(x, comments=True) for x in block.replace("\\\n", " ").splitlines() if "python_tool" in x]
+    assert len(lines) == 1 and "Qwen/Qwen2.5-0.5B-Instruct" in lines[0]
+    argv = hf_variant(local(lines[0], real, []))
+    res = train.main(argv + SHRINK + ["--dtype", "float32", "--out-dir", str(tmp_path)])
+    assert res["step"] == 2
+    logged = metrics_lines(tmp_path)
+    assert len(logged) == 2 and all(m["response_length_mean"] > 0 for m in logged)

@@ -176,8 +176,7 @@ def test_metric_table_names_are_logged():
     names = re.findall(r"^\| `([^`]+)` \|", table, flags=re.M)
     assert len(names) >= 15, names
     x = torch.zeros(1, 2)
-    _, loss_metrics = total_loss(LossConfig(tis_cap=2.0), x, x, x, torch.ones(1, 2), entropy=x, kl=x,
-                                 rollout_logp=x)
+    _, loss_metrics = total_loss(LossConfig(), x, x, x, torch.ones(1, 2), entropy=x, kl=x, rollout_logp=x)
     src = "\n".join(p.read_text() for p in [ROOT / "train.py", *sorted((ROOT / "nanorl").glob("*.py"))])
     missing = [n for n in names if n not in loss_metrics and f'"{n}"' not in src]
     assert not missing, f"metrics in the tour's table that nothing logs: {missing}"

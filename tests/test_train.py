@@ -40,6 +40,12 @@ def test_presets_listed_and_flags_override():
         Config(top_p=0.0)
     with pytest.raises(ValueError, match="gae needs a critic"):
         Config(advantage="gae")
+    with pytest.raises(ValueError, match="gae_chunked needs a critic"):  # issue 19: was not checked
+        Config(advantage="gae_chunked")
+    with pytest.raises(ValueError, match="gamma does nothing with advantage grpo"):
+        Config(gamma=0.9)
+    with pytest.raises(ValueError, match="sapo_tau_pos needs policy_loss sapo"):
+        Config(sapo_tau_pos=2.0)
 
 
 @pytest.mark.parametrize("algo", list(PRESETS))
@@ -155,3 +161,112 @@ def test_engine_sleeps_through_training_and_wakes_for_the_sync(task_dir, tmp_pat
     step = ["generate", "sleep2", "train", "update_weights"]
     evaluation = ["generate", "generate"]  # held-out greedy + pass@k, before and after, engine awake
     assert events == ["update_weights"] + evaluation + step + step + evaluation  # first: setup's sync
+
+
+def _metrics(tmp_path):
+    return [x for x in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in x]
+
+
+def _weights(tmp_path):
+    from safetensors.torch import load_file
+    path = sorted((tmp_path / "checkpoints").glob("step_*"))[-1]
+    return load_file(str(next(path.glob("*.safetensors"))))
+
+
+def test_kl_in_the_reward_reaches_grpo_and_is_logged(task_dir, tmp_path):
+    """Issue 19: `--algo grpo --kl-in-reward` used to train with no KL at all (grpo swallowed the token
+    rewards) and log none. Step 1 starts at π = π_ref (KL 0); at step 2 the KL is logged, and the
+    update differs from a β ≈ 0 run (1e-12: below float resolution next to the 0/1 scores)."""
+    runs = {}
+    for beta in ("0.1", "1e-12"):
+        out = tmp_path / beta
+        train.main(args(task_dir, out, "--algo", "grpo", "--kl-in-reward", "--kl-coef", beta, "--threads", "1"))
+        runs[beta] = (_metrics(out), _weights(out))
+    steps = runs["0.1"][0]
+    assert steps[0]["kl_ref"] == 0.0 and steps[1]["kl_ref"] > 0.0 and steps[1]["kl_loss"] == 0.0
+    w_kl, w_0 = runs["0.1"][1], runs["1e-12"][1]
+    assert any(not torch.equal(w_kl[k], w_0[k]) for k in w_kl)
+
+
+@pytest.mark.parametrize("placement", [("--kl-in-reward",), ()], ids=["in_reward", "in_loss"])
+def test_kl_target_raises_beta_when_kl_exceeds_it(placement, task_dir, tmp_path):
+    """`--kl-target` read the loss KL (0 with the KL in the reward), so β shrank every step. Step 1:
+    KL 0 < target, β falls; step 2: KL > target, β rises — in both placements."""
+    train.main(args(task_dir, tmp_path, "--algo", "grpo", "--kl-coef", "0.1", "--kl-target", "1e-9",
+                    "--threads", "1", *placement))
+    steps = _metrics(tmp_path)
+    assert steps[1]["kl_ref"] > 1e-9
+    assert steps[0]["kl_beta"] < 0.1 and steps[1]["kl_beta"] > steps[0]["kl_beta"]
+
+
+def _otb_by_hand(G, logp, ssq, mask, index):
+    """OTB with a Python loop over groups and timesteps (right-padded rows): W_t = Σ_{j≤t} w_j,
+    w_j = 1 − 2π_j + Σπ²_j; B_t = Σ_i G W / Σ_i W over the live samples; a lone timestep gets 0."""
+    B, T = mask.shape
+    w = (1 - 2 * logp.exp() + ssq).clamp(min=0) * mask
+    W = w.cumsum(1)
+    out = torch.zeros(B, T)
+    for g in index.unique():
+        rows = (index == g).nonzero().flatten().tolist()
+        for t in range(T):
+            live = [i for i in rows if mask[i, t] > 0]
+            if len(live) < 2:
+                continue
+            den = sum(float(W[i, t]) for i in live)
+            base = (sum(float(G[i, t] * W[i, t]) for i in live) / den if den > 1e-6
+                    else sum(float(G[i, t]) for i in live) / len(live))
+            for i in live:
+                out[i, t] = G[i, t] - base
+    return out
+
+
+def test_otb_reads_sum_sq_probs_from_the_logprob_pass(task_dir, tmp_path, monkeypatch):
+    """Issue 19: the otb preset fell back to w = 1 (no Σπ², no old logprobs). Now the recompute pass
+    returns Σ_v π_v² (fused, no extra forward): it matches the materialised softmax, and the
+    advantage matches a hand OTB and differs from the w = 1 fallback."""
+    seen = []
+    monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append((run, batch)) or {})
+    train.main(args(task_dir, tmp_path, "--algo", "otb", "--steps", "1", "--threads", "1"))
+    run, batch = seen[0]
+    td, mask = batch.token_data, batch.response_mask
+    P, T = batch.prompt_width, mask.shape[1]
+    with torch.no_grad():
+        logits = run.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           position_ids=batch.position_ids).logits[:, P - 1:P - 1 + T].float()
+    p = (logits / run.cfg.temperature).softmax(-1)
+    valid = mask > 0
+    assert torch.allclose(td["sum_sq_probs"][valid], (p * p).sum(-1)[valid], atol=1e-5)
+    assert torch.allclose(td["old_logprobs"][valid],
+                          p.gather(-1, batch.response_ids[..., None])[..., 0].log()[valid], atol=1e-4)
+    G = batch.rewards[:, None] * mask
+    hand = _otb_by_hand(G, td["old_logprobs"], td["sum_sq_probs"], mask, batch.group_ids)
+    assert torch.allclose(td["advantages"], hand, atol=1e-5)
+    from nanorl.advantage import otb
+    fallback, _ = otb(mask=mask, index=batch.group_ids, scores=batch.rewards)  # w = 1
+    assert not torch.allclose(td["advantages"], fallback, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", ["gae", "gae_chunked"])
+def test_both_gae_estimators_are_whitened(name, task_dir, tmp_path, monkeypatch):
+    """Issue 19: `gae_chunked` chosen as the advantage skipped the whitening (train.py tested == "gae")."""
+    seen = []
+    monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or {})
+    train.main(args(task_dir, tmp_path, "--algo", "ppo", "--advantage", name, "--steps", "1", "--threads", "1"))
+    adv, mask = seen[0].token_data["advantages"], seen[0].response_mask
+    v = adv[mask > 0]
+    assert abs(float(v.mean())) < 1e-5 and abs(float(v.var()) - 1) < 1e-3
+
+
+def test_off_policy_flags_reach_the_step(task_dir, tmp_path):
+    """TIS with a lower clip at sequence level, OPSM and the IS-corrected KL, wired end to end: the
+    weight metrics are logged, and --unbiased-kl changes the KL of the off-policy second epoch."""
+    kl = {}
+    for extra in ((), ("--unbiased-kl",)):
+        out = tmp_path / ("u" if extra else "plain")
+        train.main(args(task_dir, out, "--kl-coef", "0.1", "--ppo-epochs", "2", "--tis-cap", "1.5", "--tis-low",
+                        "0.5", "--is-level", "sequence", "--opsm-delta", "1e-6", "--threads", "1", *extra))
+        steps = _metrics(out)
+        assert {"is_weight_mean", "is_weight_max", "is_clipfrac", "is_ess", "is_ratio_var", "is_ratio_tail",
+                "opsm_maskfrac", "kl_ref"} <= set(steps[0])
+        kl[bool(extra)] = steps[0]["kl_ref"]
+    assert kl[True] != kl[False]

@@ -1,0 +1,113 @@
+"""Off-policy corrections: importance weights for the train/inference mismatch, and OPSM.
+
+    rollout → reward → logprob recompute → advantage → **loss (off-policy weights)** → backward →
+    optimizer step → weight sync
+
+The problem. The engine that sampled the tokens (vLLM, bf16, other kernels) is not the trainer, so
+even on the first pass π_rollout ≠ π_old and the policy gradient is taken under the wrong
+distribution. With ρ_t = π_old(y_t)/π_rollout(y_t) (the recomputed trainer policy over the engine's;
+both known before the update, so the weights are computed once per step, detached, and multiply the
+policy loss of every micro-batch):
+
+- TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
+  w = clip(ρ, low, C). verl 0.9.1 (rollout_corr_helper) clamps only above; slime's vanilla TIS also
+  clamps below (tis_clip_low): `low` = 0 is verl's, > 0 slime's.
+- MIS, masked IS ("When Speed Kills Stability", Liu, Li et al. 2025; ICEPOP of Ring-1T is its token
+  level; verl's "lower_upper" threshold, slime's icepop): w = ρ·1[low ≤ ρ ≤ high] — outliers are
+  dropped, not truncated. TIS and MIS may be combined: clip(ρ, …)·1[band].
+- level "sequence": one weight per sequence from ρ_seq = Π_t ρ_t = exp(Σ_t log ρ_t) (verl's
+  rollout_is="sequence"; the log-sum clamped to ±20 before exp), broadcast to its tokens; MIS then
+  drops whole sequences. Unbiased but high-variance; token level is biased, low-variance.
+- OPSM (DeepSeek-V3.2 2025, as slime): mask token t of sequence i when A_t < 0 and
+  mean_t(log π_behaviour − log π_θ) > δ, a k1 estimate of KL(π_behaviour ‖ π_θ); π_behaviour is the
+  rollout policy when its logprobs exist, else π_old. This is the paper's token rule; nanorl's earlier
+  rule (drop a sequence whose *mean* advantage is negative) agrees for per-sequence advantages and
+  differs for token-level ones (GAE), so it is gone: no estimator needs it.
+
+Metrics (`is_metrics`, over the whole step): is_weight_mean, is_weight_max, is_clipfrac (share of
+tokens whose weight differs from ρ: truncated or masked), is_ess (effective sample size share
+(Σw)²/(N·Σw²), 1 = all weights equal, as verl's rollout_is_eff_sample_size), and of the raw token
+ratio: is_ratio_var (variance of ρ over the valid tokens, E[ρ²] − E[ρ]²; verl logs χ² = E[ρ²] − 1)
+and is_ratio_tail (share of tokens with ρ outside [1/2, 2]).
+
+Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_offpolicy.py -q
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def _check(mask, **tensors):
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
+    for name, t in tensors.items():
+        if t is not None and t.shape != mask.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected mask's {tuple(mask.shape)}")
+
+
+def _clean(x, valid):
+    """float32, detached, 0 on masked positions BEFORE any arithmetic (NaN there never leaks)."""
+    return torch.where(valid, x.detach().float(), torch.zeros((), device=x.device))
+
+
+def _mean(x, valid):
+    return _clean(x, valid).sum() / valid.sum().clamp(min=1)
+
+
+def is_weights(old_logp, rollout_logp, mask, *, level="token", tis=None, mis=None):
+    """Detached importance weights [B, T] from ρ = π_old/π_rollout.
+
+    tis: (low, cap) clips ρ to [low, cap] (low 0 = verl's, upper-only); mis: (low, high) zeroes the
+    weights outside the band. level "token" or "sequence" (ρ_seq = Π_t ρ_t on every token of the row).
+    Returns (weights [B, T], changed [B, T] bool: the weight differs from ρ, rho [B, T] token ratios).
+    """
+    _check(mask, old_logp=old_logp, rollout_logp=rollout_logp)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance-weight level must be 'token' or 'sequence', got {level!r}")
+    if tis is not None and not 0 <= tis[0] < 1 < tis[1]:
+        raise ValueError(f"TIS needs 0 <= low < 1 < cap, got {tis}")
+    if mis is not None and not 0 <= mis[0] < 1 < mis[1]:
+        raise ValueError(f"MIS needs 0 <= low < 1 < high, got {mis}")
+    valid = mask > 0
+    log_rho = _clean(old_logp, valid) - _clean(rollout_logp, valid)               # [B, T]
+    rho = torch.exp(log_rho.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))              # [B, T] token ρ
+    log_w = log_rho.sum(-1, keepdim=True).expand_as(log_rho) if level == "sequence" else log_rho
+    raw = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))                # [B, T] ρ at `level`
+    w = raw if tis is None else raw.clamp(tis[0], tis[1])
+    if mis is not None:
+        w = torch.where((raw >= mis[0]) & (raw <= mis[1]), w, torch.zeros((), device=w.device))
+    changed = (w != raw) & valid
+    return torch.where(valid, w, torch.zeros((), device=w.device)), changed, torch.where(valid, rho, 0.0)
+
+
+def is_metrics(weights, changed, rho, mask):
+    """Step-level diagnostics of the weights and of the raw token ratio (see the module docstring)."""
+    _check(mask, weights=weights, changed=changed, rho=rho)
+    valid = mask > 0
+    w, r = _clean(weights, valid), _clean(rho, valid)
+    n = valid.sum().clamp(min=1)
+    sq = (w * w).sum()
+    ess = w.sum() ** 2 / (n * sq) if sq > 0 else torch.zeros(())
+    tail = valid & ((r > 2.0) | (r < 0.5))
+    return {"is_weight_mean": float(w.sum() / n),
+            "is_weight_max": float(torch.where(valid, w, 0.0).max()) if valid.any() else 0.0,
+            "is_clipfrac": float(_mean(changed.float(), valid)), "is_ess": float(ess),
+            "is_ratio_var": float((r * r).sum() / n - (r.sum() / n) ** 2),
+            "is_ratio_tail": float(_mean(tail.float(), valid))}
+
+
+def opsm_mask(logp, behaviour_logp, adv, mask, delta):
+    """OPSM keep-mask [B, T] float: 0 on tokens with A_t < 0 in a sequence whose
+    mean_t(behaviour_logp − logp) > δ, else 1. Returns (keep, masked [B, T] bool)."""
+    _check(mask, logp=logp, behaviour_logp=behaviour_logp, adv=adv)
+    if not (delta >= 0 and math.isfinite(delta)):
+        raise ValueError(f"OPSM delta must be finite and >= 0, got {delta}")
+    valid = mask > 0
+    gap = _clean(behaviour_logp, valid) - _clean(logp, valid)                       # [B, T]
+    seq_kl = gap.sum(-1) / valid.sum(-1).clamp(min=1)                               # [B]
+    masked = (_clean(adv, valid) < 0) & (seq_kl > delta)[:, None] & valid           # [B, T]
+    return (~masked).float(), masked

@@ -1,0 +1,435 @@
+"""Asynchronous RL (--async-steps K): a rollout worker samples and scores the next batches while the
+trainer trains on this one, from weights at most K versions old.
+
+    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
+    ^^^^^^^^^^^^^^^^   ^^^^^^^^^ (the reference's)                                      ^^^^^^^^^^^
+    here, in a worker process, ahead of the trainer                                      published here
+
+A synchronous step idles one side at a time: the trainer waits while the engine samples, the engine
+while the trainer updates. Here a worker process holds its own copy of the weights and its own HF
+engine (nanorl/rollout.py); the trainer publishes every new version into shared memory and takes
+scored batches, so generation + reward of batch t+1 overlap the update and sync of batch t.
+`rl_step` receives the same scored `Sample`s the synchronous rollout gives it (train.py generate).
+With a KL term the worker also scores the frozen reference model on its batch — the same collated
+batch and micro-batches as the trainer's recompute, so the same values (tests/test_pipeline.py) —
+because a forward left on the trainer's side is time no overlap can hide.
+
+The staleness rule is deterministic: batch b, the one optimizer step b trains on, is sampled from
+exactly weight version max(v0, b − K), v0 being the version the worker started from (0, or the
+resumed step). A sample reaching step b is therefore at most K versions old (`take` raises
+otherwise), the first K batches come from the starting weights, and with K = 1 batch t+1 is sampled
+from version t while step t trains. Each batch has its own sampling seed (`batch_seed`), so a K > 0
+run is a function of its seed, like a synchronous one. K = 0 never starts a worker: train.py's
+synchronous loop runs exactly as before.
+
+A process, not a thread. Measured with this module's worker run in a thread instead (2-core EPYC,
+quiet, 1 torch thread, 60 steps of the default task, twice each): synchronous 7.5-8.0 steps/s, a
+thread 9.8-10.2 (1.30×), a process 10.7-10.9 (1.40×). In a thread the worker's generation took 44
+instead of 37 ms and the trainer's update 92 instead of 86: the tiny model's forwards are mostly
+Python (module calls, HF bookkeeping) holding the GIL, so the two threads partly take turns. A
+process has its own interpreter, torch intra-op pool (--threads each, 1 when unset: two processes
+share the cores) and RNG state, and a module the trainer never touches.
+
+Off-policy handling. Step b's π_old is the trainer's version b — recomputed (--old-logprobs
+recompute, or auto when TIS / MIS / a KL in the reward read it), or with one epoch the detached
+current logprobs, which are the same; --old-logprobs rollout takes the sampler's logprobs instead
+(the clipped ratio is then π_θ/π_behaviour). The rollout/old mismatch, now up to K versions, is
+what --tis-cap (TIS), --mis-high (ICEPOP / masked IS) and --opsm-delta (OPSM) correct
+(nanorl/offpolicy.py); nothing turns them on for you.
+
+Partial rollouts (--partial-rollout, slime's): between decode steps the worker picks up a version
+published since the batch began; the engine re-prefills prompt + response so far under it and goes
+on, instead of finishing the batch under the old weights. Sample.metadata["token_versions"] holds
+each token's version, Sample.weight_version the oldest. Older tokens are IS-corrected by their own
+rollout logprobs (ρ = π_old/π_rollout per token, with --tis-cap / --mis-high) or, with
+--mask-offpolicy-in-partial-rollout, left out of the loss (loss mask 0 on tokens older than the
+sample's newest). Where a switch falls depends on timing: partial-rollout runs are not
+reproducible by seed.
+
+Metrics per step: async/staleness_mean, async/staleness_max (versions behind the trainer, per
+sample, its oldest token), async/offpolicy_token_frac (tokens of an older version than the
+trainer's), async/trainer_wait_s (the trainer blocked on this batch; also time/generate),
+async/engine_wait_s (the worker blocked on the weights for it), async/generate_s, async/reward_s,
+async/reference_s (the worker's time on it); with partial rollouts async/partial_frac (samples
+spanning versions) and async/masked_token_frac.
+
+Checkpoints. A save after step s first finishes batches s … s+K−1 — sampled from versions the
+checkpoint does not hold — and stores them (pipeline.pt, hashed in the manifest like every file);
+batch s+K and later are dropped and, after resume, sampled again from version s (the checkpoint's
+weights) with the same seeds. So: K = 0 resumes exactly (nanorl/checkpoint.py); K > 0 without
+partial rollouts resumes to the very run an uninterrupted one makes (bitwise on CPU at the same
+thread count); with partial rollouts the stored batches are exact and the rest is a fresh draw. A
+batch the checkpoint lacks (a run extended past its --steps, a synchronous checkpoint) is sampled
+from the checkpoint's version.
+
+Not with K > 0 (the config raises): DAPO's refill and ReMax (they generate inside the step),
+--env, --routing-replay, --fsdp, the vLLM engine; several ranks (`start` raises).
+
+    python -m pytest tests/test_pipeline.py -q
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+import types
+
+import torch
+import torch.multiprocessing as mp
+
+from nanorl import precision
+from nanorl.distributed import Trained
+from nanorl.policy import frozen_copy, load_model
+from nanorl.rewards import RewardRunner, load_reward_fn, score_samples
+from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
+from nanorl.trajectory import Sample, collate
+from nanorl.update import forward, score_batch
+
+FILE = "pipeline.pt"  # in a checkpoint directory: the batches a save finished (module docstring)
+
+
+def sampled_from(b: int, K: int, v0: int) -> int:
+    """The staleness rule: the weight version batch b is sampled from (module docstring)."""
+    return max(v0, b - K)
+
+
+def start_method(device: str) -> str:
+    """fork on CPU: the worker starts in ~0.1 s with everything imported. CUDA cannot fork: spawn
+    re-imports torch and transformers (seconds) and re-runs a script that has no __main__ guard."""
+    return "spawn" if torch.device(device).type == "cuda" or torch.cuda.is_initialized() else "fork"
+
+
+def batch_seed(seed: int, b: int) -> int:
+    """The sampling seed of batch b: fixed by (run seed, batch), whatever ran before it."""
+    return seed * 1_000_003 + b
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """What the worker process needs (picklable: the spawn start method sends it)."""
+    cfg: object               # the run's Config: model, dtype, reward, KL, async flags
+    device: str
+    sampling: SamplingConfig  # the run's sampling; the worker sets its per-batch seed
+    start_version: int        # v0: the version the trainer starts from (0, or the resumed step)
+
+
+class SharedWeights:
+    """K+1 slots of the policy's tensors in shared memory; version v lives in slot v % (K+1).
+
+    A slot is overwritten by version v + K + 1, which needs step v + K to have trained, hence batch
+    v + K to exist, which the worker samples from version ≥ v: no slot is rewritten while read."""
+
+    def __init__(self, model: torch.nn.Module, K: int, ctx):
+        state = model.state_dict()
+        self.slots = [{k: t.detach().to("cpu", copy=True).share_memory_() for k, t in state.items()}
+                      for _ in range(K + 1)]
+        self.latest, self.cond = ctx.RawValue("q", -1), ctx.Condition()
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        for k, t in model.state_dict().items():
+            self.slots[version % len(self.slots)][k].copy_(t.detach())
+        with self.cond:  # the lock orders the copy before the version the worker reads
+            self.latest.value = version
+            self.cond.notify_all()
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.latest.value >= version, timeout)
+
+    def newest(self) -> int:
+        with self.cond:
+            return self.latest.value
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+class Worker:
+    """The rollout side: its own model copy, HF engine, reward runner and (with a KL term) frozen
+    reference model, one batch per request."""
+
+    def __init__(self, spec: WorkerSpec, weights: SharedWeights):
+        cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.dtype)
+        self.spec, self.cfg, self.weights = spec, cfg, weights
+        model, self.tokenizer = load_model(cfg.model, spec.device)
+        if cfg.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
+            precision.keep_lm_head_fp32(model)
+        model.requires_grad_(False)
+        # The reference is the starting --model, frozen, as the trainer's (train.py setup): scoring it
+        # here takes its forward off the trainer's side of the step, where it would not overlap.
+        self.ref = Trained(frozen_copy(model, dtype), None, functools.partial(forward, cfg), dtype) \
+            if cfg.uses_reference else None
+        self.scoring = types.SimpleNamespace(cfg=cfg, model=model, tokenizer=self.tokenizer, world=1)  # a run
+        self.params = model.state_dict()  # views of the module's tensors: loading copies into them
+        self.engine = HFEngine(model, pad_id=self.tokenizer.pad_token_id, compute_dtype=dtype,
+                               between_steps=self.pick_up_newer if cfg.partial_rollout else None)
+        self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
+        self.engine.version = -1  # nothing loaded yet
+
+    @torch.no_grad()
+    def load(self, version: int) -> None:
+        slot = self.weights.slots[version % len(self.weights.slots)]
+        for k, t in self.params.items():
+            t.copy_(slot[k])
+        self.engine.version = version
+
+    def pick_up_newer(self) -> bool:
+        """Between decode steps (partial rollouts): load a version published since, if any."""
+        newest = self.weights.latest.value  # a plain read; newest() then synchronises with publish
+        if newest <= self.engine.version:
+            return False
+        self.load(self.weights.newest())
+        return True
+
+    def rollout(self, b: int, prompts: list) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        need = sampled_from(b, cfg.async_steps, self.spec.start_version)
+        while not self.weights.wait_for(need, timeout=5.0):
+            _exit_if_orphaned()
+        t1 = time.perf_counter()
+        if self.engine.version < need or not cfg.partial_rollout:  # partial: a newer version held is kept
+            self.load(need)
+        faults = dict(self.rewards.faults)
+        sampling = dataclasses.replace(self.spec.sampling, seed=batch_seed(cfg.seed, b))
+        samples = self.engine.generate([p.ids for p in prompts], cfg.samples_per_prompt, sampling)
+        t2 = time.perf_counter()
+        for s, r in zip(samples, score_samples(self.rewards, self.tokenizer, prompts, samples)):
+            s.reward = r
+        if cfg.mask_offpolicy_in_partial_rollout:
+            for s in samples:
+                mask_older_tokens(s)
+        t3 = time.perf_counter()
+        if self.ref is not None:
+            self.score_reference(samples)
+        new_faults = {k: v - faults.get(k, 0) for k, v in self.rewards.faults.items() if v != faults.get(k, 0)}
+        return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
+                "metrics": {"async/engine_wait_s": t1 - t0, "async/generate_s": t2 - t1, "async/reward_s": t3 - t2,
+                            "async/reference_s": time.perf_counter() - t3}}
+
+    @torch.no_grad()
+    def score_reference(self, samples: list[Sample]) -> None:
+        """Reference logprobs of every response token, as train.py's recompute would score them (the
+        same collated batch and micro-batches): metadata["ref_logprobs"], read by `ref_logprobs`."""
+        batch = collate(samples, self.tokenizer.pad_token_id).to(self.spec.device)
+        support = batch.sampling_support if self.cfg.keep_sampling_mask else None
+        lp = score_batch(self.scoring, self.ref, batch, support)[0].cpu()  # [B, T]
+        for s, row in zip(samples, lp):
+            s.metadata["ref_logprobs"] = row[:s.response_length].tolist()
+
+
+def mask_older_tokens(s: Sample) -> None:
+    """--mask-offpolicy-in-partial-rollout: loss mask 0 on the tokens sampled under an older version
+    than the sample's newest (combined with any mask it has)."""
+    versions = s.metadata["token_versions"]
+    newest, old = max(versions), s.loss_mask or [1] * len(versions)
+    s.loss_mask = [int(m and v == newest) for m, v in zip(old, versions)]
+
+
+_PARENT: list[int] = []  # the worker's trainer process
+
+
+def _exit_if_orphaned() -> None:
+    """The trainer was killed: nobody will read or publish again, so leave at once."""
+    if _PARENT and os.getppid() != _PARENT[0]:
+        os._exit(0)
+
+
+def _worker_main(spec: WorkerSpec, weights: SharedWeights, requests, results) -> None:
+    # Ctrl-C reaches the whole process group; the trainer handles it (finishes the step and saves,
+    # which needs this worker). SIGTERM still ends the worker: close() and interpreter exit send it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.cfg.threads or 1)
+    _PARENT.append(os.getppid())
+    try:
+        worker = Worker(spec, weights)
+        while True:
+            try:
+                req = requests.get(timeout=5.0)
+            except queue.Empty:
+                _exit_if_orphaned()
+                continue
+            if req is None:
+                break
+            results.put(pickle.dumps(("batch", worker.rollout(*req))))  # tensors by value: no fd per tensor
+        worker.rewards.close()
+    except Exception:  # any failure: the trainer raises it, with this traceback
+        results.put(pickle.dumps(("error", traceback.format_exc())))
+    results.close()
+    results.join_thread()  # what was put reaches the pipe before exit (close() reads it off)
+
+
+# ----------------------------------------------------------------------------- the trainer side
+
+
+class Pipeline:
+    """The trainer's end: submits prompt batches, takes scored ones, publishes weights, saves what
+    is in flight. Batches are taken in order, one per step. Batch t+K+1's prompts are submitted as t
+    is taken: the worker then always holds its next request, so its idle time is waiting for weights."""
+
+    def __init__(self, run, restored: dict[int, dict]):
+        cfg, self.run, self.K = run.cfg, run, run.cfg.async_steps
+        device = cfg.rollout_device or str(next(run.model.parameters()).device)
+        ctx = mp.get_context(start_method(device))
+        self.weights = SharedWeights(run.model, self.K, ctx)
+        self.weights.publish(run.model, run.step)
+        self.v0 = run.step
+        sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                  max_new_tokens=cfg.max_new_tokens, keep_support=cfg.keep_sampling_mask,
+                                  stop_token_ids=stop_token_ids(run.model, run.tokenizer), support_cap=cfg.support_cap)
+        spec = WorkerSpec(cfg, device, sampling, run.step)
+        self.requests, self.results = ctx.Queue(), ctx.Queue()
+        self.proc = ctx.Process(target=_worker_main, args=(spec, self.weights, self.requests, self.results),
+                                daemon=True, name="nanorl-rollout")
+        self.proc.start()
+        # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
+        # rl_step draws the same ones from run.loader and `take` checks they agree.
+        self.loader = copy.copy(run.loader)
+        self.loader.load_state_dict(run.loader.state_dict())  # its own order list and position
+        self.ready, self.submitted, self.metrics = {}, run.step, {}
+        for b in range(run.step, run.step + self.K):
+            if b in restored:  # finished before the checkpoint: its prompts are already drawn
+                self.ready[b] = restored[b]
+                self.loader.next_batch()
+                self.submitted = b + 1
+            else:
+                break
+        self._fill(run.step + self.K)
+
+    def _fill(self, upto: int) -> None:
+        """Submit every batch up to `upto` (never past the run's last step)."""
+        while self.submitted <= min(upto, self.run.cfg.steps - 1):
+            self.requests.put((self.submitted, self.loader.next_batch()))
+            self.submitted += 1
+
+    def _receive(self) -> None:
+        """Wait for the worker's next batch; raise what went wrong in it."""
+        while True:
+            alive = self.proc.is_alive()  # before the read: what it sent before exiting is still read
+            try:
+                kind, payload = pickle.loads(self.results.get(timeout=1.0))
+                break
+            except queue.Empty:
+                if not alive:
+                    raise RuntimeError(f"the rollout worker died (exit code {self.proc.exitcode})") from None
+        if kind == "error":
+            raise RuntimeError(f"the rollout worker failed:\n{payload}")
+        self.ready[payload["batch"]] = payload
+
+    def take(self, step: int, prompts) -> list[Sample]:
+        """Batch `step`'s scored samples (blocking), checked against the staleness bound."""
+        self._fill(step + self.K + 1)  # prompts only: the worker waits for batch b's version itself
+        need, latest = sampled_from(step, self.K, self.v0), self.weights.newest()
+        if latest < need:  # the worker would wait for it forever, and this for the worker
+            raise RuntimeError(f"async rollout: batch {step} is sampled from version {need}, but the newest "
+                               f"published is {latest}: publish() the weights after every step")
+        start = time.perf_counter()
+        while step not in self.ready:
+            self._receive()
+        got = self.ready.pop(step)
+        if got["prompt_ids"] != [p.ids for p in prompts]:
+            raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the trainer's")
+        samples = got["samples"]
+        for s in samples:  # the bound this module promises: never trust it silently
+            if not step - self.K <= s.weight_version <= step:
+                raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step {step} "
+                                   f"(--async-steps {self.K} allows versions {step - self.K}..{step})")
+        self.run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
+        self.metrics = {**got["metrics"], **staleness_metrics(samples, step),
+                        "async/trainer_wait_s": time.perf_counter() - start}
+        return samples
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        self.weights.publish(model, version)
+
+    @staticmethod
+    def ref_logprobs(samples: list[Sample], batch) -> torch.Tensor:
+        """[B, T] reference logprobs of `batch` (collated from `samples`), scored by the worker."""
+        out = torch.zeros(batch.response_ids.shape)  # [B, T], 0 on padding as score_batch gives
+        for b, s in enumerate(samples):
+            out[b, :s.response_length] = torch.tensor(s.metadata["ref_logprobs"])
+        return out.to(batch.response_ids.device)
+
+    def save(self, path: str, step: int) -> None:
+        """Finish batches step … step+K−1 and store them in `path` (module docstring: Checkpoints)."""
+        need = range(step, min(step + self.K, self.run.cfg.steps))
+        while any(b not in self.ready for b in need):
+            self._receive()
+        batches = [{**self.ready[b], "samples": [dataclasses.asdict(s) for s in self.ready[b]["samples"]]}
+                   for b in need]
+        torch.save({"K": self.K, "batches": batches}, os.path.join(path, FILE))
+
+    def close(self) -> None:
+        """Stop the worker: it finishes its batch, flushes its results (read off here and dropped)."""
+        self.requests.put(None)
+        deadline = time.monotonic() + 10.0
+        while self.proc.is_alive() and time.monotonic() < deadline:
+            try:
+                self.results.get(timeout=0.1)
+            except queue.Empty:
+                pass
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc.join()
+
+
+def staleness_metrics(samples: list[Sample], step: int) -> dict:
+    """How far behind the trainer (version `step`) a batch is: per sample and per token."""
+    ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]
+    tokens = [v for s in samples for v in s.metadata.get("token_versions", [s.weight_version] * s.response_length)]
+    off = torch.tensor([v < step for v in tokens], dtype=torch.float)  # [tokens]
+    m = {"async/staleness_mean": float(ages.mean()), "async/staleness_max": float(ages.max()),
+         "async/offpolicy_token_frac": float(off.mean()) if len(off) else 0.0}
+    if any("token_versions" in s.metadata for s in samples):
+        m["async/partial_frac"] = sum(len(set(s.metadata["token_versions"])) > 1 for s in samples) / len(samples)
+        masked = sum(s.response_length - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
+        m["async/masked_token_frac"] = masked / max(1, len(tokens))
+    return m
+
+
+def start(run, resumed: str | None = None) -> Pipeline:
+    """The pipeline of `run` (cfg.async_steps > 0), with the batches a checkpoint at `resumed` holds."""
+    if run.world > 1:
+        raise ValueError("--async-steps with several ranks is not supported yet (one worker per rank, and "
+                         "the ranks' batches in lockstep, are not built)")
+    if run.cfg.engine != "hf":
+        raise ValueError(f"--async-steps runs an HF engine in the worker; --engine {run.cfg.engine} is not "
+                         "supported yet (pass --engine hf)")
+    restored, file = {}, os.path.join(resumed, FILE) if resumed else ""
+    if file and os.path.isfile(file):
+        saved = torch.load(file, weights_only=True)  # verified by the checkpoint's manifest
+        if saved["K"] == run.cfg.async_steps:
+            restored = {x["batch"]: {**x, "samples": [Sample(**s) for s in x["samples"]]} for x in saved["batches"]}
+        else:  # their staleness was another K's: sample them again from the checkpoint's version
+            run.logger.print(f"async: checkpoint saved with --async-steps {saved['K']}, now {run.cfg.async_steps}:"
+                             " its in-flight batches are dropped")
+    return Pipeline(run, restored)
+
+
+def check_config(cfg, need) -> None:
+    """The async group of Config.__post_init__: ranges, and no flag that does nothing or cannot work."""
+    on = cfg.async_steps > 0
+    need(cfg.async_steps >= 0, f"async_steps must be >= 0, got {cfg.async_steps}")
+    need(not cfg.partial_rollout or on, "partial_rollout needs async_steps >= 1")
+    need(not cfg.mask_offpolicy_in_partial_rollout or cfg.partial_rollout,
+         "mask_offpolicy_in_partial_rollout needs partial_rollout")
+    need(not cfg.rollout_device or on, "rollout_device needs async_steps >= 1")
+    if cfg.rollout_device:
+        try:
+            torch.device(cfg.rollout_device)
+        except RuntimeError:
+            need(False, f"rollout_device {cfg.rollout_device!r} is not a device (cpu, cuda, cuda:1, ...)")
+    if on:  # what generates inside the step, or needs the engine to be the trainer's own module
+        for ok, what in ((not cfg.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
+                         (cfg.advantage != "remax", "--advantage remax (its greedy baseline is sampled in the step)"),
+                         (not cfg.env, "--env (the multi-turn driver runs in the trainer)"),
+                         (not cfg.routing_replay, "--routing-replay (not built: the worker records no routing)"),
+                         (not cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
+                         (cfg.engine != "vllm", "--engine vllm (not built: the worker runs an HF engine)")):
+            need(ok, f"--async-steps with {what} is not supported")

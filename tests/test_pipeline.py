@@ -1,0 +1,232 @@
+"""Asynchronous RL (nanorl/pipeline.py, issue 20): K = 0 is the synchronous run bitwise; no sample
+older than K versions reaches the loss and each carries the version that really sampled it; a forced
+mid-generation update gives two-version samples with the right per-token versions, logprobs and
+masks; an async run resumes to the uninterrupted run; a worker's error surfaces in the trainer.
+(The learning test is in tests/test_learning.py.)   python -m pytest tests/test_pipeline.py -q
+"""
+import copy
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import train
+from nanorl import checkpoint, pipeline, update
+from nanorl.config import Config
+from nanorl.offpolicy import is_weights
+from nanorl.policy import response_logprobs
+from nanorl.trajectory import collate
+
+TINY = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8",
+        "--quiet", "--pass-k", "2", "--threads", "1", "--schedule", "constant"]
+TIMING = ("time/", "tokens_per_s", "async/trainer_wait_s", "async/engine_wait_s", "async/generate_s", "async/reward_s",
+          "async/reference_s")
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from nanorl.task import make_default
+    return make_default(str(tmp_path_factory.mktemp("task")), seed=0)
+
+
+def args(task, out, *extra):
+    return ["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
+            "--out-dir", str(out), *TINY, *extra]
+
+
+def step_lines(out) -> list[dict]:
+    """Every logged training step, without the wall-clock figures (they differ run to run)."""
+    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
+    return [{k: v for k, v in x.items() if not k.startswith(TIMING)} for x in lines if "loss" in x]
+
+
+def weights(out, step):
+    return checkpoint.load_file(os.path.join(out, "checkpoints", f"step_{step:06d}", "model.safetensors"))
+
+
+def setup_run(task, out, **kw):
+    return train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"], quiet=True,
+                              out_dir=str(out), eval_every=0, threads=1, prompts_per_step=4, samples_per_prompt=2,
+                              **kw))
+
+
+def logprobs_under(model, state, batch):
+    """Teacher-forced response logprobs [B, T] of `batch` under the weights `state`."""
+    scratch = copy.deepcopy(model)
+    scratch.load_state_dict(state)
+    with torch.no_grad():
+        return response_logprobs(scratch, batch, 1.0)[0]
+
+
+def test_k0_is_the_synchronous_run_bitwise(task, tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(pipeline, "start", lambda *a: started.append(a))  # K = 0 must never get here
+    train.main(args(task, tmp_path / "sync", "--steps", "3"))
+    train.main(args(task, tmp_path / "k0", "--steps", "3", "--async-steps", "0"))
+    a, b = step_lines(tmp_path / "sync"), step_lines(tmp_path / "k0")
+    assert len(a) == 3 and a == b and not any(k.startswith("async/") for x in a for k in x)
+    wa, wb = weights(tmp_path / "sync", 3), weights(tmp_path / "k0", 3)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa) and not started
+
+
+def test_staleness_bound_and_each_version_is_the_engines(task, tmp_path):
+    """Driven like train.py drives it, with weights perturbed at every step so that versions differ:
+    batch t comes from version max(0, t − K) exactly, and its rollout logprobs are that version's
+    teacher-forced logprobs (so the label is the engine's version at sampling time), not the next.
+    The worker's reference logprobs are, bit for bit, what the trainer's own recompute gives."""
+    K, steps = 2, 6
+    run = setup_run(task, tmp_path, steps=steps, async_steps=K, kl_coef=0.01)
+    pipe = pipeline.start(run)
+    versions = {0: {k: v.clone() for k, v in run.model.state_dict().items()}}
+    g = torch.Generator().manual_seed(0)
+    try:
+        for t in range(steps):
+            samples = pipe.take(t, run.loader.next_batch())
+            v = max(0, t - K)
+            assert {s.weight_version for s in samples} == {v}
+            assert pipe.metrics["async/staleness_max"] == pipe.metrics["async/staleness_mean"] == t - v
+            assert pipe.metrics["async/offpolicy_token_frac"] == (1.0 if t > v else 0.0)
+            batch = collate(samples, run.tokenizer.pad_token_id)
+            m = batch.response_mask > 0
+
+            def gap(u):  # the largest |Δ logprob| between the rollout and version u's weights
+                return float((logprobs_under(run.model, versions[u], batch) - batch.rollout_logprobs)[m].abs().max())
+            assert gap(v) < 1e-5
+            if v + 1 in versions:
+                assert gap(v + 1) > 1e-3
+            with torch.no_grad():
+                ref = update.score_batch(run, run.ref, batch, None)[0]
+            assert torch.equal(pipe.ref_logprobs(samples, batch), ref)
+            with torch.no_grad():  # "train": a new version that differs from the last
+                for p in run.model.parameters():
+                    p.add_(0.05 * torch.randn(p.shape, generator=g))
+            versions[t + 1] = {k: x.clone() for k, x in run.model.state_dict().items()}
+            run.step = t + 1
+            pipe.publish(run.model, t + 1)
+    finally:
+        pipe.close()
+        run.logger.close()
+
+
+def test_trainer_refuses_a_sample_older_than_k(task, tmp_path, monkeypatch):
+    """train.py end to end: the logged staleness is exactly min(step, K); a worker breaking the rule by
+    one version (planted: it samples batch b from b − K − 1) stops the run before that batch trains."""
+    train.main(args(task, tmp_path / "ok", "--steps", "4", "--async-steps", "2"))
+    assert [x["async/staleness_max"] for x in step_lines(tmp_path / "ok")] == [0, 1, 2, 2]
+    monkeypatch.setattr(pipeline, "sampled_from", lambda b, K, v0: max(v0, b - K - 1))  # the worker forks
+    with pytest.raises(RuntimeError, match="a sample of version 0 reached step 3"):
+        train.main(args(task, tmp_path / "bad", "--steps", "4", "--async-steps", "2"))
+    assert len(step_lines(tmp_path / "bad")) == 3  # steps 0-2 trained (within the bound), step 3 never did
+
+
+def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
+    """A new version is published right before decode step 2 of a batch: its samples longer than 2
+    tokens carry versions [0, 0, 1, ...]; the old tokens' logprobs are the old weights', the new
+    ones' the new weights' given the whole prefix (the cache was rebuilt, not reused); the mask flag
+    leaves exactly the old tokens of two-version samples out of the loss; and without it the TIS
+    ratio of the new tokens is 1 (they are on-policy for the new version), of the old ones not."""
+    run = setup_run(task, tmp_path, steps=4, async_steps=1, partial_rollout=True,
+                    mask_offpolicy_in_partial_rollout=True)
+    weights_ = pipeline.SharedWeights(run.model, 1, mp.get_context("fork"))
+    weights_.publish(run.model, 0)
+    stop = train.stop_tokens(run)
+    spec = pipeline.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
+                               pipeline.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
+    worker = pipeline.Worker(spec, weights_)
+    old = {k: v.clone() for k, v in run.model.state_dict().items()}
+    new_model = copy.deepcopy(run.model)
+    with torch.no_grad():
+        for p in new_model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    calls, pick_up = [], worker.pick_up_newer
+
+    def forced():  # called before decode steps 1, 2, 3: the trainer publishes version 1 before step 2
+        calls.append(1)
+        if len(calls) == 2:
+            weights_.publish(new_model, 1)
+        return pick_up()
+    worker.engine.between_steps = forced
+    try:
+        samples = worker.rollout(1, run.loader.next_batch())["samples"]  # batch 1 starts from version 0
+    finally:
+        run.logger.close()
+    lengths = [s.response_length for s in samples]
+    assert min(lengths) <= 2 < max(lengths)  # rows that ended before the update, and rows across it
+    for s in samples:
+        L = s.response_length
+        assert s.metadata["token_versions"] == [0] * min(L, 2) + [1] * (L - 2) and s.weight_version == 0
+        assert s.loss_mask == ([0, 0] + [1] * (L - 2) if L > 2 else [1] * L)
+    batch = collate(samples, run.tokenizer.pad_token_id)
+    real = batch.attention_mask[:, batch.prompt_width:] > 0  # [B, T] every sampled token
+    tv = torch.full(real.shape, -1)
+    for b, s in enumerate(samples):
+        tv[b, :s.response_length] = torch.tensor(s.metadata["token_versions"])
+    lp_old, lp_new = logprobs_under(run.model, old, batch), logprobs_under(run.model, new_model.state_dict(), batch)
+    assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < 1e-5
+    assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < 1e-5
+    assert (lp_old - batch.rollout_logprobs)[tv == 1].abs().max() > 1e-3  # the new part is really new
+    two = torch.tensor([len(set(s.metadata["token_versions"])) > 1 for s in samples])[:, None]  # [B, 1]
+    assert torch.equal(batch.response_mask > 0, real & ~(two & (tv == 0)))  # what the loss reads
+    _, _, rho = is_weights(lp_new, batch.rollout_logprobs, real.float(), tis=(0.0, 2.0))
+    assert (rho[tv == 1] - 1).abs().max() < 1e-5 and (rho[tv == 0] - 1).abs().max() > 1e-3
+    m = pipeline.staleness_metrics(samples, 1)
+    assert 0 < m["async/partial_frac"] < 1 and m["async/masked_token_frac"] > 0
+
+
+def test_partial_rollout_run_keeps_the_bound(task, tmp_path):
+    train.main(args(task, tmp_path, "--steps", "3", "--async-steps", "1", "--partial-rollout",
+                    "--rollout-device", "cpu"))
+    lines = step_lines(tmp_path)
+    assert len(lines) == 3 and all(x["async/staleness_max"] <= 1 and "async/partial_frac" in x for x in lines)
+
+
+def test_spawned_worker_is_the_forked_one(task, tmp_path, monkeypatch):
+    """The start method CUDA needs (spawn: a fresh interpreter, everything pickled to it) samples the
+    same batches as the fork used on CPU: the same run, metric for metric. (Not bit for bit: the
+    spawned worker does not inherit this test session's torch-only entropy path, tests/conftest.py,
+    so its reference logprobs differ in the last bits.)"""
+    train.main(args(task, tmp_path / "fork", "--steps", "2", "--async-steps", "1"))
+    monkeypatch.setattr(pipeline, "start_method", lambda device: "spawn")
+    train.main(args(task, tmp_path / "spawn", "--steps", "2", "--async-steps", "1"))
+    forked, spawned = step_lines(tmp_path / "fork"), step_lines(tmp_path / "spawn")
+    assert len(forked) == 2 and [x["reward_mean"] for x in forked] == [x["reward_mean"] for x in spawned]
+    assert forked == [pytest.approx(x, rel=1e-5, abs=1e-9) for x in spawned]
+
+
+def test_async_resume_is_the_uninterrupted_run(task, tmp_path):
+    """K = 1: 4 steps, and the same run resumed from its step-2 checkpoint, log the same steps 3-4
+    and end on the same weights. Batch 2 (version 1, which the checkpoint does not hold) comes from
+    pipeline.pt; batch 3 is sampled again from version 2 with its seed."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("--steps", "4", "--async-steps", "1", "--save-every", "2", "--keep-checkpoints", "3")
+    train.main(args(task, a, *extra))
+    ck = os.path.join(a, "checkpoints", "step_000002")
+    assert pipeline.FILE in checkpoint.verify(ck)["files"]
+    train.main(args(task, b, *extra, "--resume", ck))
+    la, lb = step_lines(a), step_lines(b)
+    assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
+    wa, wb = weights(a, 4), weights(b, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_worker_error_is_raised_in_the_trainer(task, tmp_path, monkeypatch):
+    def broken(self, b, prompts):
+        raise ValueError("planted failure in the worker")
+    monkeypatch.setattr(pipeline.Worker, "rollout", broken)  # inherited by the forked worker
+    with pytest.raises(RuntimeError, match="rollout worker failed(.|\n)*planted failure"):
+        train.main(args(task, tmp_path, "--steps", "2", "--async-steps", "1"))
+
+
+def test_config_rejects_what_async_cannot_do():
+    for kw, msg in ((dict(partial_rollout=True), "partial_rollout needs async_steps"),
+                    (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
+                    (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
+                    (dict(async_steps=1, rollout_device="tpu0"), "is not a device"),
+                    (dict(async_steps=1, filter_groups=True), "filter-groups"),
+                    (dict(async_steps=1, engine="vllm"), "engine vllm"),
+                    (dict(async_steps=-1), "async_steps must be >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            Config(**kw)
