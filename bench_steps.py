@@ -213,17 +213,19 @@ class StepEntries:
 
     def async_steps(self):
         """Synchronous vs --async-steps 1 and 2 (and 1 with TIS, which adds the π_old recompute to the
-        trainer's side) on the default task, one after the other in this process (with --threads 1:
+        trainer's side; and both at half the lr, where one step of staleness costs no accuracy) on the
+        default task (train.py --algo grpo), one after the other in this process (with --threads 1:
         one torch thread for the trainer, one for the rollout worker): steps/s over the steps after the
         first (the worker's start-up), the training seconds (evaluations excluded) until the held-out
         greedy accuracy first reaches 90% (evaluated every 25 steps; the run stops there), and where a
         step's time goes. Quick: 3 steps, no accuracy target."""
         steps, every, target = self.pick(800, 3), self.pick(25, 0), 0.9
-        case = f"default task, ≤{steps} steps, {self.threads or 'default'} thread(s) per side"
         modes = {"sync": {}, "async K=1": dict(async_steps=1), "async K=2": dict(async_steps=2),
-                 "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0)}
+                 "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0),  # staleness costs at lr 3e-4: a pair
+                 "sync, lr 1.5e-4": dict(lr=1.5e-4), "async K=1, lr 1.5e-4": dict(async_steps=1, lr=1.5e-4)}
         for name, flags in modes.items():
-            K = flags.get("async_steps", 0)
+            K, lr = flags.get("async_steps", 0), flags.get("lr", Config.lr)  # each lr: its own sync baseline
+            case = f"default task, lr {lr:g}, ≤{steps} steps, {self.threads or 'default'} thread(s) per side"
             run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)  # what `train.py --algo grpo` runs
             run.pipeline = pipeline.start(run) if K else None
             took, per, accs, reached = [], [], [], None

@@ -212,6 +212,15 @@ def test_async_resume_is_the_uninterrupted_run(task, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_async_resume_of_a_synchronous_checkpoint_samples_from_its_weights(task, tmp_path):
+    """A checkpoint without in-flight batches (saved by a synchronous run): the first K resumed
+    batches come from the checkpoint's own version, the oldest there is, never from an older slot."""
+    train.main(args(task, tmp_path / "sync", "--steps", "2"))
+    ck = os.path.join(tmp_path / "sync", "checkpoints", "step_000002")
+    train.main(args(task, tmp_path / "async", "--steps", "5", "--async-steps", "2", "--resume", ck))
+    assert [x["async/staleness_max"] for x in step_lines(tmp_path / "async")] == [0, 1, 2]
+
+
 def test_worker_error_is_raised_in_the_trainer(task, tmp_path, monkeypatch):
     def broken(self, b, prompts):
         raise ValueError("planted failure in the worker")
