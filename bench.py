@@ -153,7 +153,7 @@ class Bench(StepEntries):
     notes: list = dataclasses.field(default_factory=list)
     ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",            # components
                "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",  # steps: bench_steps.py
-               "eval_sharded", "padding", "ksm", "routing_replay", "async_steps")
+               "eval_sharded", "padding", "ksm", "routing_replay", "async_steps", "default", "default_threads")
 
     def pick(self, full, quick):
         return quick if self.quick else full
@@ -297,7 +297,7 @@ class Bench(StepEntries):
         for on in (False, True):
             for phase in ("generate", "train", "step"):
                 self.add("ksm", f"default task, top_p=0.9 top_k=20: {phase}", "KSM on" if on else "off",
-                         dict(median=steps[on][f"time/{phase}"]), baseline=not on)
+                         dict(median=steps[on][f"perf/time/{phase}"]), baseline=not on)
         for layout, name in (("dense", "dense [R, K] int32"), ("csr", "kept ids only (csr)")):
             bpt = support_bytes_per_token(b.sampling_support, b.response_mask, layout)
             self.add("ksm", "support storage", name, note=f"{bpt:.1f} B/token")

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from nanorl import batching, distributed, precision
-from nanorl.config import PRESETS, Config
+from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import load_model, response_logprobs
 from nanorl.rollout import SamplingConfig
@@ -72,14 +72,14 @@ class StepEntries:
                 for k, ms in per.items()}
 
     def grpo_step(self):
-        """One full GRPO step on the default model and task, time split by phase (train.rl_step's time/*)."""
+        """One full GRPO step on the default model and task, time split by phase (train.rl_step's perf/time/*)."""
         run = self.default_run()
         m, c = self.timed_steps({0: run})[0], run.cfg
         case = f"{c.prompts_per_step}×{c.samples_per_prompt} samples, ≤{c.max_new_tokens} tokens, {c.engine} engine"
         for phase in ("generate", "reward", "logprob", "advantage", "train", "sync"):
-            t = m.get(f"time/{phase}", 0.0)
-            self.add("grpo_step", case, phase, dict(median=t), note=f"{100 * t / m['time/step']:.0f}% of step")
-        self.add("grpo_step", case, "whole step", dict(median=m["time/step"]), note=f"{m['tokens_per_s']:.0f} tok/s")
+            t = m.get(f"perf/time/{phase}", 0.0)
+            self.add("grpo_step", case, phase, dict(median=t), note=f"{100 * t / m['perf/time/step']:.0f}% of step")
+        self.add("grpo_step", case, "whole step", dict(median=m["perf/time/step"]), note=f"{m['perf/tokens_per_s']:.0f} tok/s")
 
     def rollout(self):
         """Rollout tokens/s per engine, same prompts and lengths (no stop token: every row full length)."""
@@ -181,7 +181,7 @@ class StepEntries:
                           "streaming saves the state dict's copies only where tensors are gathered or converted")
 
     def eval_sharded(self):
-        """Evaluation wall time (train.py's `time/eval` at step 0, the slowest rank's) on 1 rank and on 2
+        """Evaluation wall time (train.py's `perf/time/eval` at step 0, the slowest rank's) on 1 rank and on 2
         ranks over gloo, each rank one thread: the same held-out prompts, greedy + pass@k, and the same
         greedy accuracy (nanorl/evaluation.py shards every eval set over the ranks). Full size: the
         2-layer real-shape model on GSM8K-format prompts (compute-bound, as real evals are); quick: the
@@ -207,7 +207,7 @@ class StepEntries:
                 got[ranks] = json.loads(f.readline())  # step 0: the evaluation before training
         case = f"{what}, greedy + pass@{Config.pass_k}, 1 thread per rank"
         for ranks, m in got.items():
-            self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}", dict(median=m["time/eval"]),
+            self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}", dict(median=m["perf/time/eval"]),
                      baseline=ranks == 1, note=f"accuracy {m['eval/accuracy']:.3f}")
         self.check(got[1]["eval/accuracy"] == got[2]["eval/accuracy"], "eval_sharded: 2-rank greedy accuracy == 1-rank")
 
@@ -245,14 +245,85 @@ class StepEntries:
                 run.logger.close()
             warm, ms = took[1:] or took, per[1:] or per
             phase = lambda k: 1e3 * statistics.median(m.get(k, 0.0) for m in ms)  # noqa: E731  ms per step
-            where = (f"train {phase('time/train'):.0f} ms, logprob+advantage "
-                     f"{phase('time/logprob') + phase('time/advantage'):.0f} ms, "
-                     + (f"waits {phase('time/generate'):.0f} ms for data; worker: generate "
-                        f"{phase('async/generate_s'):.0f} ms, waits {phase('async/engine_wait_s'):.0f} ms for weights"
-                        if K else f"generate {phase('time/generate'):.0f} ms, reward {phase('time/reward'):.0f} ms"))
+            where = (f"train {phase('perf/time/train'):.0f} ms, logprob+advantage "
+                     f"{phase('perf/time/logprob') + phase('perf/time/advantage'):.0f} ms, "
+                     + (f"waits {phase('perf/time/generate'):.0f} ms for data; worker: generate "
+                        f"{phase('perf/async/generate_s'):.0f} ms, waits {phase('perf/async/engine_wait_s'):.0f} ms for weights"
+                        if K else f"generate {phase('perf/time/generate'):.0f} ms, reward {phase('perf/time/reward'):.0f} ms"))
             self.add("async_steps", case, name, dict(median=statistics.median(warm)),
                      baseline=K == 0, steps_per_s=len(warm) / sum(warm), steps_run=run.step,
                      step_to_90=reached[0] if reached else None, seconds_to_90=reached[1] if reached else None,
                      best_accuracy=max(accs, default=None),
                      note=f"{len(warm) / sum(warm):.2f} steps/s; " + (f"90% at step {reached[0]}, {reached[1]:.0f} s; "
                           if reached else f"90% not reached (best {max(accs):.3f}); " if accs else "") + where)
+
+    def default(self):
+        """`python train.py --algo grpo` as a user runs it (parse_args, train.setup, train.rl_step — the
+        same loop), seeds 0-4: held-out greedy accuracy after 30/60/90/120 s of training and at the end
+        (evaluation time excluded; evaluated every 25 steps and at each mark), the training seconds
+        until 90% and 95%, and the median step split by phase. Quick: one seed, 3 steps."""
+        seeds, steps = self.pick(range(5), range(1)), self.pick(None, 3)
+        marks, every = (30, 60, 90, 120), self.pick(25, 0)
+        for seed in seeds:
+            argv = ["--algo", "grpo", "--seed", str(seed), "--quiet", "--eval-every", "0",
+                    "--out-dir", os.path.join(self.workdir, "default")]  # one task dir: built once
+            argv += ["--threads", str(self.threads)] * bool(self.threads) + ["--steps", str(steps)] * bool(steps)
+            run = setup(parse_args(argv))  # builds the built-in task in out_dir/task, as train.py does
+            accs, reach, per, trained, due = {}, {}, [], 0.0, list(marks)
+            before = evaluate(run)["eval/accuracy"]
+            try:
+                while run.step < run.cfg.steps:
+                    t = time.perf_counter()
+                    per.append(rl_step(run))
+                    run.step += 1
+                    trained += time.perf_counter() - t
+                    passed = [m for m in due if trained >= m]
+                    if passed or (every and run.step % every == 0) or run.step == run.cfg.steps:
+                        acc = evaluate(run)["eval/accuracy"]
+                        for m in passed:
+                            accs[m], due = acc, [d for d in due if d != m]
+                        for goal in (0.90, 0.95):
+                            if acc >= goal and goal not in reach:
+                                reach[goal] = (run.step, trained)
+            finally:
+                run.rewards.close()
+                run.logger.close()
+            phase = {k[len("perf/time/"):]: 1e3 * statistics.median(m.get(k, 0.0) for m in per)
+                     for k in per[0] if k.startswith("perf/time/")}  # ms per step
+            at = lambda g: f"{reach[g][1]:.0f} s (step {reach[g][0]})" if g in reach else "not reached"  # noqa: E731
+            self.add("default", f"train.py --algo grpo, {self.threads or 'auto'} thread(s), {run.step} steps",
+                     f"seed {seed}", dict(median=phase["step"] / 1e3), baseline=seed == 0, accuracy_before=before,
+                     accuracy_at_s={m: accs.get(m) for m in marks}, accuracy_end=acc, train_s=trained,
+                     s_to_90=reach.get(0.90, (None, None))[1], s_to_95=reach.get(0.95, (None, None))[1],
+                     phase_ms=phase,
+                     note=(f"{100 * before:.1f}% → " + " ".join(f"{m}s {100 * accs[m]:.1f}%" for m in marks if m in accs)
+                           + f" end {100 * acc:.1f}% ({trained:.0f} s); 90% at {at(0.90)}, 95% at {at(0.95)}; step "
+                           + ", ".join(f"{k} {v:.0f}" for k, v in phase.items()) + " ms"))
+
+    def default_threads(self):
+        """The built-in run's median step at 1 thread vs 2, on the machine as it is and with one core kept
+        busy by another process (a Python spin loop, as a second run or a pip install would): why the
+        built-in task defaults to 1 thread (Config.threads). 15 steps each after one warm-up."""
+        n, burn, restore = self.pick(15, 2), [sys.executable, "-c", "while True: pass"], torch.get_num_threads()
+        for busy in (False, True):
+            spinner = subprocess.Popen(burn) if busy else None
+            try:
+                for threads in (1, 2):
+                    run = setup(parse_args(["--algo", "grpo", "--quiet", "--threads", str(threads),
+                                            "--out-dir", os.path.join(self.workdir, "default")]))
+                    took = []
+                    for _ in range(n + 1):
+                        t = time.perf_counter()
+                        rl_step(run)
+                        run.step += 1
+                        took.append(time.perf_counter() - t)
+                    run.rewards.close()
+                    run.logger.close()
+                    self.add("default_threads", "one core busy" if busy else "machine as it is", f"{threads} thread(s)",
+                             dict(median=statistics.median(took[1:]), max=max(took[1:])), baseline=threads == 1,
+                             note=f"median {1e3 * statistics.median(took[1:]):.0f} ms, worst {1e3 * max(took[1:]):.0f} ms")
+            finally:
+                if spinner is not None:
+                    spinner.kill()
+                    spinner.wait()
+        torch.set_num_threads(restore)

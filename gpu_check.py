@@ -296,12 +296,12 @@ def run_rehearsal(c: Check, section: str, engine: str):
     t = time.perf_counter()
     out = train.main(argv)
     took, last = time.perf_counter() - t, out["last"]
-    ok = out["step"] == 2 and "time/step" in last and all(math.isfinite(v) for v in last.values()
+    ok = out["step"] == 2 and "perf/time/step" in last and all(math.isfinite(v) for v in last.values()
                                                           if isinstance(v, float))
     what = f"train.py README GPU flags, --engine {engine}, {c.sizes.rehearsal_layers}-layer real shape"
     c.row(section, what,
-          "pass" if ok else "FAIL", f"{out['step']} steps, last step {fmt_s(last.get('time/step', float('nan')))},"
-          f" whole run {fmt_s(took)}", ok=ok, step_s=last.get("time/step"), argv=argv)
+          "pass" if ok else "FAIL", f"{out['step']} steps, last step {fmt_s(last.get('perf/time/step', float('nan')))},"
+          f" whole run {fmt_s(took)}", ok=ok, step_s=last.get("perf/time/step"), argv=argv)
     if not ok:
         c.failed.append(f"{section}: the run did not finish 2 finite steps")
 

@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from nanorl import checkpoint, dapo, distributed, moe_replay, pipeline, precision
+from nanorl import checkpoint, dapo, distributed, dump, moe_replay, pipeline, precision
 from nanorl.evaluation import evaluate, load_eval_sets
 from nanorl.advantage import compute_advantages, estimator_inputs, masked_whiten
 from nanorl.config import Config, parse_args
@@ -49,15 +49,18 @@ from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.env import episode_metrics, turn_reward_tensor
 from nanorl.kl import AdaptiveKLController, FixedKLController, kl_estimator, kl_penalized_rewards, masked_mean
 from nanorl.losses import COV_LOSSES
-from nanorl.offpolicy import is_metrics, is_weights
+from nanorl.metrics import memory_metrics, namespaced, reward_metrics
+from nanorl.offpolicy import is_metrics, is_weights, mismatch_metrics
 from nanorl.logger import Logger, PhaseTimer
+from nanorl.plugins import Hooks, plugin_task
 from nanorl.policy import ValueModel, frozen_copy, load_model
-from nanorl.rewards import RewardRunner, correct, load_reward_fn, score_samples
+from nanorl.rewards import RewardRunner, load_reward_fn, score_samples
 from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
 from nanorl.task import make_default
 from nanorl.tool_envs import episode_runner, make_calc_task
 from nanorl.trajectory import collate
-from nanorl.update import forward, routing_forward, score_batch, train_on, zero_weight_samples
+from nanorl.update import (forward, old_policy_view, routing_forward, score_batch, score_rows, train_on, trains,
+                           zero_weight_samples)
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -81,6 +84,7 @@ class Run:
     trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
     scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
     episodes: object | None = None  # --env: the multi-turn driver over `engine` (nanorl/env.py)
+    hooks: Hooks | None = None  # user plug-ins: reward post-processing, metadata metrics (nanorl/plugins.py)
     pipeline: object | None = None  # --async-steps: the trainer's end of the rollout worker (nanorl/pipeline.py)
     rank: int = 0
     world: int = 1
@@ -96,11 +100,12 @@ def seed_everything(seed: int) -> None:
 
 def setup(cfg: Config) -> Run:
     rank, world, device = distributed.init()  # `accelerate launch` / `torchrun` env, or one process
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if cfg.threads or not cfg.model:  # the built-in task: 1 thread unless told (Config.threads)
+        torch.set_num_threads(cfg.threads or 1)
     seed_everything(cfg.seed + rank)
     if not cfg.model or not cfg.train_data:  # the built-in task: files and model made in code
-        make = make_calc_task if cfg.env == "calc" else make_default  # --env calc: its tool-using variant
+        make = plugin_task(cfg.plugin) or (make_calc_task if cfg.env == "calc" else make_default)  # --plugin's
+        # make_task, else --env calc's tool-using variant, else the built-in task
         default = make(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
         if world > 1:
             box = [default]
@@ -171,6 +176,7 @@ def setup(cfg: Config) -> Run:
                         "prompts_skipped_too_long": skipped["too_long"]})
     if cfg.env:  # multi-turn episodes: the environment answers between turns and scores the episode
         run.episodes = episode_runner(cfg, engine, tokenizer, fmt, log=logger.print)
+    run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     engine.update_weights(model, version=0)
     return run
 
@@ -230,6 +236,7 @@ def rl_step(run: Run) -> dict:
     with timer("reward"):
         for s, r in zip(samples, score(run, prompts, samples)):
             s.reward = r
+        run.hooks.postprocess(samples)  # --reward-postprocess: the whole step's groups (here with --async-steps too)
     metrics.update(reward_metrics(samples))
     if run.pipeline is not None:  # staleness and who waited for whom (nanorl/pipeline.py)
         metrics.update(run.pipeline.metrics)
@@ -245,8 +252,10 @@ def rl_step(run: Run) -> dict:
     if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
         metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
             samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-    if not enough_to_train(run, len(samples)):  # DAPO's filter left no rank a sample: no update
-        return {**metrics, **{f"time/{k}": v for k, v in timer.seconds.items()}}
+    if cfg.debug_rollout_only or not enough_to_train(run, len(samples)):  # only checking rollouts, or
+        dump.rollouts(run, samples)                                   # DAPO's filter left no rank a sample
+        return run.hooks.with_metadata(namespaced({**metrics, **{f"time/{k}": v for k, v in timer.seconds.items()}}),
+                                       samples)  # no update
     if not samples:  # none left here, some elsewhere: join the step with rows that weigh nothing
         samples = zero_weight_samples(run.tokenizer.pad_token_id, cfg.samples_per_prompt)
     if cfg.sleep_level and hasattr(run.engine, "sleep"):  # vLLM: free its GPU memory until the sync
@@ -273,10 +282,11 @@ def rl_step(run: Run) -> dict:
         elif cfg.old_logprobs == "rollout":
             batch.token_data["old_logprobs"] = batch.rollout_logprobs
         recompute = need_old and "old_logprobs" not in batch.token_data
-        if recompute or run.critic is not None or need_sq or need_ent:  # through `trained`: FSDP gathers
+        if recompute or run.critic is not None or need_sq or need_ent or dump.due(run):  # FSDP gathers
             old, values, ent, sum_sq = score_batch(run, run.trained, batch, support, sum_sq=need_sq)  # weights
-            if recompute:                                                   # in its forward; micro-batched
-                batch.token_data["old_logprobs"] = old                      # as training
+            if recompute:                                       # in its forward (through `trained`);
+                batch.token_data["old_logprobs"] = old          # micro-batched as training
+            batch.token_data.update(trainer_logprobs=old, trainer_entropy=ent)  # π before the update (dumps)
             if values is not None:
                 batch.token_data["old_values"] = values
             if need_ent:
@@ -285,7 +295,7 @@ def rl_step(run: Run) -> dict:
                 batch.token_data["sum_sq_probs"] = sum_sq
         if run.pipeline is not None and run.ref is not None:  # --async-steps: the worker scored them
             batch.token_data["ref_logprobs"] = run.pipeline.ref_logprobs(samples, batch)
-        elif run.ref is not None:
+        elif run.ref is not None and (cfg.kl_in_reward or not cfg.skip_zero_advantage):
             batch.token_data["ref_logprobs"] = score_batch(run, run.ref, batch, support)[0]
     # 4. advantage (and the off-policy weights of the step, which OTB may read)
     with timer("advantage"):
@@ -300,15 +310,21 @@ def rl_step(run: Run) -> dict:
         if cfg.kl_in_reward:  # KL as a per-token penalty in the reward (InstructGPT, REINFORCE++)
             kl = kl_estimator(td["old_logprobs"], td["ref_logprobs"], cfg.kl_estimator, mask=mask)  # [B, T]
             metrics["kl_ref"] = float(masked_mean(kl, mask))  # logged, and what --kl-target steers by
-        adv, ret = compute_advantages(cfg.advantage, **advantage_inputs(run, batch, kl, baselines))
+        adv, ret = compute_advantages(cfg.advantage_fn, **advantage_inputs(run, batch, kl, baselines))
         if cfg.advantage in ("gae", "gae_chunked") and cfg.whiten_advantages:  # PPO whitens GAE advantages
             adv = masked_whiten(adv, mask)                                     # (as verl and OpenRLHF do)
         td.update(advantages=adv, returns=ret)
         if cfg.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
             batch.response_mask = dapo.truncated_loss_mask(batch.response_mask, batch.truncated)
+    if run.ref is not None and "ref_logprobs" not in td:  # KL as a loss: only rows that train need it
+        with timer("logprob"), torch.no_grad():
+            td["ref_logprobs"] = score_rows(run, run.ref, batch, support, trains(batch))  # [B, T]
     # 5-7. loss, backward, optimizer step — ppo_epochs passes, mini_batches optimizer steps each
     with timer("train"):
         metrics.update(train_on(run, batch))
+    trainer_logp, _, scored = old_policy_view(batch)  # [B, T] the trainer's π_old, and where it scored
+    metrics.update(mismatch_metrics(trainer_logp, batch.rollout_logprobs, mask * scored))  # π_old/π_rollout
+    dump.rollouts(run, samples, batch)  # every --dump-rollouts steps (nanorl/dump.py)
     precision.free_cached_memory(device)  # training's activations go back before the engine wakes
     # 8. weight sync: the engine samples the next batch from the new weights
     with timer("sync"):
@@ -334,7 +350,8 @@ def rl_step(run: Run) -> dict:
     metrics["tokens_per_s"] = float(mask.sum()) * run.world / max(step_time, 1e-9)
     metrics["kl_beta"] = run.kl_ctl.beta
     metrics["advantage_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
-    return metrics
+    metrics = namespaced({**metrics, **memory_metrics(device)})  # rollout/, train/, perf/ (nanorl/metrics.py)
+    return run.hooks.with_metadata(metrics, samples)  # --log-metadata fields, under their own names
 
 
 def enough_to_train(run: Run, n: int) -> bool:
@@ -362,6 +379,7 @@ def refill_groups(run: Run, prompts, samples, sampling, timer, metrics) -> list:
         with timer("reward"):
             for s, r in zip(new, score(run, more, new)):
                 s.reward = r
+            run.hooks.postprocess(new)  # before the filter reads the rewards, as in the step
         return new
 
     def any_short(short: bool) -> bool:  # all ranks draw the same rounds
@@ -395,11 +413,12 @@ def advantage_inputs(run: Run, batch, kl, baselines) -> dict:
     flag asks for (KL in the reward, no whitening, GDPO weights, ReMax baselines) is passed as such, so an
     estimator that cannot use it raises (nanorl/advantage.py compute_advantages)."""
     cfg, td, mask = run.cfg, batch.token_data, batch.response_mask
-    uses = estimator_inputs(cfg.advantage)
+    uses = estimator_inputs(cfg.advantage_fn)  # a registry name or a user function (nanorl/plugins.py)
     comps = torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None
     have = dict(mask=mask, index=batch.group_ids, values=td.get("old_values"), components=comps,
                 old_logprobs=td.get("old_logprobs"), sum_sq_probs=td.get("sum_sq_probs"),
-                rollout_is_weights=td.get("is_weights"), gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k)
+                rollout_is_weights=td.get("is_weights"), gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k,
+                metadata=batch.metadata)  # per-row Sample.metadata: for a user estimator
     inputs = {k: v for k, v in have.items() if k in uses and v is not None}
     if "turn_rewards" in td and "token_rewards" in uses:  # an environment rewarded turns (nanorl/env.py): each
         kl_part = 0 if kl is None else kl_penalized_rewards(torch.zeros_like(batch.rewards), kl, mask, run.kl_ctl.beta)
@@ -417,19 +436,6 @@ def advantage_inputs(run: Run, batch, kl, baselines) -> dict:
     if baselines is not None:
         inputs["baselines"] = baselines.to(mask.device)
     return inputs
-
-
-def reward_metrics(samples) -> dict:
-    r = torch.tensor([s.total_reward for s in samples])
-    lengths = torch.tensor([s.response_length for s in samples], dtype=torch.float)
-    m = {"reward_mean": r.mean(), "reward_std": r.std() if len(r) > 1 else torch.tensor(0.0),
-         "accuracy": torch.tensor([correct(s.reward) >= 1.0 for s in samples]).float().mean(),
-         "response_length_mean": lengths.mean(), "response_length_max": lengths.max(),
-         "truncated_frac": torch.tensor([s.status == "truncated" for s in samples]).float().mean()}
-    if isinstance(samples[0].reward, dict):
-        for k in samples[0].reward:
-            m[f"reward/{k}"] = torch.tensor([s.reward.get(k, 0.0) for s in samples]).mean()
-    return {k: float(v) for k, v in m.items()}
 
 
 # ----------------------------------------------------------------------------- main

@@ -37,7 +37,8 @@ Choices (where verl and slime differ; each is tested in tests/test_advantage.py)
 - Outcome estimators take `scores` [B] or `token_rewards` [B, T], never both; with token rewards the
   score is Σ_t token_rewards (verl's convention), so a KL penalty in the reward reaches every one.
   An estimator reads only its keyword inputs: one it cannot use is a TypeError (direct call) or a
-  ValueError (compute_advantages), never silently ignored.
+  ValueError (compute_advantages), never silently ignored. A user function (--advantage file.py:fn)
+  gets the same inputs by name, plus `metadata` (PLUGIN_INPUTS); its output is checked like an input.
 - Masks with holes (multi-turn tool output) are *skipped*: recursions run over valid tokens, a valid
   token's "next" is the next valid one, as in verl 0.9.1's GAE and REINFORCE++ and OpenRLHF.
 - Group of one: advantage 0 (no peer, no information). verl uses mean 0 / std 1 (the raw score, an
@@ -465,23 +466,47 @@ ADVANTAGE_ESTIMATORS = {
 }
 
 
+# What the trainer can feed an estimator (train.py advantage_inputs), by name; a user estimator
+# (--advantage file.py:fn, nanorl/plugins.py) may ask for any of these, and for `metadata`: the
+# batch's per-sample Sample.metadata dicts, one per row (nanorl/trajectory.py collate).
+PLUGIN_INPUTS = frozenset({"mask", "index", "scores", "token_rewards", "values", "components", "old_logprobs",
+                           "sum_sq_probs", "rollout_is_weights", "gamma", "lam", "pass_k", "kl_penalty", "whiten",
+                           "component_weights", "baselines", "metadata"})
+
+
 def estimator_inputs(name):
-    """The keyword inputs estimator `name` can use (a frozenset of names)."""
-    return frozenset(inspect.signature(ADVANTAGE_ESTIMATORS[name]).parameters)
+    """The keyword inputs estimator `name` (a registry name, or a user function) can use."""
+    fn = name if callable(name) else ADVANTAGE_ESTIMATORS[name]
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):  # fn(**inputs): everything there is
+        return PLUGIN_INPUTS
+    return frozenset(params)
 
 
 def compute_advantages(name, **inputs):
     """Run estimator `name` on keyword inputs → (advantages [B, T], returns [B, T]).
 
+    `name` is a key of ADVANTAGE_ESTIMATORS or a user function with the same keyword interface (its
+    output is checked: two [B, T] tensors like mask, finite on valid tokens, zeroed elsewhere).
     An input set to None counts as not given; any other input the estimator cannot use raises."""
-    if name not in ADVANTAGE_ESTIMATORS:
+    if not callable(name) and name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {sorted(ADVANTAGE_ESTIMATORS)}")
+    label = getattr(name, "__name__", name)
     given = {k: v for k, v in inputs.items() if v is not None}
     unusable = sorted(set(given) - estimator_inputs(name))
     if unusable:
-        raise ValueError(f"advantage estimator {name!r} cannot use {', '.join(unusable)}; it takes "
+        raise ValueError(f"advantage estimator {label!r} cannot use {', '.join(unusable)}; it takes "
                          f"{', '.join(sorted(estimator_inputs(name)))}")
-    return ADVANTAGE_ESTIMATORS[name](**given)
+    if not callable(name):
+        return ADVANTAGE_ESTIMATORS[name](**given)
+    out = name(**given)
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
+        raise TypeError(f"advantage estimator {label!r} must return (advantages [B, T], returns [B, T]), "
+                        f"got {type(out).__name__}")
+    if "mask" not in given:
+        raise ValueError(f"advantage estimator {label!r} must take `mask` [B, T] (its output is checked against it)")
+    m = given["mask"] > 0                                              # [B, T]
+    return tuple(_check_tokens(f"{label} {what}", x, m) for what, x in zip(("advantages", "returns"), out))
 
 
 if __name__ == "__main__":

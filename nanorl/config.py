@@ -1,4 +1,4 @@
-"""Configuration: one dataclass, a docstring per field, and `--algo` presets.
+"""Configuration: one dataclass, a docstring per field (the `--algo` presets: nanorl/presets.py).
 
 Every flag of train.py is a field of `Config` (`--max-new-tokens 8` sets `max_new_tokens`). An
 `--algo` preset is a named set of field values (which estimator, which policy loss, where KL goes);
@@ -15,56 +15,7 @@ import inspect
 import json
 from dataclasses import dataclass, fields
 
-# name -> (one line for --help, field overrides). The defaults of Config are GRPO's.
-PRESETS: dict[str, tuple[str, dict]] = {
-    "grpo": ("group-normalised advantages, PPO clip, K3 KL as a loss (DeepSeekMath)",
-             dict(advantage="grpo", kl_coef=0.001, kl_estimator="k3", loss_agg="seq-mean-token-mean")),
-    "dr_grpo": ("GRPO without std division or length bias (Dr. GRPO, Liu et al. 2025)",
-                dict(advantage="dr_grpo", loss_agg="seq-mean-token-sum-norm")),
-    "dapo": ("clip-higher 0.2/0.28, token-mean, dynamic sampling, overlong filter + soft punishment (DAPO)",
-             dict(advantage="grpo", clip_high=0.28, loss_agg="token-mean", filter_groups=True, max_gen_batches=10,
-                  drop_truncated=True, overlong_buffer=0.2, overlong_penalty=1.0)),
-    "rloo": ("leave-one-out baseline (Ahmadian et al. 2024)", dict(advantage="rloo")),
-    "reinforce_pp": ("REINFORCE++: KL in the reward, batch-whitened returns (Hu 2025)",
-                     dict(advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True, kl_estimator="k1")),
-    "reinforce_pp_baseline": ("REINFORCE++ with a group-mean baseline, K3 KL as a loss",
-                              dict(advantage="reinforce_pp_baseline", kl_coef=0.001, kl_estimator="k3")),
-    "ppo": ("critic + GAE + clipped value loss (Schulman et al. 2017)",
-            dict(advantage="gae", lam=0.95, vf_coef=0.5, loss_agg="token-mean")),
-    "gspo": ("sequence-level ratio and clip (GSPO, Zheng et al. 2025)",
-             dict(policy_loss="gspo", clip_low=3e-4, clip_high=4e-4, loss_agg="seq-mean-token-mean")),
-    "cispo": ("clipped, stop-gradient IS weight times logprob (MiniMax-M1 2025)",
-              dict(policy_loss="cispo", clip_low=1.0, clip_high=4.0, loss_agg="token-mean")),
-    "gmpo": ("geometric mean of token ratios per sequence (GMPO, Zhao et al. 2025)",
-             dict(policy_loss="gmpo", clip_low=0.4, clip_high=0.4, loss_agg="seq-mean-token-mean")),
-    "opo": ("length-weighted group baseline (OPO, Hao et al. 2025)", dict(advantage="opo")),
-    "otb": ("optimal token baseline, variance-weighted per timestep", dict(advantage="otb")),
-    "remax": ("greedy-response reward as the baseline (ReMax, Li et al. 2023)", dict(advantage="remax")),
-    "sapo": ("soft gate σ(τ(r−1))·4/τ instead of a clip, seq-mean-token-mean (SAPO, Gao et al. 2025)",
-             dict(policy_loss="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05, loss_agg="seq-mean-token-mean")),
-    "gpg": ("REINFORCE loss, group-mean advantage rescaled for zero-variance groups (GPG, Chu et al. 2025)",
-            dict(advantage="gpg", policy_loss="gpg", loss_agg="token-mean")),
-    "kl_cov": ("KL penalty on the highest-covariance tokens (KL-Cov, Cui et al. 2025; verl's defaults)",
-               dict(policy_loss="kl_cov", cov_ratio=2e-4, cov_kl_coef=1.0, loss_agg="token-mean")),
-    "clip_cov": ("detach random high-covariance tokens (Clip-Cov, Cui et al. 2025; verl's defaults)",
-                 dict(policy_loss="clip_cov", cov_ratio=2e-4, loss_agg="token-mean")),
-    "gdpo": ("each reward component normalised in its group, then summed (GDPO)",
-             dict(advantage="gdpo", reward="exact_format")),
-}
-
-
-# Defaults for a pretrained policy (--model with hidden size >= PRETRAINED_HIDDEN), below presets and
-# flags. The Config defaults are tuned for the built-in tiny task; these are for real checkpoints:
-PRETRAINED_DEFAULTS: dict[str, tuple[object, str]] = {
-    "lr": (1e-6, "TRL GRPOConfig's default; verl's GRPO examples; DAPO (Yu et al. 2025)"),
-    "warmup_steps": (10, "DAPO: linear warm-up over 10 rollout steps"),
-    "schedule": ("constant", "DAPO and verl's default (constant after warm-up)"),
-    "dtype": ("bfloat16", "verl FSDP mixed precision: bf16 compute, fp32 master weights"),
-    "gradient_checkpointing": (True, "verl's GRPO examples enable it"),
-    "max_tokens_per_micro_batch": (16384, "verl's ppo_max_token_len_per_gpu default"),
-    "max_new_tokens": (1024, "verl's GSM8K GRPO example: max_response_length 1024"),
-}
-PRETRAINED_HIDDEN = 512  # every pretrained LM from ~100M parameters up; nanorl's tiny models are <= 256
+from nanorl.presets import PRESETS, pretrained_defaults  # --algo presets, pretrained-model defaults
 
 
 @dataclass
@@ -96,7 +47,17 @@ class Config:
     chat_template_kwargs: str = ""
     """JSON object of extra chat-template options, e.g. '{"enable_thinking": false}' for Qwen3."""
     reward: str = "exact"
-    """Reward: exact, math, format, math_format, exact_format, or module:function / file.py:function."""
+    """Reward: exact, math, format, math_format, exact_format, or module:function / file.py:function
+    (fn(prompt, response, label[, sample]); dict keys starting with "_" are logged only: nanorl/rewards.py)."""
+    reward_postprocess: str = ""
+    """module:function / file.py:function run on the step's scored Samples (groups in order): may write
+    Sample.metadata and set rewards, in place (nanorl/plugins.py; docs/extending.md)."""
+    log_metadata: str = ""
+    """Comma list of numeric Sample.metadata fields to log as step means under their own names; a name
+    ending in "/" is a prefix (e.g. calib/)."""
+    plugin: str = ""
+    """file.py (or module) whose reward, reward_postprocess, advantage, policy_loss, LOG_METADATA, CONFIG (a
+    dict of fields) and make_task(out_dir) fill the settings left at their defaults (nanorl/plugins.py)."""
     reward_timeout: float = -1.0
     """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
     them in-process; -1 = 10 s for the math rewards (the verifier can hang on adversarial output), else 0."""
@@ -168,10 +129,10 @@ class Config:
     """--async-steps: the worker's device, e.g. cuda:1 to give the engine its own GPU; empty = the trainer's."""
     # --- advantage and loss
     advantage: str = "grpo"
-    """Advantage estimator (nanorl/advantage.py ADVANTAGE_ESTIMATORS)."""
+    """Advantage estimator (nanorl/advantage.py ADVANTAGE_ESTIMATORS), or a user one as file.py:fn."""
     policy_loss: str = "ppo"
     """Policy loss (nanorl/losses.py POLICY_LOSSES): ppo, gspo, cispo, gmpo, dppo_tv, dppo_kl, sapo,
-    reinforce, gpg, dro, kl_cov, clip_cov."""
+    reinforce, gpg, dro, kl_cov, clip_cov; or a user one as file.py:fn."""
     loss_agg: str = "token-mean"
     """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
     clip_low: float = 0.2
@@ -255,10 +216,15 @@ class Config:
     Overrides micro_batch_size."""
     old_logprobs: str = "auto"
     """recompute (a forward before training), rollout (the engine's), or auto (skip when on-policy)."""
+    skip_zero_advantage: bool = True
+    """Rows with advantage 0 on every token (a group whose rewards are all equal) skip the update's and
+    the reference's forward; denominators still count them. Exact without a KL loss, entropy bonus or
+    critic; with them, those rows' KL/entropy pull is dropped. Off for pretrained models (verl, slime)."""
     logprob_impl: str = "fused"
     """fused (never materialise [tokens, vocab]) or naive (materialised log_softmax)."""
-    lr: float = 3e-4
-    """AdamW learning rate."""
+    lr: float = 2e-4
+    """AdamW learning rate (the built-in task's: 3e-4 swung held-out accuracy by 20+ points and reached 95%
+    later, docs/bench_results.md; pretrained models get 1e-6, PRETRAINED_DEFAULTS)."""
     warmup_steps: int = 20
     """Linear warm-up steps (RL on a warm-started policy needs it: ../shared/FACTS.md)."""
     schedule: str = "cosine"
@@ -278,7 +244,8 @@ class Config:
     gradient_checkpointing: bool = False
     """Recompute each transformer block in backward instead of keeping its activations."""
     threads: int = 0
-    """torch threads (0 = leave torch's default)."""
+    """torch threads; 0 = 1 for the built-in task (its ops are too small to split, and two threads on a
+    busy 2-core box stall each other: 10-15x slower steps, docs/bench_results.md), torch's default else."""
     fsdp: bool = False
     """Several ranks: shard weights, gradients and optimizer state (FSDP2) instead of replicating them
     (DDP), for policies whose training state does not fit on one device. The HF engine then keeps a
@@ -306,6 +273,12 @@ class Config:
     """Also log to this Weights & Biases project."""
     quiet: bool = False
     """No progress bar (metrics still go to out_dir/metrics.jsonl)."""
+    dump_rollouts: int = 0
+    """Every N steps, out_dir/rollouts/step_NNNNNN.jsonl: each sample's text, reward and per-token values (0 = off; nanorl/dump.py)."""
+    dump_rollouts_mb: float = 512.0
+    """Disk budget of out_dir/rollouts in MiB: the oldest dumps are deleted to stay under it; one larger dump is cut."""
+    debug_rollout_only: bool = False
+    """Rollout + reward (+ metrics, + dumps) each step and no update: to check a reward function or a data file."""
 
     def __post_init__(self):
         from nanorl.advantage import ADVANTAGE_ESTIMATORS
@@ -316,9 +289,12 @@ class Config:
                 raise ValueError(f"config: {msg}")
 
         need(self.algo in PRESETS, f"unknown --algo {self.algo!r}; valid: {', '.join(PRESETS)}")
-        need(self.advantage in ADVANTAGE_ESTIMATORS,
-             f"unknown advantage {self.advantage!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)}")
-        need(self.policy_loss in POLICY_LOSSES, f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)}")
+        from nanorl.plugins import check_config as check_plugins
+        check_plugins(self, need, {f.name: f.default for f in fields(Config)})
+        need(self.advantage in ADVANTAGE_ESTIMATORS or ":" in self.advantage,
+             f"unknown advantage {self.advantage!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)} or file.py:fn")
+        need(self.policy_loss in POLICY_LOSSES or ":" in self.policy_loss,
+             f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)} or file.py:fn")
         need(self.loss_agg in AGG_MODES, f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
         need(self.engine in ("auto", "hf", "vllm"), f"engine must be auto, hf or vllm, got {self.engine!r}")
         need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
@@ -344,9 +320,12 @@ class Config:
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
                      "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
                      "tis_cap", "tis_low", "mis_low", "mis_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip",
-                     "eval_temperature", "eval_max_new_tokens"):
+                     "eval_temperature", "eval_max_new_tokens", "dump_rollouts"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        need(self.dump_rollouts_mb > 0, f"dump_rollouts_mb must be > 0, got {self.dump_rollouts_mb}")
+        need(not (self.debug_rollout_only and self.async_steps),  # the worker would wait for weights forever
+             "debug_rollout_only makes no update, so --async-steps has no new weights to wait for: drop one")
         need(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
         need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
@@ -367,7 +346,7 @@ class Config:
         from nanorl.losses import COV_LOSSES
         defaults = {f.name: f.default for f in fields(Config)}
         moved = lambda name: getattr(self, name) != defaults[name]  # noqa: E731
-        uses = estimator_inputs(self.advantage)
+        uses = estimator_inputs(self.advantage_fn)
         need(self.advantage not in ("gae", "gae_chunked") or self.vf_coef > 0,
              f"advantage {self.advantage} needs a critic: set vf_coef > 0")
         need(self.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {self.advantage}")
@@ -420,6 +399,18 @@ class Config:
         return (self.env_max_tokens or self.env_max_turns * self.max_new_tokens) if self.env else 0
 
     @property
+    def advantage_fn(self):
+        """The estimator: a registry name, or the user function --advantage names (nanorl/plugins.py)."""
+        from nanorl.plugins import resolve
+        return resolve(self.advantage, "advantage")
+
+    @property
+    def policy_loss_fn(self):
+        """The policy loss: a registry name, or the user function --policy-loss names."""
+        from nanorl.plugins import resolve
+        return resolve(self.policy_loss, "policy_loss")
+
+    @property
     def uses_reference(self) -> bool:
         """A reference model exists only when a KL term is on."""
         return self.kl_coef > 0
@@ -465,26 +456,3 @@ def parse_args(argv: list[str] | None = None) -> Config:
         parser.error(f"unknown --algo {algo!r}; valid: {', '.join(PRESETS)}")
     base = pretrained_defaults(given.get("model", ""), set(given) | set(PRESETS[algo][1]))
     return Config(**{**base, **PRESETS[algo][1], **given, "algo": algo})
-
-
-def pretrained_defaults(model: str, overridden: set[str]) -> dict:
-    """PRETRAINED_DEFAULTS when `model` is a pretrained-scale checkpoint, printed once (the ones a
-    flag or the preset sets are left out); {} for the built-in or a tiny model."""
-    hidden = model_hidden_size(model) if model else 0
-    if hidden < PRETRAINED_HIDDEN:
-        return {}
-    chosen = {k: v for k, (v, _) in PRETRAINED_DEFAULTS.items() if k not in overridden}
-    if chosen:
-        why = "; ".join(f"{k}={v} ({PRETRAINED_DEFAULTS[k][1]})" for k, v in chosen.items())
-        print(f"nanorl: pretrained-model defaults for {model} (hidden size {hidden} >= {PRETRAINED_HIDDEN}): "
-              f"{why}. Flags override them.", flush=True)
-    return chosen
-
-
-def model_hidden_size(model: str) -> int:
-    """The hidden size in a checkpoint's config (a local path or a cached/downloadable hub name)."""
-    from transformers import AutoConfig
-
-    cfg = AutoConfig.from_pretrained(model)
-    cfg = getattr(cfg, "text_config", None) or cfg  # multimodal configs nest the language model's
-    return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 0)

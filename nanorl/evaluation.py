@@ -9,7 +9,7 @@ without `name=` is named after its file or dataset). For each set, every `eval_e
 - `eval/<name>/pass@k`: k samples per prompt at `eval_temperature`, the share with one correct;
 - `eval/<name>/response_length_mean`: mean greedy response length in tokens;
 and `eval/accuracy`, `eval/pass@k` pooled over the prompts of all sets (the run's headline number),
-and `time/eval`, the slowest rank's seconds.
+and `perf/time/eval`, the slowest rank's seconds.
 Eval responses may be longer than training's (`--eval-max-new-tokens`). With `--env` every eval
 sample is an episode of the multi-turn driver, scored by its environment (nanorl/env.py), and
 `eval/<name>/tool_use_rate` (`eval/tool_use_rate` pooled) is the share of greedy episodes that
@@ -85,7 +85,7 @@ def evaluate(run) -> dict:
     if env:
         out["eval/tool_use_rate"] = tools / n
     seconds = distributed.all_reduce(torch.tensor([time.perf_counter() - start]), dist.ReduceOp.MAX)
-    return {"eval/accuracy": greedy / n, f"eval/pass@{k}": passed / n, **out, "time/eval": float(seconds)}
+    return {"eval/accuracy": greedy / n, f"eval/pass@{k}": passed / n, **out, "perf/time/eval": float(seconds)}
 
 
 def _scored(run, prompts, n: int, sampling: SamplingConfig) -> list:

@@ -3,10 +3,13 @@ W&B, and a command that turns a run's JSONL into a PNG of the main curves.
 
     python -m nanorl.logger runs/nanorl/metrics.jsonl runs/nanorl/curves.png
 
-Metrics worth watching (docs/tour.md has the debugging path): reward and accuracy go up; entropy
-falls slowly (a collapse to ~0 means the policy stopped exploring); pg_clipfrac and ppo_kl stay
-small (a jump means the update moved too far); logprob_diff_abs (train vs rollout logprobs) is ~0
-for the HF engine and small for vLLM — a rise means the two compute different distributions.
+Names are namespaced (nanorl/metrics.py: rollout/, train/, eval/, perf/, sync/, routing/); the plot
+also reads a metrics.jsonl written before that, with the flat names. Metrics worth watching
+(docs/tour.md has the table and the debugging path): rollout/reward_mean and rollout/accuracy go up;
+train/entropy falls slowly (a collapse to ~0 means the policy stopped exploring); train/pg_clipfrac
+and train/ppo_kl stay small (a jump means the update moved too far); train/logprob_diff_abs (train
+vs rollout logprobs) is ~0 for the HF engine and small for vLLM — a rise means the two compute
+different distributions.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import os
 import sys
 import time
 from contextlib import contextmanager
+
+from nanorl.metrics import namespaced
 
 
 class PhaseTimer:
@@ -36,7 +41,7 @@ class PhaseTimer:
 class Logger:
     """Writes metrics to out_dir/metrics.jsonl (and TensorBoard / W&B when asked); rank 0 only."""
 
-    BAR_KEYS = (("reward", "reward_mean"), ("acc", "eval/accuracy"), ("s/step", "time/step"))
+    BAR_KEYS = (("reward", "rollout/reward_mean"), ("acc", "eval/accuracy"), ("s/step", "perf/time/step"))
 
     def __init__(self, out_dir: str, total_steps: int, enabled: bool = True, quiet: bool = False,
                  tensorboard: bool = False, wandb_project: str = "", config: dict | None = None,
@@ -91,17 +96,19 @@ class Logger:
                 self.wandb.finish()
 
 
-CURVES = ("reward_mean", "eval/accuracy", "entropy", "pg_clipfrac", "ppo_kl", "logprob_diff_abs",
-          "response_length_mean", "grad_norm")
+CURVES = ("rollout/reward_mean", "eval/accuracy", "train/entropy", "train/pg_clipfrac", "train/ppo_kl",
+          "train/logprob_diff_abs", "rollout/response_length_mean", "train/grad_norm")
 
 
-def plot(jsonl_path: str, png_path: str) -> None:
+def plot(jsonl_path: str, png_path: str):
     """A grid of the main curves of a run (one panel per metric present in the file)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # namespaced() leaves today's names as they are and renames an old file's flat ones
     rows = [json.loads(line) for line in open(jsonl_path) if line.strip()]
+    rows = [{"step": r.pop("step"), **namespaced(r)} for r in rows]
     keys = [k for k in CURVES if any(k in r for r in rows)]
     if not keys:
         raise ValueError(f"{jsonl_path}: none of {CURVES} is in the file")
@@ -117,6 +124,7 @@ def plot(jsonl_path: str, png_path: str) -> None:
         ax.axis("off")
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
+    return fig
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ Token selection (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939): t
 ⌈q·N⌉ entropy tokens of the step (`top_entropy_mask`, q = 0.2); the trainer applies it as the loss
 mask of the step, denominators included, as the authors' fork replaces its response mask.
 
+User losses (--policy-loss file.py:fn, docs/extending.md): LossConfig.policy may be a function; it
+gets the tensors above and, by name, LossConfig fields and the rows' metadata (`user_policy_loss`).
+
 Off-policy corrections (TIS, MIS/ICEPOP, OPSM: nanorl/offpolicy.py) reach total_loss as a detached
 [B, T] `weights` matrix on the policy loss; denominators are NOT changed (DeepSeek's formula).
 
@@ -342,7 +345,7 @@ def aggregate(loss_mat, mask, mode="token-mean", num_tokens=None, num_seqs=None,
 # ----------------------------------------------------------------------------- assembly
 @dataclass
 class LossConfig:
-    policy: str = "ppo"                # a key of POLICY_LOSSES
+    policy: str | Callable = "ppo"     # a key of POLICY_LOSSES, or a user loss (user_policy_loss)
     clip_low: float = 0.2              # ε_low (ppo/gspo/cispo/clip_cov), log-space bound (gmpo), δ_low (dppo)
     clip_high: float = 0.2             # ε_high ...; DAPO clip-higher uses 0.28
     dual_clip: float | None = 3.0      # ppo only: c > 1 bounds the loss for A < 0 (None = off)
@@ -380,10 +383,33 @@ POLICY_LOSSES: dict[str, Callable] = {  # name -> fn(logp, old_logp, adv, mask, 
 }
 COV_LOSSES = ("kl_cov", "clip_cov")  # the losses that take a token selection
 
+# A user policy loss (--policy-loss file.py:fn, nanorl/plugins.py) is called as
+# fn(logp, old_logp, advantages, mask, **named) with, by name from its signature, any LossConfig field
+# and `metadata` (the micro-batch's Sample.metadata dicts, one per row).
+PLUGIN_LOSS_INPUTS = frozenset(LossConfig.__dataclass_fields__) - {"policy"} | {"metadata"}
+
+
+def user_policy_loss(fn: Callable, logp, old_logp, adv, mask, cfg: LossConfig, metadata=None):
+    """A user loss → (loss [B, T], stats): it may return the matrix alone or with a dict of [B, T]
+    masks/values (stats "clip", "clip_low", ... are logged as pg_clipfrac, ...)."""
+    import inspect
+    takes = inspect.signature(fn).parameters
+    named = {k: getattr(cfg, k) for k in takes if k in PLUGIN_LOSS_INPUTS and k != "metadata"}
+    if "metadata" in takes:
+        named["metadata"] = metadata
+    elif metadata is not None:
+        raise ValueError(f"policy loss {fn.__name__!r} takes no `metadata`, but metadata was given")
+    out = fn(logp, old_logp, adv, mask, **named)
+    mat, stats = out if isinstance(out, tuple) else (out, {})
+    if not isinstance(mat, torch.Tensor) or mat.shape != mask.shape or not isinstance(stats, dict):
+        raise TypeError(f"policy loss {fn.__name__!r} must return a loss [B, T] like mask "
+                        f"{tuple(mask.shape)} (or (loss, stats dict)), got {type(out).__name__}")
+    return mat, stats
+
 
 def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=None, kl=None,
                rollout_logp=None, values=None, old_values=None, returns=None, weights=None, selected=None,
-               num_tokens=None, num_seqs=None):
+               num_tokens=None, num_seqs=None, metadata=None):
     """loss = pg_loss − entropy_coef·entropy + kl_coef·kl (+ vf_coef·value loss), for ONE micro-batch.
 
     All tensors [B, T]: logp (grad) and old_logp of the sampled tokens, advantages, mask; entropy
@@ -391,15 +417,19 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
     rollout_logp, the engine's logprobs (the mismatch metrics); weights, detached off-policy
     corrections on the policy loss (nanorl/offpolicy.py); selected, kl_cov/clip_cov's tokens
     (`cov_selection` over the whole step; None = selected on this micro-batch, as verl does);
-    values (grad), old_values, returns for the critic. Every term is aggregated with cfg.agg_mode
+    values (grad), old_values, returns for the critic; metadata, per-row dicts for a user policy
+    loss (cfg.policy a function: user_policy_loss). Every term is aggregated with cfg.agg_mode
     and the same global denominators, so summing the returned losses over micro-batches equals the
     loss of the whole batch. Returns (loss, metrics): metrics are detached 0-d tensors; loss,
     pg_loss, kl_loss, vf_loss are this micro-batch's contributions (sum them over micro-batches);
     all others are masked token means over this micro-batch (weight them by metrics["num_tokens"]),
     except the *_max values.
     """
-    if cfg.policy not in POLICY_LOSSES:
+    user = callable(cfg.policy)
+    if not user and cfg.policy not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {cfg.policy!r}; choose one of {', '.join(POLICY_LOSSES)}")
+    if metadata is not None and not user:
+        raise ValueError(f"total_loss: `metadata` is for a user policy loss, not {cfg.policy!r}")
     _check(mask, logp=logp, old_logp=old_logp, advantages=advantages, entropy=entropy, kl=kl,
            rollout_logp=rollout_logp, values=values, old_values=old_values, returns=returns, weights=weights,
            selected=selected)
@@ -412,7 +442,10 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
         selected = cov_selection(logp, advantages, mask, cfg.cov_ratio, cfg.policy,
                                  generator=torch.Generator().manual_seed(0))
 
-    pg_mat, stats = POLICY_LOSSES[cfg.policy](logp, old_logp, advantages, mask, cfg, selected)  # [B, T]
+    if user:
+        pg_mat, stats = user_policy_loss(cfg.policy, logp, old_logp, advantages, mask, cfg, metadata)  # [B, T]
+    else:
+        pg_mat, stats = POLICY_LOSSES[cfg.policy](logp, old_logp, advantages, mask, cfg, selected)  # [B, T]
     if weights is not None:  # off-policy corrections, detached, on the policy loss only
         pg_mat = pg_mat * _clean(weights.detach(), valid)
     pg_loss = agg(pg_mat)

@@ -353,15 +353,32 @@ def routing_disagreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | 
     if a.shape != b.shape or a.dim() < 2:
         raise ValueError(f"routing_disagreement needs equal [..., L, k] shapes, got {tuple(a.shape)} "
                          f"and {tuple(b.shape)}")
-    differ = (a.long().sort(dim=-1).values != b.long().sort(dim=-1).values).any(dim=-1)  # [..., L]
-    if mask is None:
-        valid = torch.ones_like(differ)
-    else:
-        if mask.shape != a.shape[:-2]:
-            raise ValueError(f"mask must be {tuple(a.shape[:-2])}, got {tuple(mask.shape)}")
-        valid = mask.bool().to(differ.device)[..., None].expand_as(differ)               # [..., L]
+    differ, valid = _differ(a, b, mask)                                                    # [..., L] each
     n = int(valid.sum())
     return float((differ & valid).sum()) / n if n else 0.0
+
+
+def routing_disagreement_by_layer(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> list[float]:
+    """routing_disagreement per MoE layer: [share for layer 0, 1, ..., L-1] (logged as
+    routing/disagreement/layer_<i>: a mismatch that sits in a few layers points at those layers)."""
+    if a.shape != b.shape or a.dim() < 2:
+        raise ValueError(f"routing_disagreement_by_layer needs equal [..., L, k] shapes, got {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}")
+    differ, valid = _differ(a, b, mask)                                                    # [..., L] each
+    L = differ.shape[-1]
+    hits = (differ & valid).reshape(-1, L).sum(0)                                          # [L]
+    n = valid.reshape(-1, L).sum(0)                                                        # [L]
+    return [float(h) / int(c) if c else 0.0 for h, c in zip(hits.tolist(), n.tolist())]
+
+
+def _differ(a, b, mask):
+    """([..., L] bool: the expert sets differ, [..., L] bool: the token is valid)."""
+    differ = (a.long().sort(dim=-1).values != b.long().sort(dim=-1).values).any(dim=-1)  # [..., L]
+    if mask is None:
+        return differ, torch.ones_like(differ)
+    if mask.shape != a.shape[:-2]:
+        raise ValueError(f"mask must be {tuple(a.shape[:-2])}, got {tuple(mask.shape)}")
+    return differ, mask.bool().to(differ.device)[..., None].expand_as(differ)
 
 
 # ------------------------------------------------------------------ tiny models for tests / CPU runs

@@ -30,6 +30,12 @@ tokens whose weight differs from ρ: truncated or masked), is_ess (effective sam
 ratio: is_ratio_var (variance of ρ over the valid tokens, E[ρ²] − E[ρ]²; verl logs χ² = E[ρ²] − 1)
 and is_ratio_tail (share of tokens with ρ outside [1/2, 2]).
 
+Every step also logs `mismatch_metrics` (train/mismatch/...): mean, max, 1/50/99% quantiles and ESS
+share of ρ over the valid tokens, and the sequence-level log-ratio Σ_t log ρ_t — with π_old taken
+from the trainer (the recompute, or on-policy the update's own first forward), so they are honest
+when the recompute is skipped too; then they cover the rows that forward scored (not the ones
+--skip-zero-advantage leaves out of the update). Over several ranks the quantiles are averaged (approximate).
+
 Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_offpolicy.py -q
 """
 from __future__ import annotations
@@ -98,6 +104,34 @@ def is_metrics(weights, changed, rho, mask):
             "is_clipfrac": float(_mean(changed.float(), valid)), "is_ess": float(ess),
             "is_ratio_var": float((r * r).sum() / n - (r.sum() / n) ** 2),
             "is_ratio_tail": float(_mean(tail.float(), valid))}
+
+
+MISMATCH_QUANTILES = (0.01, 0.5, 0.99)
+
+
+def mismatch_metrics(old_logp, rollout_logp, mask) -> dict:
+    """The train–inference mismatch of one step, logged every step with or without TIS/MIS, from
+    ρ_t = π_old(y_t)/π_rollout(y_t) over the valid tokens: its mean, max and quantiles; its effective
+    sample size share (Σρ)²/(N·Σρ²) (1 = trainer and engine agree everywhere); and the sequence-level
+    log-ratio Σ_t log ρ_t (mean, and mean abs over sequences with a valid token). old_logp must be the
+    trainer's π_old, not a copy of the engine's (nanorl/update.py old_policy_view). No valid token
+    (a rank of zero-weight pads, or every row skipped): the values of agreement, ρ ≡ 1, so that every
+    rank logs the same keys (distributed.reduce_metrics all-reduces them by position)."""
+    _check(mask, old_logp=old_logp, rollout_logp=rollout_logp)
+    valid = mask > 0                                                                 # [B, T]
+    if not valid.any():
+        return {"mismatch/ratio_mean": 1.0, "mismatch/ratio_max": 1.0, "mismatch/ratio_ess": 1.0,
+                "mismatch/seq_log_ratio_mean": 0.0, "mismatch/seq_log_ratio_abs_mean": 0.0,
+                **{f"mismatch/ratio_p{round(100 * p):02d}": 1.0 for p in MISMATCH_QUANTILES}}
+    log_rho = (_clean(old_logp, valid) - _clean(rollout_logp, valid)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    rho = torch.exp(log_rho)[valid]                                                  # [N] valid tokens
+    seq = log_rho.sum(-1)[valid.any(-1)]                                             # [S] Σ_t log ρ_t
+    q = torch.quantile(rho, torch.tensor(MISMATCH_QUANTILES, device=rho.device)).tolist()
+    m = {"mismatch/ratio_mean": float(rho.mean()), "mismatch/ratio_max": float(rho.max()),
+         "mismatch/ratio_ess": float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum())),
+         "mismatch/seq_log_ratio_mean": float(seq.mean()), "mismatch/seq_log_ratio_abs_mean": float(seq.abs().mean())}
+    m.update({f"mismatch/ratio_p{round(100 * p):02d}": v for p, v in zip(MISMATCH_QUANTILES, q)})
+    return m
 
 
 def opsm_mask(logp, behaviour_logp, adv, mask, delta):

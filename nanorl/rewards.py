@@ -8,9 +8,14 @@ label: 1 for the right answer, 0 otherwise, maybe a small bonus for the right fo
 function here has the signature
 
     fn(prompt: str, response: str, label: str) -> float | dict[str, float]
+    fn(prompt: str, response: str, label: str, sample: Sample) -> ...   (the Sample: ids, status, metadata)
 
 A dict names several components (e.g. {"correct": 1.0, "format": 0.5}); they are logged separately,
 summed into the sample's total reward, and GDPO normalises each one on its own (nanorl/advantage.py).
+A key starting with "_" is LOG-ONLY: never summed or trained on, it is moved into Sample.metadata
+under the name without the "_" ({"_conf": 0.7} → metadata["conf"]), where --reward-postprocess and a
+user advantage can read it, and logged every step under that name (nanorl/plugins.py). The choice:
+a prefix needs no second return value and survives the worker processes unchanged.
 
 Built in: `exact` (the default task: the exact answer then the end of the response), `math` (the
 final answer from \\boxed{...}, "#### x" or "the answer is", checked for mathematical equality with
@@ -35,7 +40,7 @@ from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeou
 from concurrent.futures.process import BrokenProcessPool
 
 from nanorl import math_grader
-from nanorl.plugins import load_object
+from nanorl.plugins import check_call, load_checked
 
 # ----------------------------------------------------------------------------- built-in rewards
 
@@ -81,20 +86,34 @@ def correct(reward) -> float:
 
 
 def load_reward_fn(spec: str):
-    """A built-in name, `package.module:function`, or `path/to/file.py:function`."""
+    """A built-in name, `package.module:function`, or `path/to/file.py:function` (signature checked:
+    nanorl/plugins.py REWARD_SIGNATURE)."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     if ":" not in spec:
         raise ValueError(f"reward {spec!r}: expected one of {sorted(BUILTIN)}, 'module:function' "
                          "or 'file.py:function'")
-    return load_object(spec, "reward")
+    return load_checked(spec, "reward")
 
 
 def score_samples(runner, tokenizer, prompts, samples) -> list:
-    """Rewards of `samples` (the n responses of each prompt, consecutive) through `runner`."""
+    """Rewards of `samples` (the n responses of each prompt, consecutive) through `runner`. Log-only
+    fields ("_" keys) are moved into each sample's metadata (listed in metadata["logged"])."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     n = len(samples) // len(prompts)
-    return runner([p.text for p in prompts for _ in range(n)], texts, [p.label for p in prompts for _ in range(n)])
+    out = runner([p.text for p in prompts for _ in range(n)], texts, [p.label for p in prompts for _ in range(n)],
+                 samples=samples if runner.wants_sample else None)
+    return [split_log_only(r, s) for r, s in zip(out, samples)]
+
+
+def split_log_only(reward, sample):
+    """The trained part of `reward`; its "_" keys go to sample.metadata, without the "_"."""
+    if not isinstance(reward, dict) or not any(k.startswith("_") for k in reward):
+        return reward
+    logged = {k[1:]: v for k, v in reward.items() if k.startswith("_")}
+    sample.metadata.update(logged)
+    sample.metadata["logged"] = sorted(set(sample.metadata.get("logged", [])) | set(logged))
+    return {k: v for k, v in reward.items() if not k.startswith("_")}  # may be {}: a dict, total 0
 
 
 # ----------------------------------------------------------------------------- the safe runner
@@ -119,10 +138,11 @@ def _number(value) -> float:
     return float(value)
 
 
-def _call(fn, prompt, response, label):
+def _call(fn, prompt, response, label, sample=None):
     """Runs in the worker (or in-process): the reward, or ("error", kind, traceback text)."""
     try:
-        return ("ok", _checked(fn(prompt, response, label)))
+        value = fn(prompt, response, label) if sample is None else fn(prompt, response, label, sample=sample)
+        return ("ok", _checked(value))
     except (Exception, SystemExit) as e:  # user code: any failure (even sys.exit) is a counted zero
         return ("error", type(e).__name__, traceback.format_exc())
 
@@ -135,8 +155,8 @@ def _set_worker_fn(fn) -> None:
     _WORKER_FN = fn
 
 
-def _call_in_worker(prompt, response, label):
-    return _call(_WORKER_FN, prompt, response, label)
+def _call_in_worker(prompt, response, label, sample=None):
+    return _call(_WORKER_FN, prompt, response, label, sample)
 
 
 class RewardRunner:
@@ -150,22 +170,29 @@ class RewardRunner:
 
     def __init__(self, fn, timeout: float = 0.0, workers: int = 1, log=print):
         self.fn, self.timeout, self.workers, self.log = fn, timeout, workers, log
+        self.wants_sample = "sample" in check_call(fn, "reward", "fn(prompt, response, label[, sample])", args=3,
+                                                  available={"sample"})
         self.faults = Counter()  # kind -> count, over the whole run (checkpointed with the trainer)
         self._pool = None
         self._logged = False
 
-    def __call__(self, prompts: list[str], responses: list[str], labels: list) -> list[float | dict]:
+    def __call__(self, prompts: list[str], responses: list[str], labels: list, samples=None) -> list[float | dict]:
+        if self.wants_sample and samples is None:
+            raise ValueError("this reward takes `sample`: pass the Samples (samples=...)")
+        if samples is not None and not self.wants_sample:
+            raise ValueError("samples given to a reward without a `sample` parameter")
+        samples = samples if samples is not None else [None] * len(prompts)
         if self.timeout <= 0:
-            results = [_call(self.fn, p, r, lab) for p, r, lab in zip(prompts, responses, labels)]
+            results = [_call(self.fn, *job) for job in zip(prompts, responses, labels, samples)]
         else:
-            results = self._in_workers(prompts, responses, labels)
+            results = self._in_workers(prompts, responses, labels, samples)
         out = [res[1] if res[0] == "ok" else self._fault(res[1], res[2]) for res in results]
-        names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r))
+        names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r if k[:1] != "_"))
         if any(isinstance(r, dict) for r in out):  # a failed sample scores a dict of zeros: one kind per batch
             for i, r in enumerate(out):
                 if isinstance(r, float):
                     self._fault("MixedTypes", f"reward returned {r!r} where other responses got a dict")
-                out[i] = r if isinstance(r, dict) else dict.fromkeys(names, 0.0)
+                out[i] = r if isinstance(r, dict) else dict.fromkeys(names, 0.0)  # trained names only
         return [0.0 if r is None else r for r in out]
 
     def _fault(self, kind: str, text: str) -> None:
@@ -174,10 +201,11 @@ class RewardRunner:
             self._logged = True
             self.log(f"reward function failed ({kind}); scoring 0 and counting. First error:\n{text}")
 
-    def _in_workers(self, prompts, responses, labels):
+    def _in_workers(self, prompts, responses, labels, samples):
         """Each call gets `timeout` seconds from when it starts waiting; after a timeout or a dead
-        worker the pool is replaced and the calls still pending are resubmitted to the new one."""
-        jobs = list(zip(prompts, responses, labels))
+        worker the pool is replaced and the calls still pending are resubmitted to the new one.
+        A Sample goes to the worker pickled (a copy): what the reward writes into it is lost."""
+        jobs = list(zip(prompts, responses, labels, samples))
         results, i = [None] * len(jobs), 0
         while i < len(jobs):
             if self._pool is None:

@@ -180,6 +180,7 @@ class PaddedBatch:
     routed_mask: Tensor | None = None       # [B, P+T] bool, True where routed_experts was recorded
     sampling_support: Tensor | None = None  # [B, T, K] long, -1 pad
     token_data: dict[str, Tensor] = field(default_factory=dict)  # trainer-attached [B, T, ...]
+    metadata: list[dict] = field(default_factory=list)  # Sample.metadata per row (user advantages / losses)
 
     @property
     def num_tokens(self) -> Tensor:
@@ -212,7 +213,9 @@ class PaddedBatch:
         out = {"prompt_width": new_p}
         for f in fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, dict):  # reward_components: [B]; token_data: [B, T, ...]
+            if f.name == "metadata":  # per-row dicts, selected like rows (shared, not copied)
+                v = [v[i] for i in idx.tolist()] if v else []
+            elif isinstance(v, dict):  # reward_components: [B]; token_data: [B, T, ...]
                 v = {k: x[idx][:, resp] if f.name == "token_data" else x[idx] for k, x in v.items()}
             elif isinstance(v, Tensor):
                 v = v[idx][:, cut[f.name]] if f.name in cut else v[idx]
@@ -285,7 +288,8 @@ def collate(samples: list[Sample], pad_id: int) -> PaddedBatch:
         truncated=torch.tensor([s.status == "truncated" for s in samples], dtype=torch.bool),
         group_ids=torch.tensor([s.group_id for s in samples], dtype=torch.long),
         weight_versions=torch.tensor([s.weight_version for s in samples], dtype=torch.long),
-        routed_experts=routed, routed_mask=routed_mask, sampling_support=support)
+        routed_experts=routed, routed_mask=routed_mask, sampling_support=support,
+        metadata=[s.metadata for s in samples])
 
 
 # ------------------------------------------------------------------------------ the packed batch

@@ -71,6 +71,9 @@ def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
             lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
         metrics["routing/disagreement"] = moe_replay.routing_disagreement(
             batch.routed_experts, rep.natural_experts, batch.routed_mask.cpu())
+        per_layer = moe_replay.routing_disagreement_by_layer(batch.routed_experts, rep.natural_experts,
+                                                             batch.routed_mask.cpu())
+        metrics.update({f"routing/disagreement/layer_{i}": v for i, v in enumerate(per_layer)})
         metrics["routing/replay_mode"] = 3.0
         return lp
     with moe_replay.record(run.model) as rec:
@@ -78,6 +81,7 @@ def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
     batch.routed_experts = rec.experts.to(batch.input_ids.device)  # [B, P+T, L, k]
     batch.routed_mask = batch.attention_mask.bool()  # [B, P+T]
     metrics["routing/disagreement"] = 0.0  # recorded by the trainer itself: nothing to compare
+    metrics.update({f"routing/disagreement/layer_{i}": 0.0 for i in range(batch.routed_experts.shape[2])})
     metrics["routing/replay_mode"] = 2.0
     return lp
 
@@ -141,6 +145,10 @@ def score_batch(run, module, batch, support, sum_sq: bool = False):
     entropy [B, T], Σπ² [B, T] or None). sum_sq: also Σ_v π_v² per token, a by-product of the same
     fused pass (nanorl/policy.py record_sum_sq_probs; the optimal token baseline reads it)."""
     groups = micro_batches(run, batch)
+    if batch is None:  # no row here (score_rows): the lockstep pads only
+        for _ in groups:
+            module(pad_batch(run), None)
+        return None, None, None, None
     B, T = batch.response_ids.shape
     out = [torch.zeros(B, T, device=batch.input_ids.device) for _ in range(4)]  # logp, values, ent, Σπ²
     has_values = False
@@ -162,9 +170,24 @@ def score_batch(run, module, batch, support, sum_sq: bool = False):
     return out[0], out[1] if has_values else None, out[2], out[3] if sum_sq else None
 
 
+def score_rows(run, module, batch, support, rows: torch.Tensor) -> torch.Tensor:
+    """score_batch's logprobs [B, T] for the rows marked in `rows` [B] only, 0 in the others (which no
+    loss reads: --skip-zero-advantage skips them in training too)."""
+    keep = rows.nonzero().flatten().tolist()
+    if len(keep) == len(rows):
+        return score_batch(run, module, batch, support)[0]
+    sub = batch.select(keep) if keep else None
+    out = torch.zeros(batch.response_ids.shape, device=batch.input_ids.device)  # [B, T]
+    lp = score_batch(run, module, sub, support)[0]
+    if sub is not None:
+        out[keep, :lp.shape[1]] = lp
+    return out
+
+
 def loss_config(run) -> LossConfig:
     c = run.cfg
-    return LossConfig(policy=c.policy_loss, clip_low=c.clip_low, clip_high=c.clip_high,
+    # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
+    return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
                       dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg), dro_beta=c.dro_beta,
                       cov_ratio=c.cov_ratio, cov_kl_coef=c.cov_kl_coef, agg_mode=c.loss_agg,
                       norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
@@ -192,7 +215,8 @@ def train_on(run, batch) -> dict:
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     lcfg, sums, counts, steps = loss_config(run), {}, {}, 0
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
-    for _ in range(cfg.ppo_epochs):
+    first = {k: torch.zeros_like(batch.response_mask, dtype=torch.float) for k in FIRST_PASS}  # [B, T] each
+    for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
         for rows in order.tensor_split(cfg.mini_batches):  # at most mini_batches optimizer steps
             mini = batch.select(rows.tolist()) if len(rows) else None  # None: no row of this step here
@@ -203,11 +227,24 @@ def train_on(run, batch) -> dict:
                 select_tokens(run, mini, steps)
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
+            if cfg.skip_zero_advantage:  # after the denominators: skipped rows keep their share of them
+                mini, rows, skipped = skip_zero_advantage(mini, rows)
+                groups = micro_batches(run, mini)  # re-planned (and agreed again) over the rows that train
+                sums["rows_skipped_frac"] = sums.get("rows_skipped_frac", 0.0) + skipped
+                counts["rows_skipped_frac"] = counts.get("rows_skipped_frac", 0) + 1
+            if not groups:  # every row skipped: the whole batch's gradient is exactly 0, and AdamW
+                for p in params:  # still steps on it (its moments move the weights), as unskipped
+                    p.grad = torch.zeros_like(p)
             stats = {}
             for i, mrows in enumerate(groups):
                 with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # one reduction per step
                     if mrows:
-                        loss, m = micro_step(run, mini.select(mrows), lcfg, n_tok, n_seq)
+                        mb = mini.select(mrows)
+                        loss, m = micro_step(run, mb, lcfg, n_tok, n_seq)
+                        if epoch == 0:  # each row's first forward of the update (old_policy_view)
+                            mb.token_data["first_pass_mask"] = torch.ones_like(mb.response_mask, dtype=torch.float)
+                            for k in FIRST_PASS:
+                                first[k][rows[mrows], :mb.response_ids.shape[1]] = mb.token_data.pop(k)
                     else:  # a lockstep pad: the collectives of a micro-batch, zero gradient
                         loss, m = pad_loss(run.trained(pad_batch(run), None)), None
                     loss = loss * loss_scale(run.world)  # DDP's mean over ranks → the global sum
@@ -220,9 +257,51 @@ def train_on(run, batch) -> dict:
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
+    batch.token_data.update(first)
     out = {k: v / counts[k] for k, v in sums.items()}
-    out.update(lr=run.scheduler.get_last_lr()[0], skipped_updates=run.counters["skipped_updates"])
+    out.update({"lr": run.scheduler.get_last_lr()[0], "skipped_updates": run.counters["skipped_updates"]})
     return out
+
+
+FIRST_PASS = ("first_pass_logprobs", "first_pass_entropy", "first_pass_mask")  # mask: rows it covered
+
+
+def trains(batch) -> torch.Tensor:
+    """[B] bool: rows with a non-zero advantage on some valid token — the rows --skip-zero-advantage
+    trains (a GRPO group whose rewards are all equal has advantage 0 on every token)."""
+    return ((batch.token_data["advantages"] != 0) & (batch.response_mask > 0)).any(-1)  # [B]
+
+
+def skip_zero_advantage(mini, rows):
+    """(the rows of `mini` that train, their indices in the rollout batch, the share skipped).
+
+    A row whose advantage is 0 at every token adds exactly 0 to the policy-gradient loss and its
+    gradient (ratio · 0, clipped or not), so its forward and backward can go, provided the loss keeps
+    the whole step's denominators (train_on computes them first). What the row would still add: its
+    KL-to-reference and entropy-bonus gradients (and its value loss), which skipping drops — see
+    Config.skip_zero_advantage."""
+    if mini is None:
+        return None, rows, 0.0
+    keep = trains(mini).nonzero().flatten()  # [k]
+    share = 1.0 - len(keep) / len(rows)
+    if len(keep) == len(rows):
+        return mini, rows, share
+    return (mini.select(keep.tolist()) if len(keep) else None), rows[keep.cpu()], share
+
+
+def old_policy_view(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """π_old as the TRAINER computed it, logprobs and entropy [B, T], for the mismatch metrics and the
+    rollout dumps (never the engine's numbers), and where it was computed, covered [B, T] float: the
+    recompute pass when it ran (`trainer_logprobs`, set in train.py; every row), else each row's first
+    forward of the update (`first_pass_*`, train_on; not the rows --skip-zero-advantage skipped, which
+    no forward scored: covered 0, their values are not π_old). The recompute is skipped only on-policy
+    (one epoch, one mini-batch): that single pass runs before the only optimizer step, so it IS π_old.
+    Caveat: --old-logprobs rollout with several mini-batches skips the recompute too, and rows of
+    later mini-batches are then scored after earlier steps."""
+    td = batch.token_data
+    if "trainer_logprobs" in td:
+        return td["trainer_logprobs"], td["trainer_entropy"], torch.ones_like(td["trainer_logprobs"])
+    return td["first_pass_logprobs"], td["first_pass_entropy"], td["first_pass_mask"]
 
 
 def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
@@ -230,6 +309,7 @@ def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     support = mb.sampling_support if cfg.keep_sampling_mask else None
     logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
     td, mask = mb.token_data, mb.response_mask
+    td["first_pass_logprobs"], td["first_pass_entropy"] = logp.detach(), ent.detach()  # train_on keeps epoch 0's
     old = td.get("old_logprobs", logp.detach())  # on-policy: π_old is the current policy, detached
     kl = None
     if run.ref is not None and not cfg.kl_in_reward:
@@ -243,7 +323,8 @@ def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     loss, m = total_loss(lcfg, logp, old, td["advantages"], mask, entropy=ent, kl=kl,
                          rollout_logp=mb.rollout_logprobs, values=values, old_values=td.get("old_values"),
                          returns=td.get("returns") if values is not None else None, weights=weights,
-                         selected=td.get("cov_selected"), num_tokens=n_tok, num_seqs=n_seq)
+                         selected=td.get("cov_selected"), num_tokens=n_tok, num_seqs=n_seq,
+                         metadata=mb.metadata if callable(lcfg.policy) else None)  # a user loss reads them
     m.update(extra)
     # Train/rollout mismatch: share of tokens whose logprob differs by > 0.5 between the trainer and
     # the engine that sampled them (0 for the HF engine; a rise with vLLM means a broken sync).

@@ -20,7 +20,7 @@ import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
            "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay",
-           "async_steps"}
+           "async_steps", "default", "default_threads"}
 
 
 def test_quick_run_reports_every_entry(tmp_path):
@@ -74,6 +74,12 @@ def test_quick_run_reports_every_entry(tmp_path):
     assert set(modes) == {"sync", "async K=1", "async K=2", "async K=1, TIS 2", "sync, lr 1.5e-4",
                           "async K=1, lr 1.5e-4"} and modes["sync"]["baseline"]
     assert all(r["steps_per_s"] > 0 and r["steps_run"] == 3 and "steps/s" in r["note"] for r in modes.values())
+
+    seeds = [r for r in rows if r["bench"] == "default"]  # quick: seed 0, 3 steps of train.py --algo grpo
+    assert [r["impl"] for r in seeds] == ["seed 0"] and 0 <= seeds[0]["accuracy_end"] <= 1
+    assert {"generate", "train", "step"} <= set(seeds[0]["phase_ms"]) and seeds[0]["train_s"] > 0
+    threads = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "default_threads"}
+    assert set(threads) == {(c, f"{n} thread(s)") for c in ("machine as it is", "one core busy") for n in (1, 2)}
 
     shares = {r["impl"]: r["padding_share"] for r in rows if r["bench"] == "padding"}
     assert shares["token budget, packed"] == 0.0

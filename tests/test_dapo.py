@@ -107,7 +107,7 @@ def test_refill_trains_a_full_batch_when_most_groups_have_no_variance(task_dir, 
               "--reward", f"{tmp_path / 'sparse.py'}:reward"]
     res = train.main([*common, "--steps", "2", "--max-gen-batches", "30", "--out-dir", str(tmp_path / "a")])
     lines = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
-    rounds = [x["dapo/gen_rounds"] for x in lines if "dapo/gen_rounds" in x]
+    rounds = [x["rollout/dapo/gen_rounds"] for x in lines if "rollout/dapo/gen_rounds" in x]
     assert len(seen) == 2 and max(rounds) > 1 and res["counters"].get("dapo_gave_up", 0) == 0
     for batch in seen:  # a full batch: 2 groups of 8, every group with reward variance
         assert batch.group_ids.tolist() == [0] * 8 + [1] * 8

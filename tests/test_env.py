@@ -374,7 +374,7 @@ def test_train_step_survives_a_faulty_user_environment(tmp_path):
                       "--prompts-per-step", "8", "--samples-per-prompt", "2", "--tool-timeout", "0.3", "--quiet",
                       "--threads", "1", "--out-dir", str(tmp_path / "run"), "--env-max-turns", "2"])
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
-    steps = [x for x in lines if "env/turns_mean" in x]
+    steps = [x for x in lines if "rollout/env/turns_mean" in x]
     assert res["step"] == 2 and len(steps) == 2 and "eval/tool_use_rate" in lines[0]
-    assert sum(x["env/end/env_error"] + x["env/end/tool_timeout"] for x in steps) > 0
-    assert steps[-1].get("env_faults/env_error", 0) + steps[-1].get("env_faults/tool_timeout", 0) > 0
+    assert sum(x["rollout/env/end/env_error"] + x["rollout/env/end/tool_timeout"] for x in steps) > 0
+    assert steps[-1].get("rollout/env_faults/env_error", 0) + steps[-1].get("rollout/env_faults/tool_timeout", 0) > 0

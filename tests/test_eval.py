@@ -67,7 +67,7 @@ def test_metrics_per_set_and_pooled():
     assert m["eval/accuracy"] == pytest.approx(4 / 7)  # pooled over the 7 prompts, not a mean of means
     assert m["eval/a/pass@3"] == m["eval/b/pass@3"] == m["eval/pass@3"] == 1.0
     assert m["eval/a/response_length_mean"] == pytest.approx((1 + 2 + 3 + 1) / 4)  # 1 + i % 3 tokens
-    assert m["time/eval"] >= 0
+    assert m["perf/time/eval"] >= 0
 
 
 def test_eval_sampling_flags_are_its_own():

@@ -9,15 +9,17 @@ import pytest
 
 import train
 
-COMMON = ["--quiet", "--eval-every", "0", "--seed", "0"]
+# The weaker 60-step warm start (27.5% held-out) at lr 3e-4, the recipe these thresholds were measured
+# with: room for a clear gain in 300 steps. (The default's 90-step start is at 76.5%; nanorl/task.py.)
+COMMON = ["--quiet", "--eval-every", "0", "--seed", "0", "--lr", "3e-4"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def task(tmp_path_factory):
-    """The built-in task and SFT checkpoint, built once for the whole module."""
+    """The built-in task and a 60-step SFT checkpoint, built once for the whole module."""
     from nanorl.task import make_default
     global TASK
-    TASK = make_default(str(tmp_path_factory.mktemp("task")))
+    TASK = make_default(str(tmp_path_factory.mktemp("task")), sft_steps=60)
 
 
 def learn(out_dir, *flags):
@@ -79,7 +81,7 @@ def test_vllm_engine_learns(tmp_path):
     assert after - before >= 0.10
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"sync/' in x]
     assert len(lines) == 300 and max(x["sync/max_abs_logprob_diff"] for x in lines) < 1e-3
-    assert max(x["logprob_diff_abs_max"] for x in lines) < 1e-3  # fp32 engine == trainer, every token
+    assert max(x["train/logprob_diff_abs_max"] for x in lines) < 1e-3  # fp32 engine == trainer, every token
 
 
 def test_async_one_step_learns_as_sync(tmp_path):
@@ -93,6 +95,6 @@ def test_async_one_step_learns_as_sync(tmp_path):
     import json
     before, after = learn(tmp_path, "--algo", "grpo", "--steps", "300", "--async-steps", "1", "--tis-cap", "2")
     assert after >= 0.65 and after - before >= 0.30
-    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"async/' in x]
-    assert len(lines) == 300 and [x["async/staleness_max"] for x in lines[:3]] == [0, 1, 1]
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"rollout/async/' in x]
+    assert len(lines) == 300 and [x["rollout/async/staleness_max"] for x in lines[:3]] == [0, 1, 1]
 

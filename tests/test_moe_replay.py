@@ -280,3 +280,19 @@ def test_deepcopy_gives_an_independent_patched_model():
         ref(ids)
         model(ids)
     assert torch.equal(rec_ref.experts, rec.experts)  # ref: untouched weights, natural routing, recorded
+
+
+def test_routing_disagreement_by_layer():
+    """Per-layer shares: layer 1 flips half its valid tokens, layer 0 none; their token-weighted mean
+    is the overall routing/disagreement; the order within k and masked tokens do not count."""
+    a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 1], [2, 3]]]])  # [1, 4, L=2, k=2]
+    b = a.clone()
+    b[0, 0, 0] = torch.tensor([1, 0])  # the same set in another order: agrees
+    b[0, 1, 1] = torch.tensor([2, 4])  # layer 1 flips at token 1
+    b[0, 3, 1] = torch.tensor([0, 0])  # ... and at token 3, which the mask drops
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert mr.routing_disagreement_by_layer(a, b, mask) == [0.0, pytest.approx(1 / 3)]
+    assert mr.routing_disagreement(a, b, mask) == pytest.approx(1 / 6)
+    assert mr.routing_disagreement_by_layer(a, b) == [0.0, 0.5]
+    with pytest.raises(ValueError, match="equal"):
+        mr.routing_disagreement_by_layer(a, b[..., :1])

@@ -114,7 +114,7 @@ def first_command(real) -> list[str]:
 
 
 def metrics_lines(out: Path) -> list[dict]:
-    return [json.loads(x) for x in open(out / "metrics.jsonl") if '"loss"' in x]
+    return [json.loads(x) for x in open(out / "metrics.jsonl") if '"train/loss"' in x]
 
 
 def test_readme_gpu_block_is_the_real_command(real):
@@ -156,9 +156,9 @@ def test_readme_command_runs(line, engine, real, tmp_path):
     assert len(logged) == steps
     for m in logged:
         assert all(v == v and abs(v) != float("inf") for v in m.values() if isinstance(v, float))
-        assert m["response_length_mean"] > 0 and m["num_tokens"] > 0
+        assert m["rollout/response_length_mean"] > 0 and m["train/num_tokens"] > 0
     if line == 1:  # the critic ran its bf16 forward (an fp32 head on a bf16 body crashed here before);
-        assert "vf_loss" in logged[0]  # its loss is 0: every reward of a random-init model is 0, as V
+        assert "train/vf_loss" in logged[0]  # its loss is 0: every reward of a random-init model is 0, as V
     if engine == "vllm":
         assert all("sync/max_abs_logprob_diff" in m for m in logged)
     ckpt = tmp_path / "checkpoints" / f"step_{steps:06d}"
@@ -302,8 +302,8 @@ def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
     run.engine.generate = scripted
     try:
         metrics = train.rl_step(run)
-        assert metrics["reward_mean"] == 0.5 and metrics["accuracy"] == 0.5
-        assert metrics["loss"] == metrics["loss"]  # the update ran on these rewards
+        assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/accuracy"] == 0.5
+        assert metrics["train/loss"] == metrics["train/loss"]  # the update ran on these rewards
         ev = evaluate(run)
         assert ev["eval/gsm8k/accuracy"] == ev["eval/math500/accuracy"] == 1.0
         assert ev["eval/gsm8k/pass@1"] == 1.0 and not run.rewards.faults
@@ -323,4 +323,4 @@ def test_readme_tool_command_runs_at_the_real_shape(real, tmp_path):
     res = train.main(argv + SHRINK + ["--dtype", "float32", "--out-dir", str(tmp_path)])
     assert res["step"] == 2
     logged = metrics_lines(tmp_path)
-    assert len(logged) == 2 and all(m["response_length_mean"] > 0 for m in logged)
+    assert len(logged) == 2 and all(m["rollout/response_length_mean"] > 0 for m in logged)

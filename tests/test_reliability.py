@@ -60,8 +60,8 @@ def args(task, out, *extra):
 def train_lines(out) -> list[dict]:
     """The per-step training metrics of a run, without wall-clock figures."""
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/")) and k != "tokens_per_s"}
-            for r in rows if "reward_mean" in r]
+    return [{k: v for k, v in r.items() if not k.startswith(("perf/", "eval/"))}
+            for r in rows if "rollout/reward_mean" in r]
 
 
 def ckpt(out, step):
@@ -87,8 +87,8 @@ def test_exact_resume_ppo_with_critic_kl_and_eval(task, tmp_path):
     la, lb = train_lines(a), train_lines(b)
     assert [r["step"] for r in lb] == [1, 2, 3, 4]  # the resumed log has no duplicated step
     assert la == lb
-    assert all(r["grad_norm"] > 0 for r in la) and len({r["reward_mean"] for r in la}) > 1
-    assert la[-1]["kl_beta"] != 0.01  # the adaptive controller moved, and its state was resumed
+    assert all(r["train/grad_norm"] > 0 for r in la) and len({r["rollout/reward_mean"] for r in la}) > 1
+    assert la[-1]["train/kl_beta"] != 0.01  # the adaptive controller moved, and its state was resumed
     assert sorted(os.listdir(b / "checkpoints")) == ["step_000003", "step_000004"]  # last K kept
     wa = checkpoint.load_file(os.path.join(ckpt(a, 4), "model.safetensors"))
     wb = checkpoint.load_file(os.path.join(ckpt(b, 4), "model.safetensors"))
@@ -253,7 +253,7 @@ def test_sigterm_finishes_step_saves_and_resumes(task, tmp_path, spawn):
     out = tmp_path / "run"
     proc = spawn(out)
     metrics = out / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and "reward_mean" in metrics.read_text(), proc)
+    wait_for(lambda: metrics.exists() and "rollout/reward_mean" in metrics.read_text(), proc)
     proc.send_signal(signal.SIGTERM)
     text, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, text[-3000:]
@@ -308,10 +308,10 @@ def test_reward_faults_keep_the_run_going_and_are_counted(task, tmp_path, capsys
                           "--reward", f"{tmp_path / 'faulty.py'}:faulty"))
     assert res["step"] == 1 and time.time() - t0 < 60
     line = train_lines(out)[0]
-    faults = {k.split("/", 1)[1]: v for k, v in line.items() if k.startswith("reward_faults/")}
+    faults = {k.split("/", 2)[2]: v for k, v in line.items() if k.startswith("rollout/reward_faults/")}
     assert faults == {"RuntimeError": 2, "ValueError": 2, "TypeError": 6, "SystemExit": 2, "Timeout": 2,
                       "WorkerCrash": 2}
-    assert line["reward_mean"] == pytest.approx(2 / 18)  # only the two "ok" samples scored 1
+    assert line["rollout/reward_mean"] == pytest.approx(2 / 18)  # only the two "ok" samples scored 1
     assert capsys.readouterr().out.count("reward function failed") == 1  # first traceback only
 
 
@@ -335,8 +335,8 @@ def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
     assert changed == [True, False, True]
     assert res["counters"]["skipped_updates"] == 1
     lines = train_lines(out)
-    assert [r["skipped_updates"] for r in lines] == [0, 1, 1]
-    assert math.isnan(lines[1]["grad_norm"]) and math.isfinite(lines[2]["grad_norm"])
+    assert [r["train/skipped_updates"] for r in lines] == [0, 1, 1]
+    assert math.isnan(lines[1]["train/grad_norm"]) and math.isfinite(lines[2]["train/grad_norm"])
 
 
 def test_engine_sync_failure_is_a_clear_error(task, tmp_path, monkeypatch):

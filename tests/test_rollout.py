@@ -77,3 +77,55 @@ def test_keep_sampling_mask_first_epoch_ratio_is_one(model):
     ratio_full = torch.exp(lp_full - batch.rollout_logprobs)[m]
     assert (ratio_ksm - 1).abs().max() <= 1e-6
     assert (ratio_full - 1).abs().max() > 1e-3 and (ratio_full <= 1 + 1e-6).all()
+
+
+def test_shared_prefill_runs_each_prompt_once_and_changes_no_sample(model, monkeypatch):
+    """The n samples of a prompt share its prefill (issue 23): the first forward sees each distinct
+    prompt once, and the samples — tokens, logprobs — are those of prefilling every row."""
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=5, stop_token_ids=(EOS,), seed=3)
+    rows, real = [], model.forward
+
+    def counted(*a, **k):
+        rows.append(k["input_ids"].shape)
+        return real(*a, **k)
+    monkeypatch.setattr(model, "forward", counted)
+    eng = HFEngine(model, pad_id=PAD)
+    shared = eng.generate(prompts(), 4, sp)
+    assert rows[0] == (3, 5) and all(r == (12, 1) for r in rows[1:])  # 3 prompts prefilled, 12 rows decoded
+    rows.clear()
+    monkeypatch.setattr(HFEngine, "_shared_prefill", lambda self, rows_, device: (None, None))  # every row
+    each = HFEngine(model, pad_id=PAD).generate(prompts(), 4, sp)
+    assert rows[0] == (12, 5)
+    assert [s.response_ids for s in shared] == [s.response_ids for s in each]
+    for a, b in zip(shared, each):
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-5
+
+
+def test_shared_prompt_forward_equals_the_full_one(model, monkeypatch):
+    """The trainer's forward runs a prompt shared by consecutive rows once (nanorl/policy.py
+    _hidden_shared_prefix, issue 23): logprobs, entropies and the gradient of every parameter equal
+    one full forward's, and the prefix pass sees one row per distinct prompt."""
+    from nanorl import policy
+    model.train()
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=5, stop_token_ids=(EOS,), seed=5)
+    batch = collate(HFEngine(model, pad_id=PAD).generate(prompts(), 4, sp), PAD)  # ragged prompts + responses
+
+    def scored():
+        model.zero_grad()
+        lp, ent = response_logprobs(model, batch, 0.8)
+        ((lp * 1.3).sum() + ent.sum()).backward()
+        return lp.detach(), ent.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+    widths, real = [], model.base_model.forward
+
+    def counted(*a, **k):
+        widths.append(tuple(k["input_ids"].shape))
+        return real(*a, **k)
+    monkeypatch.setattr(model.base_model, "forward", counted)
+    shared = scored()
+    P = batch.prompt_width
+    assert widths == [(3, P - 1), (12, 1 + batch.response_ids.shape[1])], widths  # 3 prompts once, then 12 rows
+    monkeypatch.setattr(policy, "_shared_prompts", lambda m, b: None)
+    full = scored()
+    model.eval()
+    assert (shared[0] - full[0]).abs().max() < 1e-5 and (shared[1] - full[1]).abs().max() < 1e-5
+    assert float((shared[2] - full[2]).norm() / full[2].norm()) < 1e-5 and full[2].norm() > 0

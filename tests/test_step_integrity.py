@@ -57,7 +57,7 @@ def args(task, out, *extra, test_data=True):
 
 
 def metric_lines(out) -> list[dict]:
-    return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "reward_mean" in r]
+    return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "rollout/reward_mean" in r]
 
 
 # ----------------------------------------------------------------------------- (1) micro-batch split
@@ -67,7 +67,7 @@ def first_step_gradient(task, out, monkeypatch, *extra):
     """The gradient one real step (train.setup → rl_step → train_on) hands to the optimizer, flat,
     and the sizes of the micro-batches it was accumulated over."""
     run = train.setup(parse_args(args(task, out, "--reward", task["digits"], "--grad-clip", "0",
-                                      "--max-new-tokens", "6", *extra)))
+                                      "--max-new-tokens", "6", "--no-skip-zero-advantage", *extra)))  # all 16 rows
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     grads, sizes = [], []
     real_micro_step = update.micro_step
@@ -98,13 +98,13 @@ def test_step_gradient_does_not_depend_on_micro_batching(mode, task, tmp_path, m
     whole, sizes, m = first_step_gradient(task, tmp_path / "whole", monkeypatch, "--loss-agg", mode)
     assert sizes == [16]
     assert whole.norm() > 0.1, whole.norm()  # GRPO groups with signal: a real gradient, not zero
-    assert m["advantage_abs_mean"] > 0.1 and m["response_length_max"] > m["response_length_mean"]  # ragged
+    assert m["train/advantage_abs_mean"] > 0.1 and m["rollout/response_length_max"] > m["rollout/response_length_mean"]  # ragged
     variants = {"fixed": ("--micro-batch-size", "2"), "budget": ("--max-tokens-per-micro-batch", "24")}
     for name, extra in variants.items():
         g, sizes, m2 = first_step_gradient(task, tmp_path / name, monkeypatch, "--loss-agg", mode, *extra)
         n = len(sizes)
         assert n > 1, (name, sizes)  # really split
-        assert m2["reward_mean"] == m["reward_mean"]  # the same rollout
+        assert m2["rollout/reward_mean"] == m["rollout/reward_mean"]  # the same rollout
         rel = float((g - whole).norm() / whole.norm())
         assert rel < 1e-5, f"{mode}, {name} ({n} micro-batches): gradient differs by {rel:.2e} (relative)"
 
@@ -126,11 +126,11 @@ def test_builtin_task_runs_in_bf16_and_with_checkpointing(extra, task, tmp_path)
     """Issue 15's two commands on the built-in task: PPO's critic in bf16 (an fp32 value head on a bf16
     body used to crash) and GRPO with checkpointing: both complete with finite metrics."""
     res = train.main(args(task, tmp_path, "--steps", "2", *extra))
-    lines = [m for m in metric_lines(tmp_path) if "loss" in m]
+    lines = [m for m in metric_lines(tmp_path) if "train/loss" in m]
     assert res["step"] == 2 and len(lines) == 2
     assert all(v == v and abs(v) != float("inf") for m in lines for v in m.values() if isinstance(v, float))
     if "ppo" in extra:
-        assert all(m["vf_loss"] > 0 for m in lines)  # the critic trained
+        assert all(m["train/vf_loss"] > 0 for m in lines)  # the critic trained
 
 
 # ----------------------------------------------------------------------------- (2) reward fault totals
@@ -169,7 +169,7 @@ def test_reward_fault_totals_continue_across_resume(task, tmp_path):
     assert expected[1] > 0 and expected[3] > expected[1]  # faults before and after the resume
     lines = metric_lines(out)
     assert [r["step"] for r in lines] == [1, 2, 3, 4]
-    assert [r.get("reward_faults/RuntimeError", 0) for r in lines] == expected
+    assert [r.get("rollout/reward_faults/RuntimeError", 0) for r in lines] == expected
     state = json.load(open(os.path.join(out, "checkpoints", "step_000004", "trainer_state.json")))
     assert state["reward_faults"] == [{"RuntimeError": expected[3]}]
 

@@ -9,8 +9,8 @@
    is a `name` (or `Class.member`) and whose target is a .py file must name something defined in that
    file (def / class / assignment); in-page #anchors of the tour must match one of its headings.
 3. Every numbered concept section has a snippet and a link to the code.
-4. Every metric in the tour's "which metric tells me what" table is really logged: returned by
-   losses.total_loss (checked on its keys), or a quoted string in train.py or nanorl/*.py.
+4. Every metric in the tour's "which metric tells me what" table is really logged: the namespaced
+   name (nanorl/metrics.py) of a losses.total_loss key or of a quoted string in train.py or nanorl/*.py.
 
 Run: python -m pytest tests/test_tour.py -q
 """
@@ -94,6 +94,21 @@ def test_snippet_runs(heading, line, code):
     print(f"{heading}: {time.perf_counter() - start:.2f}s")
 
 
+# The guides beside the tour (docs/extending.md, docs/from-slime-verl.md) are held to the same rule.
+GUIDES = [ROOT / "docs" / "extending.md", ROOT / "docs" / "from-slime-verl.md"]
+GUIDE_BLOCKS = [(doc, *b) for doc in GUIDES for b in python_blocks(doc)]
+
+
+@pytest.mark.parametrize("doc,heading,line,code", GUIDE_BLOCKS,
+                         ids=[f"{d.stem}-line{b[1]}-{github_slug(b[0])[:30]}" for d, *b in GUIDE_BLOCKS])
+def test_guide_snippet_runs(doc, heading, line, code):
+    try:
+        exec(compile("\n" * (line - 1) + code, str(doc), "exec"), {"__name__": "__tour__"})
+    except Exception as e:  # which snippet broke, where (the doc's own line numbers), and why
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        pytest.fail(f"docs/{doc.name} snippet in section '{heading}' (line {line}) failed: {e}\n{tb}", pytrace=False)
+
+
 def test_tour_has_a_snippet_per_concept():
     concepts = [s for s in sections(TOUR) if re.match(r"\d+\. ", s[0])]
     assert len(concepts) >= 15, [c[0] for c in concepts]
@@ -137,7 +152,7 @@ def links(path: Path) -> list[tuple[int, str, str]]:
     return out
 
 
-@pytest.mark.parametrize("doc", [TOUR, README], ids=["tour", "readme"])
+@pytest.mark.parametrize("doc", [TOUR, README, *GUIDES], ids=["tour", "readme", *(g.stem for g in GUIDES)])
 def test_links_resolve(doc):
     anchors = {github_slug(h) for h, _, _ in sections(doc)}
     checked, problems = 0, []
@@ -170,6 +185,7 @@ def test_readme_reaches_the_tour():
 # ----------------------------------------------------------------------------- 4. metric names
 def test_metric_table_names_are_logged():
     from nanorl.losses import LossConfig, total_loss
+    from nanorl.metrics import NAMESPACES, name
 
     text = TOUR.read_text()
     table = text[text.index("## Which metric tells me what"):]
@@ -178,5 +194,12 @@ def test_metric_table_names_are_logged():
     x = torch.zeros(1, 2)
     _, loss_metrics = total_loss(LossConfig(), x, x, x, torch.ones(1, 2), entropy=x, kl=x, rollout_logp=x)
     src = "\n".join(p.read_text() for p in [ROOT / "train.py", *sorted((ROOT / "nanorl").glob("*.py"))])
-    missing = [n for n in names if n not in loss_metrics and f'"{n}"' not in src]
+    # Logged = what nanorl/metrics.py's namespacing makes of a total_loss key or a quoted string of the
+    # code; `<k>` in the table and `{k}` in an f-string are the same placeholder (a string that starts
+    # with one, e.g. f"{k}", names nothing).
+    quoted = [q for q in re.findall(r'"([^"\s<>]+)"', src) if not q.startswith("{")]
+    logged = {re.sub(r"\{[^}]*\}", "<>", name(q)) for q in {*loss_metrics, *quoted}}
+    templates = [re.compile(re.escape(t).replace("<>", r"[\w@./-]+") + "$") for t in logged if "<>" in t]
+    missing = [n for n in names if re.sub(r"<[^>]*>", "<>", n) not in logged and not any(t.match(n) for t in templates)]
     assert not missing, f"metrics in the tour's table that nothing logs: {missing}"
+    assert all(n.startswith(NAMESPACES) for n in names), [n for n in names if not n.startswith(NAMESPACES)]

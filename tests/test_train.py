@@ -56,14 +56,14 @@ def test_every_preset_runs(algo, task_dir, tmp_path):
     res = train.main(args(task_dir, tmp_path, "--algo", algo, *extra))
     assert res["step"] == 2
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    steps = [x for x in lines if "loss" in x]
+    steps = [x for x in lines if "train/loss" in x]
     assert len(steps) == 2 or (filtered and len(steps) >= 1), len(steps)  # a filter that trains on nothing fails
     if filtered:
-        kept = [x["groups_kept_frac"] for x in lines if "groups_kept_frac" in x]
+        kept = [x["rollout/groups_kept_frac"] for x in lines if "rollout/groups_kept_frac" in x]
         assert len(kept) == 2 and max(kept) > 0, kept
     for x in steps:  # every logged number is finite and the phases are timed
         assert all(v == v and abs(v) != float("inf") for v in x.values() if isinstance(v, float))
-        assert {"time/generate", "time/reward", "time/train", "time/sync"} <= set(x)
+        assert {"perf/time/generate", "perf/time/reward", "perf/time/train", "perf/time/sync"} <= set(x)
     assert "accuracy before:" not in json.dumps(lines)  # printed, not logged as text
 
 
@@ -164,7 +164,7 @@ def test_engine_sleeps_through_training_and_wakes_for_the_sync(task_dir, tmp_pat
 
 
 def _metrics(tmp_path):
-    return [x for x in map(json.loads, open(tmp_path / "metrics.jsonl")) if "loss" in x]
+    return [x for x in map(json.loads, open(tmp_path / "metrics.jsonl")) if "train/loss" in x]
 
 
 def _weights(tmp_path):
@@ -183,7 +183,7 @@ def test_kl_in_the_reward_reaches_grpo_and_is_logged(task_dir, tmp_path):
         train.main(args(task_dir, out, "--algo", "grpo", "--kl-in-reward", "--kl-coef", beta, "--threads", "1"))
         runs[beta] = (_metrics(out), _weights(out))
     steps = runs["0.1"][0]
-    assert steps[0]["kl_ref"] == 0.0 and steps[1]["kl_ref"] > 0.0 and steps[1]["kl_loss"] == 0.0
+    assert steps[0]["train/kl_ref"] == 0.0 and steps[1]["train/kl_ref"] > 0.0 and steps[1]["train/kl_loss"] == 0.0
     w_kl, w_0 = runs["0.1"][1], runs["1e-12"][1]
     assert any(not torch.equal(w_kl[k], w_0[k]) for k in w_kl)
 
@@ -195,8 +195,8 @@ def test_kl_target_raises_beta_when_kl_exceeds_it(placement, task_dir, tmp_path)
     train.main(args(task_dir, tmp_path, "--algo", "grpo", "--kl-coef", "0.1", "--kl-target", "1e-9",
                     "--threads", "1", *placement))
     steps = _metrics(tmp_path)
-    assert steps[1]["kl_ref"] > 1e-9
-    assert steps[0]["kl_beta"] < 0.1 and steps[1]["kl_beta"] > steps[0]["kl_beta"]
+    assert steps[1]["train/kl_ref"] > 1e-9
+    assert steps[0]["train/kl_beta"] < 0.1 and steps[1]["train/kl_beta"] > steps[0]["train/kl_beta"]
 
 
 def _otb_by_hand(G, logp, ssq, mask, index):
@@ -266,7 +266,7 @@ def test_off_policy_flags_reach_the_step(task_dir, tmp_path):
         train.main(args(task_dir, out, "--kl-coef", "0.1", "--ppo-epochs", "2", "--tis-cap", "1.5", "--tis-low",
                         "0.5", "--is-level", "sequence", "--opsm-delta", "1e-6", "--threads", "1", *extra))
         steps = _metrics(out)
-        assert {"is_weight_mean", "is_weight_max", "is_clipfrac", "is_ess", "is_ratio_var", "is_ratio_tail",
-                "opsm_maskfrac", "kl_ref"} <= set(steps[0])
-        kl[bool(extra)] = steps[0]["kl_ref"]
+        assert {f"train/{k}" for k in ("is_weight_mean", "is_weight_max", "is_clipfrac", "is_ess", "is_ratio_var",
+                "is_ratio_tail", "opsm_maskfrac", "kl_ref", "mismatch/ratio_ess")} <= set(steps[0])
+        kl[bool(extra)] = steps[0]["train/kl_ref"]
     assert kl[True] != kl[False]
