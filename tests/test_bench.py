@@ -5,6 +5,7 @@ checks inside the bench pass (loop vs chunked GAE, loop vs vectorised group adva
 total_loss), and the figures it reports are self-consistent (order statistics, ratios, shares).
 Run: python -m pytest tests/test_bench.py -q
 """
+import importlib.util
 import json
 import math
 import os
@@ -32,7 +33,10 @@ def test_quick_run_reports_every_entry(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     rows = data["rows"]
-    assert set(bench.Bench.ENTRIES) == ENTRIES and {r["bench"] for r in rows} == ENTRIES
+    # An entry whose optional package is missing is skipped (README install: no vLLM), every other one runs
+    skipped = {n for n, (module, _) in bench.NEEDS.items() if importlib.util.find_spec(module) is None}
+    assert set(data["skipped"]) == skipped and all(f"skipped {n}: needs" in proc.stdout for n in skipped)
+    assert set(bench.Bench.ENTRIES) == ENTRIES and {r["bench"] for r in rows} == ENTRIES - skipped
     assert data["failed"] == []
     assert sum(n.startswith("ok: gae") for n in data["notes"]) == 2  # both lengths checked
     m = data["machine"]
@@ -61,7 +65,7 @@ def test_quick_run_reports_every_entry(tmp_path):
     assert set(ev) == {"1 rank", "2 ranks"} and all(r["median"] > 0 for r in ev.values())
     assert "ok: eval_sharded: 2-rank greedy accuracy == 1-rank" in data["notes"]
     sync = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "weight_sync"}  # 2 models × (time, 2 peaks)
-    assert len(sync) == 6 and all(r.get("peak_mib") is not None for (c, _), r in sync.items() if "peak" in c)
+    assert "weight_sync" in skipped or len(sync) == 6 and all(r.get("peak_mib") is not None for (c, _), r in sync.items() if "peak" in c)
     mem = {r["impl"]: r for r in rows if r["bench"] == "train_memory"}  # 2 × 2 configurations, one case
     assert set(mem) == {f"checkpointing {c}, {layout}" for c in ("off", "on") for layout in ("padded", "packed")}
     assert mem["checkpointing off, padded"]["baseline"] and len({r["case"] for r in mem.values()}) == 1
@@ -115,3 +119,13 @@ def test_table_ratio_is_baseline_over_impl():
             dict(bench="b", case="c", impl="fast", baseline=False, median=0.5, q1=0.4, q3=0.6)]
     text = bench.table(rows)
     assert "4×" in text and "base" in text and rows[1]["speedup"] == 4.0
+
+
+def test_an_entry_without_its_package_is_skipped_and_only_fails_when_asked_for(monkeypatch, capsys):
+    monkeypatch.setitem(bench.NEEDS, "padding", ("no_such_module_nanorl", "pip install no-such-module"))
+    assert bench.missing_dependencies(["gae", "padding"]) == {
+        "padding": "needs no_such_module_nanorl, not installed (install: pip install no-such-module)"}
+    # --only naming it: the run cannot do what was asked, so it says so and exits non-zero
+    assert bench.main(["--quick", "--only", "padding"]) == 1
+    out = capsys.readouterr().out
+    assert "skipped padding: needs no_such_module_nanorl" in out and "cannot run here: padding" in out

