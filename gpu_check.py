@@ -1,25 +1,35 @@
-"""gpu_check.py — nanorl's GPU figures in one short run, printed as one table.
+"""gpu_check.py — the one-shot device check: what a lent GPU machine runs once, in <= 8 minutes.
 
-    python gpu_check.py --json gpu_check.json    # on a CUDA machine (same as: python bench.py --gpu --json ...)
-    python gpu_check.py --smoke                  # tiny sizes, any machine, no CUDA needed (tests/test_gpu_check.py)
+    python gpu_check.py --json gpu_check.json    # one CUDA device (same as: python bench.py --gpu --json ...)
+    python gpu_check.py --smoke                  # every stage at tiny sizes, on a CPU (tests/test_gpu_check.py)
 
-Made for one CUDA device without vLLM, flash-attn or network and with minutes of device time: the model
-is Qwen2.5-0.5B's shape (nanorl/task.py QWEN25_05B, 24 layers) with random weights, built in memory.
-Every section catches its own failure, prints it and goes on (the exit status is 1 if any failed); a
-section still running at its time limit (--section-limit, and the whole run's --budget) is stopped the
-same way. Progress goes to stderr as it happens, the table to stdout at the end (and --json).
+Made for one CUDA device without vLLM, flash-attn or network: models are real shapes with random
+weights built in memory (nanorl/task.py). Stages run in order of value (the first three in ~5 min),
+each under its own time limit; a stage whose dependency is absent is skipped with the reason, a stage
+that raises or runs out of time is a FAIL row, and the next stage runs. Each stage's pass criterion is
+a pure function over the stage's measured results (`crit_*`), so tests feed it planted faults.
 
-1. train step   policy-loss fwd+bwd + clip + AdamW step, bf16 autocast over fp32 master weights, rows of
-                T = 2048 tokens (a quarter prompt, the rest scored response): step time, tokens/s, MFU.
-2. memory       peak memory of that step (added to what was allocated before, and in total) with
-                gradient checkpointing off and on.
-3. logprob      fused log-prob + entropy at N = 8192, H = 896, V = 151936, bf16 inputs: the Triton
-                kernels vs the chunked torch path vs naive materialised log_softmax; forward and backward
-                time, peak memory, max |Δ| of logprobs, entropies and gradients, PASS/FAIL (tolerances printed).
-4. generate     the HF engine's tokens/s, 64 prompts × 128 new tokens, bf16 autocast.
-5. rehearsal    train.main with the README's GPU command line (--engine hf: no vLLM here) on a 4-layer
-                make_real_shape model and its GSM8K-format data, 2 steps: pass/fail, step time.
-6. vLLM         the same rehearsal with --engine vllm, or "vLLM not installed".
+1 step       today's checks: fwd+bwd+clip+AdamW of the 24-layer Qwen2.5-0.5B shape at 4 × 2048 tokens,
+             bf16 autocast over fp32 masters (time, tokens/s, MFU), peak memory with checkpointing off and
+             on, HF-engine generation. Pass: finite loss, finite non-zero gradient norm, checkpointing
+             lowers the peak, every generated row has its full length.
+2 head       the Triton head (nanorl/entropy.py fused_linear_logprobs_entropy) at H 896 / V 151936 and
+             H 3584 / V 152064, N 16384 chunked, bf16 hidden over fp32 master weights, PEAKED logits
+             (random N(0,1) logits over 152k tokens are near-uniform: no real numerics), temperature 0.7,
+             1/16 ignored rows, a KSM support (top-32) on half the rows, Σπ²; against the torch path (same
+             bf16 chunk logits: 1e-3) and an fp32 reference (fp32 matmul; logprob/entropy within one bf16
+             ulp of the largest scaled logit, gradients within 1/32 of the largest); ms and peak MiB.
+3 README     train.py with the README's GPU line (--engine hf) on the 24-layer real shape, 3 steps: every
+             attention call computes in bf16 (the attention interface is hooked), every metric finite,
+             zero reward faults, train/mismatch/ratio_mean within 0.05 of 1 and ratio_ess >= 0.9.
+4 FSDP       torchrun (1 rank, NCCL) train.py --fsdp --dtype bfloat16 on the built-in task: 3 steps
+             saved each step == 2 steps + resume + 1 step, metric by metric (perf/ aside).
+5 async      train.py --async-steps 1 and 3 on the real shape under `ulimit -n 1024`, 2 steps each.
+6 MoE        train.py --routing-replay on a 2-layer Qwen3-30B-A3B shape (128 experts, top 8): the README
+             criteria plus routing/ metrics present (replay mode 3, recorded by the HF engine).
+
+Rewards: --reward math needs math-verify (not on the device image; its wheels travel in a carried folder,
+docs/bench_results.md). Without it stages 3 and 6 are skipped and 5 uses a stand-in reward.
 
 MFU, model FLOPs utilisation (not hardware FLOPs: gradient checkpointing's recompute and the fused head's
 logit recompute are not counted). FLOPs of one step, for `rows` rows of T tokens and S scored tokens:
@@ -27,59 +37,83 @@ logit recompute are not counted). FLOPs of one step, for `rows` rows of T tokens
 N = weights of the transformer blocks' matmuls (non-embedding; biases and norms left out), 6 = 2 (a
 multiply-add) × 3 (forward, and backward's two products); 12·L·d·T per token = QKᵀ and AV (2·2·d·T
 each forward) × 3, L layers, d = heads × head dim, counting the full T×T scores as PaLM does (Chowdhery
-et al. 2022, app. B; a causal kernel computes about half); 6·V·h per scored token = the LM head (V
-vocabulary, h hidden; tied to the embedding, whose lookup is no matmul). MFU = FLOPs / step time / peak,
-peak = the GPU's dense bf16 tensor-core figure from PEAK_BF16 by device name, else "n/a".
+et al. 2022, app. B); 6·V·h per scored token = the LM head. MFU = FLOPs / step time / peak, peak = the
+GPU's dense bf16 tensor-core figure from PEAK_BF16 by device name, else "n/a".
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import gc
 import importlib.util
 import json
 import math
+import os
 import pathlib
+import platform
+import resource
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 
 import torch
 
-import bench  # peak_mib, machine
-import bench_steps  # random_batch, micro_batch_loss
+import bench_steps  # random_batch, micro_batch_loss (never `bench`: bench imports this file)
 from nanorl import batching, entropy, precision
 from nanorl.rollout import HFEngine, SamplingConfig
-from nanorl.task import QWEN25_05B, make_real_shape
+from nanorl.task import (
+    ENDOFTEXT,
+    IM_END,
+    QWEN25_05B,
+    build_real_shape_tokenizer,
+    gsm8k_rows,
+    save_model_dir,
+)
 
+ROOT = pathlib.Path(__file__).resolve().parent
 # Dense bf16 tensor-core peaks (NVIDIA datasheets), matched in order against the device name, case
 # ignored. PCIe / NVL boards have lower clocks and other figures: n/a rather than the SXM number.
 PEAK_BF16 = (("pcie", None), ("nvl", None), ("h100", 989e12), ("h200", 989e12), ("a100", 312e12))
+# Qwen3-30B-A3B's config.json, 2 of its 48 layers
+QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                 num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                 vocab_size=151936, max_position_embeddings=40960, norm_topk_prob=True, rope_theta=1e6,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False, num_hidden_layers=2)
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=2048, num_hidden_layers=2)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    model: dict        # Qwen2Config fields
+    model: dict        # Qwen2Config fields of stage 1's model
     rows: int          # train step: rows × T tokens
     T: int
-    N: int             # logprob: tokens, hidden, vocabulary
-    H: int
-    V: int
     prompts: int       # generate: prompts × new tokens, prompts of prompt_len tokens
     prompt_len: int
     new_tokens: int
-    rehearsal_layers: int
     reps: int          # timed repetitions after one warm-up
+    head: tuple        # ((H, V), ...) of stage 2, N tokens in chunks of `chunk`
+    N: int
+    chunk: int
+    dense: dict        # Qwen2Config fields of stages 3 and 5 (vocabulary: the real one)
+    moe: dict          # Qwen3MoeConfig fields of stage 6
+    max_new_tokens: int  # stage 3 (the README's 1024); stages 5-6 use moe_new_tokens
+    moe_new_tokens: int
 
 
-FULL = Sizes(dict(QWEN25_05B, num_hidden_layers=24), rows=4, T=2048, N=8192, H=896, V=151936,
-             prompts=64, prompt_len=128, new_tokens=128, rehearsal_layers=4, reps=5)
-SMOKE = Sizes(dict(QWEN25_05B, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                   vocab_size=512, num_hidden_layers=2, max_position_embeddings=256),
-              rows=2, T=32, N=64, H=32, V=1000, prompts=4, prompt_len=8, new_tokens=8, rehearsal_layers=2, reps=2)
+FULL = Sizes(dict(QWEN25_05B, num_hidden_layers=24), rows=4, T=2048, prompts=64, prompt_len=128, new_tokens=128,
+             reps=5, head=((896, 151936), (3584, 152064)), N=16384, chunk=2048,
+             dense=dict(QWEN25_05B, num_hidden_layers=24), moe=QWEN3_MOE, max_new_tokens=1024, moe_new_tokens=128)
+SMOKE = Sizes(dict(QWEN25_05B, **TINY, vocab_size=512), rows=2, T=32, prompts=4, prompt_len=8, new_tokens=8,
+              reps=2, head=((32, 151936), (48, 152064)), N=64, chunk=16,
+              dense=dict(QWEN25_05B, **TINY), moe=dict(QWEN3_MOE, **TINY, moe_intermediate_size=16, num_experts=8,
+                                                         num_experts_per_tok=2, head_dim=8),
+              max_new_tokens=8, moe_new_tokens=8)
 
 
 # ----------------------------------------------------------------------------- FLOPs and peaks
@@ -125,35 +159,96 @@ def fmt_s(t: float) -> str:
     return f"{t:.3f} s" if t >= 1 else f"{t * 1e3:.1f} ms"
 
 
+def peak_mib(step, device) -> float | None:
+    """MiB one call of step() adds at its peak (CUDA allocator statistics); None off CUDA."""
+    if torch.device(device).type != "cuda":
+        step()
+        return None
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def machine(device: torch.device) -> dict:
+    import transformers
+    return dict(logical_cpus=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                transformers=transformers.__version__, triton=getattr(entropy.triton, "__version__", None),
+                python=platform.python_version(), device=str(device), load_avg_1m=round(os.getloadavg()[0], 1),
+                gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
+
+
 @dataclasses.dataclass
 class Check:
-    """One run: sizes, device, the rows printed at the end, and the model the sections share."""
+    """One run: sizes, device, the rows printed at the end, and what the stages share (models, dirs)."""
     sizes: Sizes
     device: torch.device
     workdir: str
+    smoke: bool = False
+    deadline: float = math.inf   # time.monotonic() at which the running stage is stopped
     rows: list = dataclasses.field(default_factory=list)
-    failed: list = dataclasses.field(default_factory=list)
     _model: object = None
     _optimizer: object = None
+    _dirs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def threads(self) -> list[str]:
+        return ["--threads", "1"] if self.device.type == "cpu" else []
 
     def row(self, section: str, what: str, value: str, note: str = "", **data):
         self.rows.append(dict(section=section, what=what, value=value, note=note, **data))
         print(f"  {section} | {what} | {value} | {note}", file=sys.stderr, flush=True)
 
+    def reward(self) -> str:
+        """--reward math where math-verify imports, else a stand-in reward file (its values vary)."""
+        if math_reward_or_skip() is None:
+            return "math"
+        path = pathlib.Path(self.workdir, "stand_in_reward.py")
+        path.write_text(STAND_IN_REWARD)
+        return f"{path}:reward"
+
+    def real_format(self, kind: str) -> dict:
+        """A random-init model of the real tokenizer's format ("dense": Qwen2, sizes.dense; "moe":
+        Qwen3-MoE, sizes.moe) saved in bf16 with GSM8K-format data: {"model", "train", "test"}, made once."""
+        if kind in self._dirs:
+            return self._dirs[kind]
+        import transformers
+        from transformers import GenerationConfig
+        out = pathlib.Path(self.workdir, f"real_{kind}")
+        out.mkdir(parents=True, exist_ok=True)
+        rows = gsm8k_rows(72)
+        paths = {"model": str(out / "model"), "train": str(out / "train.jsonl"), "test": str(out / "test.jsonl")}
+        for split, items in (("train", rows[:64]), ("test", rows[64:])):
+            pathlib.Path(paths[split]).write_text("".join(json.dumps(x) + "\n" for x in items))
+        cls = transformers.Qwen2Config if kind == "dense" else transformers.Qwen3MoeConfig
+        config = cls(bos_token_id=ENDOFTEXT, eos_token_id=IM_END, pad_token_id=ENDOFTEXT,
+                     **(self.sizes.dense if kind == "dense" else self.sizes.moe))
+        torch.manual_seed(0)
+        with torch.device(self.device):  # initialised in place: no host copy of GBs of weights
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT, eos_token_id=[IM_END, ENDOFTEXT],
+                                                   pad_token_id=ENDOFTEXT)
+        save_model_dir(model.cpu(), build_real_shape_tokenizer(), paths["model"])
+        del model
+        self._dirs[kind] = paths
+        return paths
+
     def model(self):
-        """The Qwen2.5-0.5B-shaped policy (fp32 master weights, the trainer's attention kernel), built once."""
+        """Stage 1's policy (fp32 master weights, the trainer's attention kernel), built once."""
         if self._model is None:
             from transformers import Qwen2Config, Qwen2ForCausalLM
             torch.manual_seed(0)
-            config = Qwen2Config(**self.sizes.model, attn_implementation=batching.best_attn_implementation())
-            with torch.device(self.device):  # initialised in place: no host copy of 2 GB of weights
+            config = Qwen2Config(**self.sizes.model, attn_implementation=batching.best_attn_implementation(
+                torch.bfloat16))
+            with torch.device(self.device):
                 self._model = Qwen2ForCausalLM(config)
             self._model.config.use_cache = False  # training forwards; the engine asks for its cache itself
             self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=1e-6, betas=(0.9, 0.99))
         return self._model
 
     def train_step(self, checkpointing: bool):
-        """(step function, scored tokens): one rows × T micro-batch, loss → backward → clip → AdamW step."""
+        """(step function, scored tokens, its last {loss, grad_norm}): one rows × T micro-batch, loss →
+        backward → clip → AdamW step."""
         s, model = self.sizes, self.model()
         P = s.T // 4
         batch = bench_steps.random_batch([(P, s.T - P)] * s.rows, model.config.vocab_size, self.device)
@@ -164,177 +259,474 @@ class Check:
         else:
             model.gradient_checkpointing_disable()
         model.train()  # Hugging Face checkpoints only in train mode (dropout is 0 in Qwen2)
+        out = {}
 
         def step():
             with precision.autocast(self.device, torch.bfloat16):
                 loss = bench_steps.micro_batch_loss(model, batch, adv, scored, s.rows)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             self._optimizer.step()
             self._optimizer.zero_grad(set_to_none=True)
-        return step, scored
+            out.update(loss=float(loss), grad_norm=float(norm))
+        return step, scored, out
 
 
-# ----------------------------------------------------------------------------- the sections
-def train_section(c: Check):
-    """1: step time, tokens/s and MFU of the train step, checkpointing off (then only the fused head's
-    logit recompute, 2·V·h per scored token, separates the hardware's FLOPs from the model's)."""
+# ----------------------------------------------------------------------------- pass criteria (pure)
+# Each takes a stage's measured results (plain numbers and dicts) and returns the reasons it fails:
+# [] passes. tests/test_gpu_check.py feeds each one a planted fault.
+MISMATCH_TOL, ESS_MIN = 0.05, 0.9
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def crit_step(r: dict) -> list[str]:
+    """Stage 1: the step computes something, checkpointing saves memory, generation runs to length."""
+    bad = [] if finite(r["loss"]) else [f"loss {r['loss']} not finite"]
+    if not (finite(r["grad_norm"]) and r["grad_norm"] > 0):
+        bad.append(f"gradient norm {r['grad_norm']}: not finite and > 0")
+    if not (finite(r["step_s"]) and r["step_s"] > 0):
+        bad.append(f"step time {r['step_s']}")
+    if r.get("peak_on") is not None and r.get("peak_off") is not None and not r["peak_on"] < r["peak_off"]:
+        bad.append(f"checkpointing on peaks at {r['peak_on']:.0f} MiB, not below off's {r['peak_off']:.0f}")
+    if r["gen_lengths"] != [r["gen_expected"]] * len(r["gen_lengths"]) or not r["gen_lengths"]:
+        bad.append(f"generated lengths {sorted(set(r['gen_lengths']))}, want all {r['gen_expected']}")
+    return bad
+
+
+def crit_head(r: dict) -> list[str]:
+    """Stage 2, one shape: realistic (peaked) logits, the kernel agrees with the torch path and the fp32
+    reference, ignored rows score 0 with zero gradient, supported rows stay inside their support."""
+    bad = []
+    if not r["median_entropy"] <= 0.5 * r["log_v"]:
+        bad.append(f"logits near-uniform: median entropy {r['median_entropy']:.2f} > ½ ln V = {0.5 * r['log_v']:.2f}")
+    for ref, errs in r["errors"].items():
+        for name, err in errs.items():
+            tol = r["tols"][ref][name]
+            if not (finite(err) and err <= tol):
+                bad.append(f"{name} vs {ref}: max|Δ| {err:.2e} > {tol:.2e}")
+    if r["ignored_abs_max"] != 0.0:
+        bad.append(f"ignored rows: max |logprob|, |entropy|, |grad h| = {r['ignored_abs_max']:.2e}, want 0")
+    if not r["support_entropy_max"] <= math.log(r["support_k"]) + 1e-3:
+        bad.append(f"supported rows: entropy {r['support_entropy_max']:.3f} > ln K = {math.log(r['support_k']):.3f}")
+    return bad
+
+
+def step_rows(lines: list[dict]) -> dict[int, dict]:
+    """metrics.jsonl lines → {step: metrics} of the training steps (lines with a train/ metric)."""
+    out = {}
+    for x in lines:
+        if any(k.startswith("train/") for k in x):
+            out.setdefault(x["step"], {}).update(x)
+    return out
+
+
+def crit_run(r: dict) -> list[str]:
+    """Stages 3, 5, 6: a train.py run finished its steps, every number finite, no reward fault, trainer
+    and engine agree (train/mismatch/*); with `attn` (a {dtype: calls} audit) every attention call in
+    bf16; with `need` every named metric logged on every step."""
+    bad = [] if r.get("rc", 0) == 0 else [f"exit status {r['rc']}: {r.get('error', '')[-300:]}"]
+    steps = r["steps"]
+    if sorted(steps) != list(range(1, r["want_steps"] + 1)):
+        bad.append(f"steps logged {sorted(steps)}, want 1..{r['want_steps']}")
+    for s, m in sorted(steps.items()):
+        nan = [k for k, v in m.items() if isinstance(v, float) and not math.isfinite(v)]
+        faults = {k: v for k, v in m.items() if "reward_faults/" in k and v}
+        if nan:
+            bad.append(f"step {s}: not finite: {nan[:5]}")
+        if faults:
+            bad.append(f"step {s}: reward faults {faults}")
+        mean, ess = m.get("train/mismatch/ratio_mean"), m.get("train/mismatch/ratio_ess")
+        if not (finite(mean) and abs(mean - 1) <= MISMATCH_TOL and finite(ess) and ess >= ESS_MIN):
+            bad.append(f"step {s}: mismatch ratio_mean {mean}, ess {ess} (want |mean − 1| <= {MISMATCH_TOL}, "
+                       f"ess >= {ESS_MIN})")
+        missing = [k for k in r.get("need", ()) if k not in m]
+        if missing:
+            bad.append(f"step {s}: missing {missing}")
+    if "attn" in r:
+        calls = r["attn"]
+        if not calls:
+            bad.append("attention audit: no attention call seen (not dispatched through AttentionInterface)")
+        elif set(calls) != {"torch.bfloat16"}:
+            bad.append(f"attention audit: calls by compute dtype {dict(calls)}, want bf16 only")
+    return bad
+
+
+def crit_resume(r: dict) -> list[str]:
+    """Stage 4: the resumed run's last step equals the uninterrupted run's, metric by metric (perf/
+    aside: the machine, not the math), within rel_tol; both runs exited 0."""
+    bad = [f"{k} exit status {rc}" for k, rc in r["rc"].items() if rc != 0]
+    a, b = r["first"], r["again"]
+    if not a or a.keys() - {"step"} != b.keys() - {"step"} and not bad:
+        bad.append(f"resumed step logs other metrics: {sorted(a.keys() ^ b.keys())[:5]}")
+    for k, v in a.items():
+        w = b.get(k)
+        if k.startswith("perf/") or not isinstance(v, (int, float)) or w is None:
+            continue
+        if not abs(v - w) <= r["rel_tol"] * max(abs(v), abs(w), 1e-12):
+            bad.append(f"resume mismatch {k}: {v!r} vs {w!r}")
+    if not r.get("resumed"):
+        bad.append("the second run did not resume from the step-2 checkpoint")
+    return bad
+
+
+# ----------------------------------------------------------------------------- stage 1: today's checks
+def step_stage(c: Check) -> dict:
+    """Step time, tokens/s and MFU (checkpointing off), peak memory off and on, HF-engine generation."""
     s = c.sizes
-    step, scored = c.train_step(checkpointing=False)
+    step, scored, out = c.train_step(checkpointing=False)
     t = statistics.median(seconds(step, s.reps, c.device))
     flops = step_flops(c.model(), s.rows, s.T, scored)
     name = torch.cuda.get_device_name(c.device) if c.device.type == "cuda" else "cpu"
     peak = peak_bf16(name) if c.device.type == "cuda" else None
-    what = f"{s.model['num_hidden_layers']}-layer Qwen2.5-0.5B shape, {s.rows}×{s.T} tokens, bf16 autocast"
-    c.row("1 train step", what, fmt_s(t), f"{s.rows * s.T / t:.0f} tok/s, median of {s.reps}", seconds=t,
-          tokens_per_s=s.rows * s.T / t)
     mfu = flops / t / peak if peak else None
-    c.row("1 train step", "MFU", f"{100 * mfu:.1f}%" if mfu else "n/a",
-          f"{flops / 1e12:.2f} TFLOP/step (6·N·tokens + 12·L·d·T·tokens + 6·V·h·scored, N = "
-          f"{block_matmul_params(c.model()) / 1e6:.1f}M), peak {f'{peak / 1e12:.0f} TFLOP/s' if peak else 'unknown'}"
-          f" ({name})", mfu=mfu, flops=flops, peak_flops=peak)
-
-
-def memory_section(c: Check):
-    """2: peak memory of the train step, gradient checkpointing off and on."""
+    c.row("1 step", f"{s.model['num_hidden_layers']}-layer Qwen2.5-0.5B shape, {s.rows}×{s.T}, bf16 autocast",
+          fmt_s(t), f"{s.rows * s.T / t:.0f} tok/s, MFU {f'{100 * mfu:.1f}%' if mfu else 'n/a'} ({name}, "
+          f"{flops / 1e12:.2f} TFLOP/step)", seconds=t, tokens_per_s=s.rows * s.T / t, mfu=mfu, flops=flops)
+    r = dict(loss=out["loss"], grad_norm=out["grad_norm"], step_s=t)
     for ckpt in (False, True):
-        step, _ = c.train_step(checkpointing=ckpt)
-        step()  # warm-up: the optimizer state exists from here on, as in a run
-        added = bench.peak_mib(step, c.device)
-        total = torch.cuda.max_memory_allocated(c.device) / 2**20 if c.device.type == "cuda" else None
-        t = statistics.median(seconds(step, 2, c.device))  # checkpointing on: + one forward of recompute
-        c.row("2 memory", f"train step, checkpointing {'on' if ckpt else 'off'}",
-              "n/a" if added is None else f"{added:.0f} MiB added",
-              (f"{total:.0f} MiB allocated at the peak, " if total else "") + f"step {fmt_s(t)}",
-              peak_added_mib=added, peak_total_mib=total, seconds=t)
-
-
-def logprob_section(c: Check):
-    """3: Triton vs torch vs naive log-prob + entropy, bf16 inputs, forward and backward."""
-    s, dev = c.sizes, c.device
+        step, _, _ = c.train_step(checkpointing=ckpt)
+        step()  # the optimizer state exists from here on, as in a run
+        r["peak_on" if ckpt else "peak_off"] = mib = peak_mib(step, c.device)
+        c.row("1 step", f"peak memory, checkpointing {'on' if ckpt else 'off'}",
+              "n/a (no CUDA)" if mib is None else f"{mib:.0f} MiB added", peak_mib=mib)
+    engine = HFEngine(c.model(), pad_id=0, compute_dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    h = torch.randn(s.N, s.H, generator=g).to(dev, torch.bfloat16).requires_grad_()           # [N, H]
-    w = (torch.randn(s.V, s.H, generator=g) * s.H ** -0.5).to(dev, torch.bfloat16).requires_grad_()  # [V, H]
-    y = torch.randint(s.V, (s.N,), generator=g).to(dev)                                         # [N]
-    impls = {"naive": lambda: entropy.naive_logprobs_entropy(h @ w.T, y),  # [N, V] logits, fp32 softmax
-             "torch": lambda: entropy.fused_linear_logprobs_entropy(h, w, y, backend="torch")}
-    if dev.type == "cuda" or entropy.TRITON_INTERPRETED:
-        impls["triton"] = lambda: entropy.fused_linear_logprobs_entropy(h, w, y, backend="triton")
-    else:
-        c.row("3 logprob", "triton", "skipped: no CUDA")
-    backward = lambda out: torch.autograd.grad(out[0].sum() + 0.1 * out[1].sum(), [h, w])  # noqa: E731
-    values = {}
-    for name, fwd in impls.items():
-        out = fwd()
-        values[name] = [out[0].detach(), out[1].detach(), *backward(out)]  # logprob, entropy, grad h, grad w
-        fwd_t, bwd_t = [], []
-        for _ in range(s.reps):
-            sync(dev)
-            t0 = time.perf_counter()
-            out = fwd()
-            sync(dev)
-            t1 = time.perf_counter()
-            backward(out)
-            sync(dev)
-            fwd_t.append(t1 - t0)
-            bwd_t.append(time.perf_counter() - t1)
-        peak = bench.peak_mib(lambda: backward(fwd()), dev)
-        f, b = statistics.median(fwd_t), statistics.median(bwd_t)
-        c.row("3 logprob", f"{name} N={s.N} H={s.H} V={s.V}", f"fwd {fmt_s(f)}, bwd {fmt_s(b)}",
-              "peak n/a" if peak is None else f"peak {peak:.0f} MiB (fwd+bwd)", fwd_s=f, bwd_s=b, peak_mib=peak)
-    # Tolerances. The fused paths share their bf16 logits chunk by chunk, so only fp32 row arithmetic
-    # separates them; naive's one big matmul may round a logit 1 bf16 ulp differently, which moves a
-    # logprob by up to that ulp: 2 ulps of the largest logit. Gradients leave in bf16 (8 bits), and
-    # the fused head's grad accumulates chunk by chunk in bf16: max |Δ| within 1/32 of max |grad|.
-    wf = w.detach().float()
-    top = max(float((h[i:i + 1024].detach().float() @ wf.T).abs().max()) for i in range(0, s.N, 1024))
-    ulp = 2.0 ** (math.floor(math.log2(max(top, 1e-3))) - 7)
-    pairs = [(a, b) for a, b in (("triton", "torch"), ("triton", "naive"), ("torch", "naive")) if a in values]
-    for a, b in pairs:
-        tol = 1e-3 if b == "torch" else 2 * ulp
-        d = [float((x.float() - y.float()).abs().max()) for x, y in zip(values[a], values[b])]
-        rel = [d[k] / max(float(values[b][k].float().abs().max()), 1e-30) for k in (2, 3)]
-        ok = d[0] <= tol and d[1] <= tol and max(rel) <= 1 / 32
-        c.row("3 logprob", f"{a} vs {b}", "PASS" if ok else "FAIL",
-              f"max|Δ| logprob {d[0]:.1e}, entropy {d[1]:.1e} (tol {tol:.1e}); grad h {rel[0]:.1e}, "
-              f"grad w {rel[1]:.1e} of max|grad| (tol {1 / 32:.1e})", ok=ok, max_abs=d, grad_rel=rel, tol=tol)
-        if not ok:
-            c.failed.append(f"3 logprob: {a} vs {b} disagree")
-
-
-def generate_section(c: Check):
-    """4: HF engine generation throughput (no stop token: every row runs the full length)."""
-    s, model = c.sizes, c.model()
-    engine = HFEngine(model, pad_id=0, compute_dtype=torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, model.config.vocab_size, (s.prompts, s.prompt_len), generator=g).tolist()
+    prompts = torch.randint(1, c.model().config.vocab_size, (s.prompts, s.prompt_len), generator=g).tolist()
     sp = SamplingConfig(max_new_tokens=s.new_tokens, stop_token_ids=(), seed=0)
-    t = statistics.median(seconds(lambda: engine.generate(prompts, 1, sp), 1, c.device))
-    c.row("4 generate", f"HF engine, {s.prompts} prompts × {s.new_tokens} new tokens (prompt {s.prompt_len})",
-          f"{s.prompts * s.new_tokens / t:.0f} tok/s", f"{fmt_s(t)} per call, bf16 autocast, KV cache",
-          tokens_per_s=s.prompts * s.new_tokens / t)
+    t0 = time.perf_counter()
+    samples = engine.generate(prompts, 1, sp)
+    sync(c.device)
+    t = time.perf_counter() - t0
+    c.row("1 step", f"HF engine, {s.prompts} prompts × {s.new_tokens} new tokens", f"{s.prompts * s.new_tokens / t:.0f}"
+          " tok/s", f"{fmt_s(t)} per call (first call, bf16 autocast)", tokens_per_s=s.prompts * s.new_tokens / t)
+    r.update(gen_lengths=[len(x.response_ids) for x in samples], gen_expected=s.new_tokens)
+    return r
 
 
+# ----------------------------------------------------------------------------- stage 2: the Triton head
+def peaked_head(N: int, H: int, V: int, device, seed: int = 0):
+    """hidden [N, H] bf16 and fp32 master weight [V, H] whose logits are peaked as a trained LM's: per
+    row a Gaussian with std 1.5–9 (N(0,1) logits over 152k tokens have entropy ≈ ln V − ½: uniform)."""
+    g = torch.Generator().manual_seed(seed)
+    spread = 1.5 + 7.5 * torch.rand(N, 1, generator=g)                                   # [N, 1]
+    h = (torch.randn(N, H, generator=g) * spread).to(device, torch.bfloat16)              # [N, H]
+    w = (torch.randn(V, H, generator=g) * H ** -0.5).to(device)                          # [V, H]
+    return h, w
+
+
+def fp32_rows(h, w, targets, temperature, support, chunk):
+    """The fp32 reference over row chunks: fp32 matmul at full precision (no TF32), naive log_softmax;
+    returns (lp, ent, sq, grad h, grad w) of Σ lp + 0.1 Σ ent, and each row's largest |logit|."""
+    outs, gh, gw = [], [], torch.zeros_like(w)
+    wf = w.detach().float().requires_grad_()
+    for a in range(0, h.shape[0], chunk):
+        hc = h[a:a + chunk].detach().float().requires_grad_()
+        x = hc @ wf.T                                                                     # [chunk, V]
+        sup = None if support is None else support[a:a + chunk]
+        lp, ent, sq = entropy.naive_logprobs_entropy(x, targets[a:a + chunk], temperature, sup, sum_sq=True)
+        dh, dw = torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), [hc, wf])
+        outs.append((lp.detach(), ent.detach(), sq, x.detach().abs().amax(1)))
+        gh.append(dh)
+        gw += dw
+    cat = [torch.cat(x) for x in zip(*outs)]
+    return cat[0], cat[1], cat[2], torch.cat(gh), gw, cat[3]
+
+
+@contextlib.contextmanager
+def full_fp32():
+    """fp32 matmuls at full precision inside (setup_device turned TF32 on, as train.py does)."""
+    was = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(was)
+
+
+def head_inputs(h, w, temperature: float, K: int, chunk: int, seed: int = 0):
+    """targets [N] drawn from softmax(logits / T) (on its top-K support in odd rows: KSM), every 16th
+    row ignored (-100); support [N, K] of the odd rows' top-K ids, -1 (the full vocabulary) elsewhere."""
+    g = torch.Generator(h.device).manual_seed(seed)
+    targets, support = [], []
+    with torch.no_grad(), full_fp32():
+        for a in range(0, h.shape[0], chunk):
+            z = (h[a:a + chunk].float() @ w.T) / temperature                            # [chunk, V]
+            top = z.topk(K, dim=1).indices                                               # [chunk, K]
+            odd = (torch.arange(a, a + z.shape[0], device=z.device) % 2 == 1)[:, None]  # [chunk, 1]
+            keep = torch.zeros_like(z, dtype=torch.bool).scatter_(1, top, True) | ~odd
+            y = torch.multinomial(torch.softmax(z.masked_fill(~keep, float("-inf")), 1), 1, generator=g)[:, 0]
+            targets.append(y)
+            support.append(torch.where(odd, top, -1))
+    targets, support = torch.cat(targets), torch.cat(support)                            # [N], [N, K]
+    targets[::16] = -100
+    return targets, support
+
+
+def head_case(c: Check, H: int, V: int, backend: str) -> dict:
+    """One shape of stage 2: the kernel vs the torch path vs the fp32 reference, time and peak memory."""
+    s, dev, T, K = c.sizes, c.device, 0.7, 32
+    h, w = peaked_head(s.N, H, V, dev)
+    targets, support = head_inputs(h, w, T, K, s.chunk)
+    h.requires_grad_()
+    w.requires_grad_()
+    paths = {"kernel": backend, "torch": "torch"} if backend != "torch" else {"kernel": "torch"}
+    got, times = {}, {}
+    for name, b in paths.items():
+        def fwd(b=b):
+            return entropy.fused_linear_logprobs_entropy(h, w, targets, T, support, chunk_size=s.chunk,
+                                                         backend=b, sum_sq=True)
+
+        def bwd(out):
+            return torch.autograd.grad(out[0].sum() + 0.1 * out[1].sum(), [h, w])
+        out = fwd()
+        got[name] = [out[0].detach(), out[1].detach(), out[2], *bwd(out)]
+        f = statistics.median(seconds(fwd, 2, dev))
+        b_ = statistics.median(seconds(lambda: bwd(fwd()), 2, dev)) - f
+        times[name] = dict(fwd_ms=1e3 * f, bwd_ms=1e3 * b_, peak_mib=peak_mib(lambda: bwd(fwd()), dev))
+        del out
+    with full_fp32():
+        ref = fp32_rows(h, w, targets, T, support, s.chunk)
+        # the kernel on fp32 inputs (the --fp32-lm-head path), no TF32: only row arithmetic differs
+        hf = h.detach().float().requires_grad_()
+        out = entropy.fused_linear_logprobs_entropy(hf, w, targets, T, support, chunk_size=s.chunk,
+                                                    backend=backend, sum_sq=True)
+        got["fp32 kernel"] = [out[0].detach(), out[1].detach(), out[2],
+                              *torch.autograd.grad(out[0].sum() + 0.1 * out[1].sum(), [hf, w])]
+        del out
+    lp, ent, _, gh, _ = got["kernel"]
+    live = targets != -100
+
+    def maxerr(xs, ys):
+        """max|Δ| per output: absolute for logprob and entropy, relative to the row for Σπ², relative
+        to the largest value for the gradients."""
+        d = [(a.float() - b.float()).abs() for a, b in zip(xs, ys)]
+        return {"logprob": float(d[0][live].max()), "entropy": float(d[1][live].max()),
+                "sum_sq": float((d[2][live] / ys[2][live].clamp_min(1e-12)).max()),
+                "grad_h": float(d[3].max() / ys[3].abs().max()), "grad_w": float(d[4].max() / ys[4].abs().max())}
+    # bf16 run vs fp32: the kernel's logits are bf16 (each rounded by <= ½ ulp), so a logprob or an
+    # entropy may move by about one bf16 ulp of the largest scaled logit, Σπ² by that relatively, and
+    # gradients leave in bf16 from bf16 logits: a loose bound that catches only gross errors.
+    ulp = 2.0 ** (math.floor(math.log2(float(ref[5].max()) / T)) - 7)
+    errors = {"fp32 kernel vs fp32": maxerr(got["fp32 kernel"], ref), "bf16 vs fp32": maxerr(got["kernel"], ref)}
+    tols = {"fp32 kernel vs fp32": dict(logprob=5e-4, entropy=5e-4, sum_sq=5e-4, grad_h=1e-3, grad_w=1e-3),
+            "bf16 vs fp32": dict(logprob=ulp, entropy=ulp, sum_sq=2 * ulp, grad_h=1 / 8, grad_w=1 / 8)}
+    if "torch" in got:  # same bf16 chunk logits: only fp32 row arithmetic differs
+        errors["bf16 vs torch path"] = maxerr(got["kernel"], got["torch"])
+        tols["bf16 vs torch path"] = dict(logprob=1e-3, entropy=1e-3, sum_sq=1e-3, grad_h=1 / 64, grad_w=1 / 64)
+    ign = targets == -100
+    full = (support < 0).all(1) & ~ign
+    r = dict(H=H, V=V, N=s.N, backend=backend, log_v=math.log(V), median_entropy=float(ref[1][full].median()),
+             errors=errors, tols=tols, support_k=K, times=times,
+             ignored_abs_max=float(max(lp[ign].abs().max(), ent[ign].abs().max(), gh[ign].abs().max())),
+             support_entropy_max=float(ent[(support >= 0).any(1) & ~ign].max()))
+    t = times["kernel"]
+    c.row("2 head", f"{backend} N={s.N} H={H} V={V}, T {T}, chunk {s.chunk}", f"fwd {t['fwd_ms']:.1f} ms, "
+          f"bwd {t['bwd_ms']:.1f} ms", f"peak {t['peak_mib']:.0f} MiB" if t["peak_mib"] is not None else
+          "peak n/a", **t)
+    for ref_name, errs in errors.items():
+        c.row("2 head", f"H={H} V={V} {ref_name}", ", ".join(f"{n} {v:.1e}" for n, v in errs.items()),
+              f"tol {', '.join(f'{v:.0e}' for v in tols[ref_name].values())}", max_abs=errs, tol=tols[ref_name])
+    c.row("2 head", f"H={H} V={V} logits", f"median entropy {r['median_entropy']:.2f} nats",
+          f"ln V = {math.log(V):.2f}: peaked (want <= ½ ln V)")
+    return r
+
+
+def head_stage(c: Check) -> dict:
+    backend = "triton" if c.device.type == "cuda" or entropy.TRITON_INTERPRETED else "torch"
+    if backend == "torch":
+        c.row("2 head", "backend", "torch", "no CUDA: the torch path stands in for the kernel (smoke)")
+    return {f"H{H}_V{V}": head_case(c, H, V, backend) for H, V in c.sizes.head}
+
+
+def crit_heads(r: dict) -> list[str]:
+    return [f"{k}: {why}" for k, case in r.items() for why in crit_head(case)]
+
+
+# ----------------------------------------------------------------------------- stages 3-6: train.py runs
 PROMPT_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."  # README's
+STAND_IN_REWARD = "def reward(prompt, response, label):\n    return float(len(response) % 3 == 0)\n"
 
 
-def rehearsal_argv(paths: dict, out_dir: str, engine: str, max_new_tokens: int = 1024) -> list[str]:
+def rehearsal_argv(paths: dict, out_dir: str, engine: str, max_new_tokens: int = 1024, steps: int = 3,
+                   reward: str = "math") -> list[str]:
     """README's GPU command line (--algo grpo ... --reward math --max-new-tokens 1024 --dtype bfloat16;
-    tests/test_gpu_check.py compares) on make_real_shape's model and GSM8K-format data, 2 steps of 4 × 4."""
+    tests/test_gpu_check.py compares) on a real-shape model and GSM8K-format data, `steps` steps of 4 × 4."""
     return ["--algo", "grpo", "--model", paths["model"], "--train-data", paths["train"], "--test-data",
             f"gsm8k={paths['test']}", "--input-key", "question,problem", "--label-key", "answer", "--prompt-template",
-            PROMPT_TEMPLATE, "--reward", "math", "--engine", engine,
-            "--max-new-tokens", str(max_new_tokens), "--dtype", "bfloat16", "--steps", "2",
+            PROMPT_TEMPLATE, "--reward", reward, "--engine", engine,
+            "--max-new-tokens", str(max_new_tokens), "--dtype", "bfloat16", "--steps", str(steps),
             "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-limit", "4", "--out-dir", out_dir,
             "--quiet"]
 
 
-def run_rehearsal(c: Check, section: str, engine: str):
-    import train
-    paths = make_real_shape(pathlib.Path(c.workdir, "real_shape").as_posix(), layers=c.sizes.rehearsal_layers)
-    argv = rehearsal_argv(paths, pathlib.Path(c.workdir, f"run_{engine}").as_posix(), engine)
-    t = time.perf_counter()
-    out = train.main(argv)
-    took, last = time.perf_counter() - t, out["last"]
-    ok = out["step"] == 2 and "perf/time/step" in last and all(math.isfinite(v) for v in last.values()
-                                                          if isinstance(v, float))
-    what = f"train.py README GPU flags, --engine {engine}, {c.sizes.rehearsal_layers}-layer real shape"
-    c.row(section, what,
-          "pass" if ok else "FAIL", f"{out['step']} steps, last step {fmt_s(last.get('perf/time/step', float('nan')))},"
-          f" whole run {fmt_s(took)}", ok=ok, step_s=last.get("perf/time/step"), argv=argv)
-    if not ok:
-        c.failed.append(f"{section}: the run did not finish 2 finite steps")
+@contextlib.contextmanager
+def attention_audit():
+    """Count every attention call transformers dispatches (AttentionInterface's global mapping: sdpa,
+    flash, flex) by the dtype it computes in: autocast's when autocast is on for the query's device
+    (sdpa runs in it; the flash path casts to it), else the query's. Yields the Counter."""
+    from transformers.modeling_utils import AttentionInterface
+    mapping, calls = AttentionInterface._global_mapping, collections.Counter()
+    saved = dict(mapping)
 
-
-def rehearsal_section(c: Check):
-    """5: the real-shape rehearsal with the HF engine."""
-    if c.device.type != "cuda":
-        return c.row("5 rehearsal", "train.py README GPU flags", "skipped: no CUDA")
-    run_rehearsal(c, "5 rehearsal", "hf")
-
-
-def vllm_section(c: Check):
-    """6: vLLM, if it is installed (this check is meant to pass without it)."""
-    if importlib.util.find_spec("vllm") is None:
-        return c.row("6 vLLM", "import vllm", "vLLM not installed")
-    if c.device.type != "cuda":
-        return c.row("6 vLLM", "rehearsal --engine vllm", "skipped: no CUDA")
+    def wrapped(fn):
+        def audited(module, query, *args, **kwargs):
+            kind = query.device.type
+            on = torch.is_autocast_enabled(kind)
+            calls[str(torch.get_autocast_dtype(kind) if on else query.dtype)] += 1
+            return fn(module, query, *args, **kwargs)
+        return audited
+    mapping.update({k: wrapped(f) for k, f in saved.items()})
     try:
-        import vllm
-    except ImportError as e:  # installed but broken (e.g. built for another torch): a finding, not a crash
-        return c.row("6 vLLM", "import vllm", "vLLM not installed", f"import failed: {e}")
-    c.row("6 vLLM", "import vllm", vllm.__version__)
-    run_rehearsal(c, "6 vLLM", "vllm")
+        yield calls
+    finally:
+        mapping.update(saved)
 
 
-SECTIONS = {"1 train step": train_section, "2 memory": memory_section, "3 logprob": logprob_section,
-            "4 generate": generate_section, "5 rehearsal": rehearsal_section, "6 vLLM": vllm_section}
+def math_reward_or_skip() -> str | None:
+    if importlib.util.find_spec("math_verify") is None:
+        return ("math-verify not installed (--reward math): pip install --no-index --find-links wheels "
+                "math-verify, see docs/bench_results.md")
+    return None
+
+
+def read_steps(out_dir: str) -> dict[int, dict]:
+    path = pathlib.Path(out_dir, "metrics.jsonl")
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return step_rows(lines)
+
+
+def train_in_process(argv: list[str]) -> dict:
+    """train.main(argv) here (so the attention hook sees its forwards); rc 1 and the error if it raises."""
+    import train
+    try:
+        out = train.main(argv)
+        return dict(rc=0 if out["step"] else 1, error="")
+    except Exception as e:  # noqa: BLE001  (a finding of the stage, reported by crit_run)
+        return dict(rc=1, error=f"{type(e).__name__}: {e}")
+
+
+def train_subprocess(c: Check, argv: list[str], nofile: int | None = None, torchrun: bool = False) -> dict:
+    """train.py argv in a fresh process (a process group of its own; `nofile`: RLIMIT_NOFILE's soft limit,
+    as `ulimit -n` sets it), within the stage's time left."""
+    cmd = [sys.executable] + (["-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port",
+                               str(29600 + os.getpid() % 300)] if torchrun else []) + ["train.py", *argv]
+    limit = None if nofile is None else (lambda: resource.setrlimit(
+        resource.RLIMIT_NOFILE, (min(nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1]),) * 2))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, preexec_fn=limit,
+                          timeout=max(10, c.deadline - time.monotonic()))
+    return dict(rc=proc.returncode, error=(proc.stderr or proc.stdout)[-2000:], stdout=proc.stdout)
+
+
+def readme_stage(c: Check) -> dict:
+    """3: the README GPU line, HF engine, 3 steps, attention calls audited."""
+    out = pathlib.Path(c.workdir, "run_readme").as_posix()
+    argv = rehearsal_argv(c.real_format("dense"), out, "hf", c.sizes.max_new_tokens)
+    with attention_audit() as calls:
+        t = time.perf_counter()
+        r = train_in_process(argv + c.threads)
+        took = time.perf_counter() - t
+    r.update(steps=read_steps(out), want_steps=3, attn=dict(calls))
+    last = r["steps"].get(3, {})
+    c.row("3 README", f"train.py README GPU line, --engine hf, {c.sizes.dense['num_hidden_layers']}-layer real shape",
+          f"{fmt_s(last.get('perf/time/step', float('nan')))} last step", f"whole run {fmt_s(took)}; attention "
+          f"calls {dict(calls)}; mismatch ratio_mean {last.get('train/mismatch/ratio_mean')}", argv=argv)
+    return r
+
+
+def fsdp_stage(c: Check) -> dict:
+    """4: one FSDP2 rank (NCCL on CUDA, gloo on CPU): 3 steps saved each step == 2 + resume + 1."""
+    out = pathlib.Path(c.workdir, "run_fsdp")
+    argv = ["--fsdp", "--dtype", "bfloat16", "--steps", "3", "--save-every", "1", "--prompts-per-step", "8",
+            "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8", "--quiet", "--out-dir", str(out), *c.threads]
+    first = train_subprocess(c, argv, torchrun=True)
+    done = read_steps(out)
+    import shutil
+    shutil.rmtree(out / "checkpoints" / "step_000003", ignore_errors=True)
+    again = train_subprocess(c, argv + ["--resume", "latest"], torchrun=True)
+    redone = read_steps(out)
+    # CUDA kernels may reorder sums between two processes (atomics in backward): a relative 1e-4
+    r = dict(rc={"first": first["rc"], "resumed": again["rc"]}, first=done.get(3, {}), again=redone.get(3, {}),
+             rel_tol=0.0 if c.device.type == "cpu" else 1e-4, resumed="at step 2" in again["stdout"],
+             error=first["error"] if first["rc"] else again["error"])
+    c.row("4 FSDP", "torchrun 1 rank, --fsdp bf16, built-in task: 3 steps vs 2 + resume + 1",
+          f"exit {first['rc']}, {again['rc']}", f"{len(r['first'])} metrics at step 3")
+    return r
+
+
+def async_stage(c: Check) -> dict:
+    """5: --async-steps 1 and 3 on the real shape under ulimit -n 1024."""
+    res = {}
+    for K in (1, 3):
+        out = pathlib.Path(c.workdir, f"run_async{K}").as_posix()
+        argv = rehearsal_argv(c.real_format("dense"), out, "hf", c.sizes.moe_new_tokens, steps=2,
+                              reward=c.reward()) + ["--async-steps", str(K), *c.threads]
+        r = train_subprocess(c, argv, nofile=1024)
+        r.update(steps=read_steps(out), want_steps=2)
+        res[f"K{K}"] = r
+        c.row("5 async", f"--async-steps {K}, ulimit -n 1024, {c.sizes.dense['num_hidden_layers']}-layer real shape",
+              f"exit {r['rc']}", f"{len(r['steps'])} steps; reward {c.reward()}")
+    return res
+
+
+def crit_async(r: dict) -> list[str]:
+    return [f"{k}: {why}" for k, run in r.items() for why in crit_run(run)]
+
+
+def moe_stage(c: Check) -> dict:
+    """6: --routing-replay on a Qwen3-MoE shape, HF engine (records routing: R3), attention audited."""
+    out = pathlib.Path(c.workdir, "run_moe").as_posix()
+    argv = rehearsal_argv(c.real_format("moe"), out, "hf", c.sizes.moe_new_tokens, steps=2) + [
+        "--routing-replay", *c.threads]
+    with attention_audit() as calls:
+        r = train_in_process(argv)
+    r.update(steps=read_steps(out), want_steps=2, attn=dict(calls), need=("routing/disagreement",))
+    last = r["steps"].get(2, {})
+    c.row("6 MoE", f"--routing-replay, {c.sizes.moe['num_experts']} experts top {c.sizes.moe['num_experts_per_tok']}",
+          f"replay mode {last.get('routing/replay_mode')}", f"disagreement {last.get('routing/disagreement')}, "
+          f"attention calls {dict(calls)}")
+    return r
+
+
+def need_math() -> str | None:
+    return math_reward_or_skip()
+
+
+def need_fsdp() -> str | None:
+    import torch.distributed as dist
+    if not dist.is_available():
+        return "torch.distributed not available"
+    if torch.cuda.is_available() and not dist.is_nccl_available():
+        return "NCCL not available"
+    return None
+
+
+def need_moe() -> str | None:
+    import transformers
+    return None if hasattr(transformers, "Qwen3MoeConfig") else "transformers has no Qwen3MoeConfig"
+
+
+def need_math_moe() -> str | None:
+    return need_moe() or need_math()
+
+
+# (label, stage, criterion, time limit in s on the device, dependency check → skip reason or None)
+STAGES = (("1 step", step_stage, crit_step, 100, None),
+          ("2 head", head_stage, crit_heads, 70, None),
+          ("3 README", readme_stage, crit_run, 150, need_math),
+          ("4 FSDP", fsdp_stage, crit_resume, 60, need_fsdp),
+          ("5 async", async_stage, crit_async, 60, None),
+          ("6 MoE", moe_stage, crit_run, 60, need_math_moe))
 
 
 # ----------------------------------------------------------------------------- running and reporting
 @contextlib.contextmanager
 def time_limit(limit: int):
-    """Raise TimeoutError in the running section after `limit` seconds (SIGALRM: main thread, Unix)."""
+    """Raise TimeoutError in the running stage after `limit` seconds (SIGALRM: main thread, Unix)."""
     def stop(signum, frame):
         raise TimeoutError(f"still running after {limit} s")
     previous = signal.signal(signal.SIGALRM, stop)
@@ -354,44 +746,63 @@ def table(rows: list) -> str:
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
 
 
+def run_stage(c: Check, label: str, stage, criterion, limit: int, need) -> dict:
+    """One stage: skipped with its reason, or run under its limit and judged by its criterion."""
+    why = None if c.device.type == "cuda" or c.smoke else "no CUDA (use --smoke on a CPU)"
+    why = why or (need() if need else None)
+    if why:
+        c.row(label, "stage", "SKIP", why)
+        return dict(status="skip", reasons=[why])
+    c.deadline = time.monotonic() + limit
+    try:
+        with time_limit(limit):
+            results = stage(c)
+        reasons = criterion(results)
+    # One broken stage (an OOM, a kernel that fails to compile, a missing package) must not hide the
+    # figures of the others: its error is its finding.
+    except Exception as e:  # noqa: BLE001
+        results, reasons = None, [f"{type(e).__name__}: {str(e)[:400]}"]
+    c.row(label, "pass criterion", "FAIL" if reasons else "PASS", "; ".join(reasons)[:600])
+    return dict(status="fail" if reasons else "pass", reasons=reasons, results=results)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes (a CPU runs it; the figures mean nothing)")
-    p.add_argument("--json", default="", help="also write machine, sizes, rows and failures to this JSON file")
-    p.add_argument("--budget", type=int, default=420, help="seconds for the whole run; later sections are skipped")
-    p.add_argument("--section-limit", type=int, default=240, help="seconds one section may run")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, every stage (a CPU runs it; figures mean nothing)")
+    p.add_argument("--json", default="", help="also write machine, sizes, rows and each stage's results here")
+    p.add_argument("--only", default="", help="comma-separated stage numbers to run (e.g. 1,2); default all")
+    p.add_argument("--budget", type=int, default=480, help="seconds for the whole run; later stages are skipped")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     precision.setup_device(device)  # TF32 for the fp32 matmuls, as train.py sets it
-    info = bench.machine(device)
+    info = machine(device)
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr, flush=True)
-    start, sizes = time.perf_counter(), SMOKE if args.smoke else FULL
+    start, sizes, stages = time.monotonic(), SMOKE if args.smoke else FULL, {}
+    only = {x.strip() for x in args.only.split(",") if x.strip()}
     with tempfile.TemporaryDirectory(prefix="nanorl-gpu-check-") as workdir:
-        c = Check(sizes, device, workdir)
-        for label, section in SECTIONS.items():
-            left = int(args.budget - (time.perf_counter() - start))
-            print(f"[{time.perf_counter() - start:5.0f} s] {label} ...", file=sys.stderr, flush=True)
-            if left <= 0:
-                c.row(label, "", "skipped: out of time (--budget)")
+        c = Check(sizes, device, workdir, smoke=args.smoke)
+        for label, stage, criterion, limit, need in STAGES:
+            left = int(args.budget - (time.monotonic() - start))
+            print(f"[{time.monotonic() - start:5.0f} s] {label} ...", file=sys.stderr, flush=True)
+            if only and label.split()[0] not in only:
                 continue
-            try:
-                with time_limit(min(args.section_limit, left)):
-                    section(c)
-            # Every section reports its own failure and the next one runs: one broken piece (an OOM, a
-            # kernel that fails to compile, a missing package) must not hide the figures of the others.
-            except Exception as e:  # noqa: BLE001
-                c.row(label, "FAILED", f"{type(e).__name__}: {str(e)[:300]}")
-                c.failed.append(f"{label}: {type(e).__name__}: {e}")
+            if left <= 0:
+                c.row(label, "stage", "SKIP", "out of time (--budget)")
+                stages[label] = dict(status="skip", reasons=["out of time"])
+                continue
+            # smoke: CPU sizes, but a busy CPU is slower than the device: limits at 3×
+            stages[label] = run_stage(c, label, stage, criterion, min(limit * (3 if args.smoke else 1), left), need)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    total = round(time.perf_counter() - start, 1)
-    print(table(c.rows) + f"\nfailed: {c.failed or 'none'}\nseconds: {total}", flush=True)
+    failed = [f"{k}: {'; '.join(v['reasons'])}" for k, v in stages.items() if v["status"] == "fail"]
+    total = round(time.monotonic() - start, 1)
+    print(table(c.rows) + f"\nfailed: {failed or 'none'}\nseconds: {total}", flush=True)
     if args.json:
-        out = dict(machine=info, smoke=args.smoke, sizes=dataclasses.asdict(sizes), rows=c.rows,
-                   failed=c.failed, seconds=total, flops="6·N·rows·T + 12·L·d·T·rows·T + 6·V·h·scored (MFU)")
+        out = dict(machine=info, smoke=args.smoke, sizes=dataclasses.asdict(sizes), rows=c.rows, stages=stages,
+                   failed=failed, seconds=total)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
-    return 1 if c.failed else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

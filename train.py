@@ -103,6 +103,8 @@ def setup(cfg: Config) -> Run:
     if cfg.threads or not cfg.model:  # the built-in task: 1 thread unless told (Config.threads)
         torch.set_num_threads(cfg.threads or 1)
     seed_everything(cfg.seed + rank)
+    # several nodes: out_dir must be one shared directory (rank 0 writes task, logs, checkpoints once)
+    distributed.check_shared_dir(cfg.out_dir, rank, world)
     if not cfg.model or not cfg.train_data:  # the built-in task: files and model made in code
         make = plugin_task(cfg.plugin) or (make_calc_task if cfg.env == "calc" else make_default)  # --plugin's
         # make_task, else --env calc's tool-using variant, else the built-in task
@@ -116,7 +118,8 @@ def setup(cfg: Config) -> Run:
                                   test_data=cfg.test_data or default["test"])
     precision.setup_device(device)  # TF32 on CUDA
     dtype = precision.compute_dtype(cfg.dtype)  # compute dtype; `model` holds the fp32 master weights
-    model, tokenizer = load_model(cfg.model, device)
+    # --fsdp: loaded (and copied) in host memory; fully_shard then moves only each rank's shards to the device
+    model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
     if cfg.routing_replay:
         if not moe_replay.is_moe(model):
             raise ValueError("--routing-replay needs a mixture-of-experts model")
@@ -144,10 +147,11 @@ def setup(cfg: Config) -> Run:
                             gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                             record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
     else:  # --fsdp shards `model` below: the engine then generates from its own full copy
-        engine = HFEngine(frozen_copy(model, dtype) if cfg.fsdp else model, pad_id=tokenizer.pad_token_id,
+        engine = HFEngine(frozen_copy(model, dtype).to(device) if cfg.fsdp else model,
+                          pad_id=tokenizer.pad_token_id,
                           record_routing=cfg.routing_replay, compute_dtype=dtype)
         engine.generator.manual_seed(cfg.seed * 1000 + rank)
-    critic = ValueModel(model).to(device) if cfg.vf_coef > 0 else None
+    critic = ValueModel(model).to(model.device) if cfg.vf_coef > 0 else None
     score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/update.py)
     ref = Trained(frozen_copy(model, dtype), None, score, dtype) if cfg.uses_reference else None
     if ref is not None and cfg.fsdp:
@@ -166,8 +170,10 @@ def setup(cfg: Config) -> Run:
               else FixedKLController(cfg.kl_coef))
     logger = Logger(cfg.out_dir, cfg.steps, enabled=rank == 0, quiet=cfg.quiet, tensorboard=cfg.tensorboard,
                     wandb_project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume=bool(cfg.resume))
+    # reward workers: half of this node's cores, shared by the ranks on this node (not by every node's)
+    workers = max(1, min(8, (os.cpu_count() or 2) // (2 * distributed.local_world_size(world))))
     rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print,
-                           workers=max(1, min(8, (os.cpu_count() or 2) // (2 * world))))  # half the cores
+                           workers=workers)
     loader = PromptLoader(train, cfg.prompts_per_step, seed=cfg.seed, rank=rank, world=world)
     run = Run(cfg, model, tokenizer, engine, loader, eval_sets, rewards, optimizer, scheduler, kl_ctl, logger,
               ref=ref, critic=critic, trained=trained, scaler=precision.grad_scaler(dtype, device),

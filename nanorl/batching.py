@@ -325,9 +325,13 @@ def padding_share(lengths: list[int], micro_batches: Bins, packed: bool, pad_to_
 
 # ----------------------------------------------------------------------------- packed forward
 
-def best_attn_implementation() -> str:
-    """'flash_attention_2' on CUDA with flash-attn installed (varlen packing), else 'sdpa'."""
-    flash = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+def best_attn_implementation(compute_dtype: torch.dtype | None = None) -> str:
+    """'flash_attention_2' on CUDA with flash-attn installed (varlen packing) and a bf16/fp16 compute
+    dtype, else 'sdpa'. flash-attn only takes fp16/bf16 q/k/v ("FlashAttention only support fp16 and
+    bf16 data type"): an fp32 run (the weights are fp32 masters, no autocast) would hand it fp32 in
+    every forward. None counts as fp32: flash only when the caller says the compute is half."""
+    half = compute_dtype in (torch.bfloat16, torch.float16)
+    flash = half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
     return "flash_attention_2" if flash else "sdpa"
 
 

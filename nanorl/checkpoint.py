@@ -144,6 +144,12 @@ def save(run) -> str:
     root = os.path.join(run.cfg.out_dir, "checkpoints")
     final = os.path.join(root, f"step_{run.step:06d}")
     tmp, err = _from_rank0(run, _make_tmp(root, run.step) if run.rank == 0 else None)
+    # several nodes: a rank that cannot see rank 0's directory would hash nothing, silently; the
+    # verdict is agreed before the collective save below
+    if run.world > 1:
+        if err is None and not os.path.isdir(tmp):
+            err = f"{tmp} (made by rank 0) is not visible on rank {run.rank}: --out-dir must be shared"
+        err = _first_error(run, err)
     trash = tmp.replace(f"{os.sep}.tmp-", f"{os.sep}.trash-")
     try:
         if err is None:

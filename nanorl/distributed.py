@@ -4,6 +4,11 @@
     accelerate launch --multi_gpu --num_processes 2 train.py --algo grpo --threads 1  # 2 CPU processes (gloo)
     torchrun --nproc_per_node 2 train.py --algo grpo                                 # same, torch's launcher
 
+Several nodes, on node i of N (HEAD: node 0's address; --out-dir on a filesystem every node sees):
+
+    torchrun --nnodes N --node_rank i --nproc_per_node 8 --master_addr HEAD --master_port 29500 train.py ...
+    accelerate launch --num_machines N --machine_rank i --num_processes 8N --main_process_ip HEAD train.py ...
+
 (On a CPU-only machine accelerate 1.15 spawns N processes only with `--multi_gpu`: without it, it
 starts one; the flag just selects torch's launcher, and `Accelerator(cpu=True)` then picks gloo.)
 A single process needs no launcher and no accelerate config: every call here is then a no-op.
@@ -34,10 +39,17 @@ micro_batches); gradients are reduced once per optimizer step (`sync_gradients_a
 and a rank that raises takes the others down with its error instead of leaving them waiting
 (`fail_together`). Sharded checkpoints: nanorl/ckpt_sharded.py.
 
-Test: python -m pytest tests/test_multirank.py -q   (2 CPU processes over gloo)
+Past one node: `rank` is the global rank everywhere (seeds, prompt shards, rank 0 alone logs, dumps
+and writes checkpoints), the device the local one (init); `fail_together` uses the store the process
+group was initialised with (the launcher's, at MASTER_ADDR:MASTER_PORT), so a failure on one node
+reaches the others; out_dir must be shared (check_shared_dir).
+
+Test: python -m pytest tests/test_multirank.py -q   (2 CPU processes over gloo; two nodes:
+tests/test_multinode.py)
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -52,11 +64,91 @@ from nanorl.precision import autocast, fsdp_policy
 
 def init() -> tuple[int, int, torch.device]:
     """(rank, world, device) of this process; joins the process group the launcher set up (its env:
-    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). One process: (0, 1, cuda:0 or cpu)."""
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT). One process: (0, 1, cuda:0 or cpu).
+
+    Several nodes: `rank` is the GLOBAL rank, the device the LOCAL one (cuda:LOCAL_RANK, set by
+    accelerate's PartialState; vLLM's external_launcher picks the same): one engine per local GPU."""
     from accelerate import PartialState
 
+    # before PartialState: with DeepSpeed asked for, it would initialise through deepspeed
+    check_accelerate_env()
     state = PartialState(cpu=not torch.cuda.is_available())
     return state.process_index, state.num_processes, torch.device(state.device)
+
+
+def local_world_size(world: int) -> int:
+    """Processes on this node (torchrun and accelerate set LOCAL_WORLD_SIZE); `world` when unset."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world))
+
+
+def check_shared_dir(path: str, rank: int, world: int) -> None:
+    """Several nodes: `path` (the run's out_dir) must be ONE directory that every node sees (NFS,
+    Lustre, ...): rank 0 alone writes the built-in task, the logs and every checkpoint's files, and
+    every rank reads them back (the task, hashing its share of a checkpoint, resume; DCP shards).
+    Rank 0 writes a token, every rank reads it; a node that cannot gets the same error on every rank
+    instead of a missing-file error (or, worse, a checkpoint half on one node's disk). One node, or
+    one process: nothing to check."""
+    if world == 1 or local_world_size(world) == world:
+        return
+    import socket
+    import uuid
+
+    token = uuid.uuid4().hex if rank == 0 else None
+    name = os.path.join(path, ".nanorl-shared-dir-check")
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(name, "w") as f:
+            f.write(token)
+    box = [token]
+    dist.broadcast_object_list(box, src=0)  # after rank 0's write: the token is on disk
+    try:
+        with open(name) as f:
+            seen = f.read() == box[0]
+    except OSError:
+        seen = False
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, (rank, socket.gethostname(), seen))
+    if rank == 0:
+        os.remove(name)
+    blind = [f"rank {r} on {host}" for r, host, ok in verdicts if not ok]
+    if blind:
+        raise RuntimeError(f"--out-dir {path} is not shared by every node ({', '.join(blind)} cannot read "
+                           "what rank 0 wrote there): with several nodes it must be a shared filesystem, "
+                           "since rank 0 writes the logs and checkpoints once for the whole run and every "
+                           "rank reads them back")
+
+
+# What `accelerate config` / `accelerate launch` hand the processes (accelerate 1.15 reads them in
+# Accelerator/PartialState). nanorl does its own precision (--dtype), sharding (--fsdp) and
+# compilation: each of these would silently replace or fight nanorl's, so they are refused.
+REFUSED_ACCELERATE = {
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed (nanorl shards with FSDP2: --fsdp)",
+    "ACCELERATE_USE_FSDP": "accelerate's FSDP plugin (nanorl shards with its own FSDP2: --fsdp)",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+    "ACCELERATE_USE_PARALLELISM_CONFIG": "accelerate's parallelism config (TP / CP)",
+}
+
+
+def check_accelerate_env() -> None:
+    """Refuse, with the setting's name, what a user's `accelerate config` asks for and nanorl does not
+    support: DeepSpeed, accelerate's FSDP, Megatron-LM, tensor/context parallelism, any dynamo
+    backend. Mixed precision set there is overridden, not refused: nanorl's --dtype decides
+    (make_accelerator pins mixed_precision="no"), and a note on stderr says so."""
+    on = {k: v for k, v in REFUSED_ACCELERATE.items()
+          if os.environ.get(k, "false").lower() in ("true", "1", "yes")}
+    backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
+    if backend.lower() not in ("no", ""):
+        on["ACCELERATE_DYNAMO_BACKEND"] = f"torch.compile through accelerate (dynamo backend {backend})"
+    if on:
+        asked = "; ".join(f"{k} ({v})" for k, v in on.items())
+        raise ValueError("your accelerate config / environment asks for what nanorl does not support: "
+                         f"{asked}. "
+                         "Run `accelerate config` again without it (or unset the variable); nanorl sets "
+                         "precision with --dtype and sharding with --fsdp")
+    mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if mp != "no" and int(os.environ.get("RANK", "0")) == 0:
+        print(f"nanorl: note: accelerate's mixed_precision={mp} is ignored; nanorl's --dtype sets the "
+              "compute dtype (fp32 master weights, nanorl/precision.py)", file=sys.stderr, flush=True)
 
 
 def make_accelerator(find_unused_parameters: bool = False):
@@ -64,12 +156,26 @@ def make_accelerator(find_unused_parameters: bool = False):
 
     find_unused_parameters: in an MoE model whose experts are separate modules (transformers 4,
     custom models) an expert that no token of a step reached gets no gradient, and DDP must be told
-    or it fails the next step. transformers 5 fuses a layer's experts into one tensor: never unused."""
+    or it fails the next step. transformers 5 fuses a layer's experts into one tensor: never unused.
+
+    Everything nanorl relies on is passed explicitly, so an `accelerate config` file cannot change it:
+    mixed_precision "no" (the model's dtype and autocast are --dtype's), dynamo_backend "no"
+    (prepare_model would torch.compile the wrapper), the DDP arguments; what it would otherwise read
+    from the config and nanorl does not support is refused first (check_accelerate_env)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
+    check_accelerate_env()
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
-    # mixed_precision "no": the model's dtype is --dtype's, whatever an `accelerate config` file says
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", kwargs_handlers=[ddp])
+    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", dynamo_backend="no",
+                       kwargs_handlers=[ddp])
+
+
+def load_device(fsdp: bool, device: torch.device) -> torch.device:
+    """Where train.py loads the fp32 model (and builds its copies) before wrapping it. --fsdp: on the
+    CPU, so that no GPU ever holds the whole fp32 model and reference: `fully_shard` moves each
+    unit's tensors to the device and keeps only this rank's shard (torch 2.13 _move_states_to_device,
+    one unit at a time). Else the device: DDP replicates the whole model there anyway."""
+    return torch.device("cpu") if fsdp else device
 
 
 class Trained(torch.nn.Module):
@@ -290,30 +396,40 @@ def comm_device(group=None) -> torch.device:
 
 
 def reduce_metrics(metrics: dict, world: int) -> dict:
-    """Mean of every metric over ranks (max for *_max), so one logged line describes the whole step."""
+    """Mean of every metric over the ranks that logged it (max for *_max), so one logged line describes
+    the whole step. Ranks may log different keys (a rank whose rows were all skipped logs no update
+    metrics): the keys are agreed first, so the all-reduce lines up (by position) on every rank."""
     if world == 1:
         return metrics
-    keys = sorted(metrics)
-    vals = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)  # [K]
-    maxes = vals.clone()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, sorted(metrics))
+    keys = sorted(set().union(*gathered))
+    have = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)  # [K] 1: this rank logged it
+    vals = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)  # [K]
+    maxes = torch.tensor([float(metrics.get(k, -math.inf)) for k in keys], dtype=torch.float64)  # [K]
     all_reduce(vals)
+    all_reduce(have)
     all_reduce(maxes, dist.ReduceOp.MAX)
-    return {k: float(maxes[i] if k.endswith("_max") else vals[i] / world) for i, k in enumerate(keys)}
+    return {k: float(maxes[i] if k.endswith("_max") else vals[i] / have[i]) for i, k in enumerate(keys)}
 
 
 def check_ranks_in_sync(model: torch.nn.Module, world: int) -> None:
     """Fail loudly if ranks drifted apart: compare a checksum of every tensor of `model` across ranks.
     Pass what each rank's engine samples from: under FSDP the trainer's shards are one copy by
-    construction, but the engines' full copies are loaded by each rank and could differ."""
+    construction, but the engines' full copies are loaded by each rank and could differ. The tensors
+    are streamed (iter_full_tensors: one full tensor at a time, FSDP shards gathered one by one), so
+    the check costs about one tensor's memory, not the state dict's (a 7B model in fp32: 30 GB)."""
     with torch.no_grad():
-        local = torch.stack([t.double().sum() for t in full_state_dict(model).values()]).to(comm_device())  # [n]
+        # an fp64 sum per tensor, one tensor alive at a time
+        sums = [torch.sum(t, dtype=torch.float64) for _, t in iter_full_tensors(model)]
+    local = torch.stack(sums).to(comm_device())  # [n]
     gathered = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)
     if any(not torch.equal(gathered[0], g) for g in gathered[1:]):
         raise RuntimeError("ranks hold different weights after training: gradient sync is broken")
 
 
-def iter_full_tensors(model: torch.nn.Module):
+def iter_full_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None):
     """Yield (name, full tensor) for every entry of `model`'s state dict, ONE tensor at a time: an FSDP
     shard is all-gathered just before it is yielded (a collective: every rank iterates, in the same
     order), so the extra memory of a consumer that drops each tensor before asking for the next (as
@@ -321,14 +437,24 @@ def iter_full_tensors(model: torch.nn.Module):
     whatever the depth (measured on 2 gloo ranks: 1039 MiB for Qwen2.5-0.5B's 519 MiB embedding at 2
     or 24 layers; the whole state dict first: 1903 MiB at 24; tests/test_weight_stream.py). DDP or one
     process: the module's own tensors, no copy. Tied weights (lm_head = embeddings) are gathered once
-    and yielded under each of their names back to back (vLLM 0.32's reload needs both names)."""
+    and yielded under each of their names back to back (vLLM 0.32's reload needs both names).
+
+    dtype: the consumer's dtype (the engine's, e.g. bf16): each floating-point shard is cast BEFORE
+    its all-gather, so FSDP moves half the bytes of the fp32 masters and vLLM receives tensors it
+    needs not convert (it warns once per tensor per sync otherwise); the result equals the cast of
+    the full fp32 tensor (a cast is elementwise). Then a copy per tensor, one at a time. Integer
+    tensors are yielded as they are."""
     state = unwrap(model).state_dict(keep_vars=True)  # references to the Parameters, not copies
     names: dict[int, list[str]] = {}
     for k, v in state.items():
         names.setdefault(id(v), []).append(k)
     for aliases in names.values():
-        v = state[aliases[0]]
-        full = (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+        v = state[aliases[0]].detach()
+        if dtype is not None and v.is_floating_point() and v.dtype != dtype:
+            # a DTensor stays sharded: only this rank's shard is cast
+            v = v.to(dtype)
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        del v
         for name in aliases:
             yield name, full
         del full  # before the next gather

@@ -365,11 +365,17 @@ def _mm(x, y):
 
 
 def _addmm_(out, x, y):
-    """out += x @ y, in place on GPU (no [V, H] temporary); through _mm on CPU."""
-    if _cpu_half(x):
-        out += _mm(x, y)
-    else:
+    """out += x @ y into an fp32 accumulator `out` (∂W summed over token chunks). Same dtype: in
+    place (no [V, H] temporary). Half x, y: on CPU the fp32 product straight into out (exact
+    upcasts, fp32 accumulation, no rounding at all); on GPU the half GEMM (fp32 accumulation inside
+    it) rounded once per chunk, then summed in fp32 — a bf16 accumulator would round the running
+    sum at every chunk, an error that grows with the number of chunks (m2 of issue 30)."""
+    if x.dtype == out.dtype:
         out.addmm_(x, y)
+    elif _cpu_half(x):
+        out.addmm_(x.float(), y.float())
+    else:
+        out.add_(x @ y)
 
 
 def _chunk_logits(hidden, weight, bias, support, a, b):
@@ -384,13 +390,13 @@ def _chunk_logits(hidden, weight, bias, support, a, b):
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, support, inv_temp, ignore_index, chunk, backend, want_sq):
-        N = hidden.shape[0]
+        N, w = hidden.shape[0], weight.to(hidden.dtype)  # fp32 masters: a compute copy, not saved
         lp, ent = (torch.empty(N, device=hidden.device, dtype=torch.float32) for _ in range(2))
         norm = torch.empty(2, N, device=hidden.device, dtype=torch.float32)
         sq = torch.empty(N if want_sq else 0, device=hidden.device, dtype=torch.float32)  # Σπ², no grad
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
-            logits = _chunk_logits(hidden, weight, bias, support, a, b)
+            logits = _chunk_logits(hidden, w, bias, support, a, b)
             out = _rows_forward(logits, targets[a:b], inv_temp, ignore_index, backend, want_sq)
             lp[a:b], ent[a:b], norm[:, a:b] = out[:3]
             if want_sq:
@@ -406,21 +412,24 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         inv_temp, ignore_index, chunk, backend = ctx.args
         g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight.to(hidden.dtype)  # the compute copy again (fp32 masters), or weight itself
         grad_h = torch.empty_like(hidden) if need_h else None
-        # grad_w accumulates in the parameter dtype (an fp32 copy would cost another V·H·4 bytes).
-        grad_w = torch.zeros_like(weight) if need_w else None
+        # ∂W accumulates over chunks in fp32 whatever the compute dtype: summed in bf16, each chunk's
+        # addition rounds the running sum (~1% relative noise on a tied embedding's gradient).
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(weight.shape[0], device=weight.device) if need_b else None  # fp32
         for a in range(0, hidden.shape[0], chunk):
             b = min(a + chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden, weight, bias, support, a, b)  # recompute, then
+            logits = _chunk_logits(hidden, w, bias, support, a, b)      # recompute, then
             _rows_backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b],
                            inv_temp, ignore_index, logits, backend)      # overwrite with its grad
             if need_h:
-                grad_h[a:b] = _mm(logits, weight)
+                grad_h[a:b] = _mm(logits, w)
             if need_w:
                 _addmm_(grad_w, logits.T, hidden[a:b])
             if need_b:
                 grad_b += logits.float().sum(0)
+        grad_w = grad_w.to(weight.dtype) if need_w else None  # fp32 masters: no rounding at all
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
@@ -429,8 +438,10 @@ def fused_linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, supp
                                   ignore_index=-100, chunk_size=None, *, bias=None, backend=None, sum_sq=False):
     """logprobs_and_entropy(hidden @ weightᵀ + bias, ...) without ever holding the [N, V] logits.
 
-    hidden [N, H], weight [V, H] (the LM head, same dtype as hidden), bias None or [V], targets [N]
-    long, support None or [N, K] long. chunk_size = tokens per chunk; None picks it so one chunk's
+    hidden [N, H], weight [V, H] (the LM head: hidden's dtype, or fp32 master weights with bf16/fp16
+    hidden — the matmuls then run in hidden's dtype and ∂W comes back in fp32, never rounded to
+    half; ∂W is accumulated over chunks in fp32 either way), bias None or [V], targets [N] long,
+    support None or [N, K] long. chunk_size = tokens per chunk; None picks it so one chunk's
     logits fit in _LINEAR_BUDGET_BYTES. Returns (logprobs [N] fp32, entropy [N] fp32), differentiable
     w.r.t. hidden, weight and bias; sum_sq=True adds Σ_v π_v² [N] fp32 (no gradient), accumulated in
     the same pass over the vocabulary (the optimal token baseline's ||∇_z log π||² = 1 − 2π_y + Σπ²).
@@ -438,8 +449,10 @@ def fused_linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, supp
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [N, H] and weight [V, H], got {list(hidden.shape)} and "
                          f"{list(weight.shape)}")
-    if hidden.dtype != weight.dtype:
-        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
+    half = hidden.dtype in (torch.bfloat16, torch.float16)
+    if hidden.dtype != weight.dtype and not (half and weight.dtype == torch.float32):
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ (only fp32 "
+                         "master weights may come with bf16/fp16 hidden states)")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
     V = weight.shape[0]

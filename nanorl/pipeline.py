@@ -69,6 +69,7 @@ Not with K > 0 (the config raises): DAPO's refill and ReMax (they generate insid
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import functools
@@ -119,25 +120,99 @@ class WorkerSpec:
     start_version: int        # v0: the version the trainer starts from (0, or the resumed step)
 
 
+def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
+    """Where each state-dict tensor lives in a slot's flat buffer: entries (names, dtype, shape, byte
+    offset) and the slot's size in bytes. Floating-point parameters are stored in the compute dtype
+    the worker's engine holds them in (a frozen copy, `frozen_copy`), buffers and integer tensors in
+    their own; tied parameters (one tensor, several names) take one place. Offsets are 64-byte aligned,
+    so every entry can be viewed as its dtype."""
+    params = {id(p) for p in model.parameters()}
+    entries, where, size = [], {}, 0
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in where:
+            entries[where[id(t)]][0].append(name)
+            continue
+        dt = dtype if id(t) in params and t.is_floating_point() else t.dtype
+        where[id(t)] = len(entries)
+        entries.append(([name], dt, tuple(t.shape), size))
+        size += -(-t.numel() * dt.itemsize // 64) * 64
+    return [(tuple(n), dt, shape, off) for n, dt, shape, off in entries], max(size, 64)
+
+
 class SharedWeights:
     """K+1 slots of the policy's tensors in shared memory; version v lives in slot v % (K+1).
 
     A slot is overwritten by version v + K + 1, which needs step v + K to have trained, hence batch
-    v + K to exist, which the worker samples from version ≥ v: no slot is rewritten while read."""
+    v + K to exist, which the worker samples from version ≥ v: no slot is rewritten while read.
 
-    def __init__(self, model: torch.nn.Module, K: int, ctx):
-        state = model.state_dict()
-        self.slots = [{k: t.detach().to("cpu", copy=True).share_memory_() for k, t in state.items()}
-                      for _ in range(K + 1)]
+    One shared storage per slot, every tensor a view into it at its offset (`slot_layout`): torch
+    shares each CPU storage through a file descriptor held open by every process that maps it, so a
+    storage per tensor (291 for Qwen2.5-0.5B, × K+1 slots) ran past the common `ulimit -n` of 1024.
+    The slots hold the compute dtype (bf16 runs ship and store half the bytes of the fp32 masters;
+    fp32 runs stay fp32, bit for bit the trainer's weights)."""
+
+    def __init__(self, model: torch.nn.Module, K: int, ctx, dtype: torch.dtype = torch.float32):
+        self.layout, size = slot_layout(model, dtype)
+        self.flat = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(K + 1)]
         self.latest, self.cond = ctx.RawValue("q", -1), ctx.Condition()
+        self._views, self._staging = {}, None
+
+    def __getstate__(self) -> dict:
+        # what the spawn start method pickles: the K+1 flat storages (one descriptor each), never
+        # the views, which would each be reduced as a storage of their own
+        return {**self.__dict__, "_views": {}, "_staging": None}
+
+    def _view(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for names, dt, shape, off in self.layout:
+            n = 1
+            for d in shape:
+                n *= d
+            view = flat[off:off + n * dt.itemsize].view(dt).view(shape)
+            out.update(dict.fromkeys(names, view))
+        return out
+
+    def slot(self, version: int) -> dict[str, torch.Tensor]:
+        """Every state-dict name → its tensor in version's slot (tied names: the same view)."""
+        i = version % len(self.flat)
+        if i not in self._views:
+            self._views[i] = self._view(self.flat[i])
+        return self._views[i]
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        for k, t in model.state_dict().items():
-            self.slots[version % len(self.slots)][k].copy_(t.detach())
+        state, i = model.state_dict(), version % len(self.flat)
+        first = [names[0] for names, *_ in self.layout]
+        if any(state[n].is_cuda for n in first):
+            self._publish_from_cuda(state, first, i)
+        else:
+            # on the host the copy into shared memory is the only copy (casting to the slot's dtype)
+            views = self.slot(version)
+            for n in first:
+                views[n].copy_(state[n].detach())
         with self.cond:  # the lock orders the copy before the version the worker reads
             self.latest.value = version
             self.cond.notify_all()
+
+    def _publish_from_cuda(self, state: dict, first: list[str], i: int) -> None:
+        """Device → pinned staging buffer, every tensor cast to the slot's dtype on the device first
+        (half the bytes over the bus in bf16) and copied with non_blocking=True, one synchronisation
+        for all; then one host copy into the shared slot. A device → pageable (shared) copy would
+        block on each tensor. The staging buffer (one slot's size, page-locked) is made once."""
+        if self._staging is None:
+            self._staging = torch.empty(self.flat[i].numel(), dtype=torch.uint8, pin_memory=True)
+            self._staging_views = self._view(self._staging)
+        devices = set()
+        for n in first:
+            t, dst = state[n].detach(), self._staging_views[n]
+            devices.add(t.device)
+            # the cast's temporary is freed after the copy is queued: the caching allocator reuses
+            # it only for work queued later on the same stream, after the copy has read it
+            dst.copy_(t.to(dst.dtype), non_blocking=True)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+        self.flat[i].copy_(self._staging)
 
     def wait_for(self, version: int, timeout: float) -> bool:
         with self.cond:
@@ -158,16 +233,28 @@ class Worker:
     def __init__(self, spec: WorkerSpec, weights: SharedWeights):
         cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.dtype)
         self.spec, self.cfg, self.weights = spec, cfg, weights
-        model, self.tokenizer = load_model(cfg.model, spec.device)
+        # The starting --model in fp32 on the host, never on the trainer's GPU: the engine samples in
+        # the compute dtype (autocast), so with bf16/fp16 it holds a frozen copy in that dtype (the
+        # slots' dtype); with fp32 it is the loaded model itself, as before.
+        base, self.tokenizer = load_model(cfg.model, "cpu", dtype)
         if cfg.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
-            precision.keep_lm_head_fp32(model)
-        model.requires_grad_(False)
+            precision.keep_lm_head_fp32(base)
+        base.requires_grad_(False)
         # The reference is the starting --model, frozen, as the trainer's (train.py setup): scoring it
         # here takes its forward off the trainer's side of the step, where it would not overlap.
-        self.ref = Trained(frozen_copy(model, dtype), None, functools.partial(forward, cfg), dtype) \
-            if cfg.uses_reference else None
+        score = functools.partial(forward, cfg)
+        self.ref = None if not cfg.uses_reference else \
+            Trained(frozen_copy(base, dtype).to(spec.device), None, score, dtype)
+        model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(spec.device)
+        del base
         self.scoring = types.SimpleNamespace(cfg=cfg, model=model, tokenizer=self.tokenizer, world=1)  # a run
         self.params = model.state_dict()  # views of the module's tensors: loading copies into them
+        for names, dt, shape, _ in weights.layout:  # the trainer's layout must fit this model exactly
+            for n in names:
+                t = self.params.get(n)
+                if t is None or t.dtype != dt or tuple(t.shape) != shape:
+                    got = None if t is None else (t.dtype, tuple(t.shape))
+                    raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
         self.engine = HFEngine(model, pad_id=self.tokenizer.pad_token_id, compute_dtype=dtype,
                                between_steps=self.pick_up_newer if cfg.partial_rollout else None)
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
@@ -175,9 +262,12 @@ class Worker:
 
     @torch.no_grad()
     def load(self, version: int) -> None:
-        slot = self.weights.slots[version % len(self.weights.slots)]
-        for k, t in self.params.items():
-            t.copy_(slot[k])
+        done = set()
+        for k, view in self.weights.slot(version).items():
+            t = self.params[k]
+            if t.data_ptr() not in done:  # tied names: one tensor, copied once
+                done.add(t.data_ptr())
+                t.copy_(view)
         self.engine.version = version
 
     def pick_up_newer(self) -> bool:
@@ -238,15 +328,26 @@ _PARENT: list[int] = []  # the worker's trainer process
 def _exit_if_orphaned() -> None:
     """The trainer was killed: nobody will read or publish again, so leave at once."""
     if _PARENT and os.getppid() != _PARENT[0]:
-        os._exit(0)
+        _leave()
+
+
+def _leave(*_) -> None:
+    """End the worker now, and the reward worker processes it started (they would outlive it)."""
+    for child in mp.active_children():
+        child.kill()
+    os._exit(0)
 
 
 def _worker_main(spec: WorkerSpec, weights: SharedWeights, requests, results) -> None:
     # Ctrl-C reaches the whole process group; the trainer handles it (finishes the step and saves,
-    # which needs this worker). SIGTERM still ends the worker: close() and interpreter exit send it.
+    # which needs this worker).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Not daemonic (a daemonic process cannot start the reward runner's worker pool), so it ends
+    # itself: on SIGTERM (close(), the trainer's exit: `_stop_at_exit`) and when orphaned.
+    signal.signal(signal.SIGTERM, _leave)
     torch.set_num_threads(spec.cfg.threads or 1)
     _PARENT.append(os.getppid())
+    worker = None
     try:
         worker = Worker(spec, weights)
         while True:
@@ -258,9 +359,10 @@ def _worker_main(spec: WorkerSpec, weights: SharedWeights, requests, results) ->
             if req is None:
                 break
             results.put(pickle.dumps(("batch", worker.rollout(*req))))  # tensors by value: no fd per tensor
-        worker.rewards.close()
     except Exception:  # any failure: the trainer raises it, with this traceback
         results.put(pickle.dumps(("error", traceback.format_exc())))
+    if worker is not None:  # its reward worker processes: this process's exit would wait for them
+        worker.rewards.close()
     results.close()
     results.join_thread()  # what was put reaches the pipe before exit (close() reads it off)
 
@@ -277,7 +379,7 @@ class Pipeline:
         cfg, self.run, self.K = run.cfg, run, run.cfg.async_steps
         device = cfg.rollout_device or str(next(run.model.parameters()).device)
         ctx = mp.get_context(start_method(device))
-        self.weights = SharedWeights(run.model, self.K, ctx)
+        self.weights = SharedWeights(run.model, self.K, ctx, precision.compute_dtype(cfg.dtype))
         self.weights.publish(run.model, run.step)
         self.v0 = run.step
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -285,9 +387,12 @@ class Pipeline:
                                   stop_token_ids=stop_token_ids(run.model, run.tokenizer), support_cap=cfg.support_cap)
         spec = WorkerSpec(cfg, device, sampling, run.step)
         self.requests, self.results = ctx.Queue(), ctx.Queue()
+        # daemon=False: the worker runs bounded rewards (--reward math's default timeout) in a process
+        # pool, which a daemonic process may not start; the trainer's exit still ends it (_stop_at_exit)
         self.proc = ctx.Process(target=_worker_main, args=(spec, self.weights, self.requests, self.results),
-                                daemon=True, name="nanorl-rollout")
+                                daemon=False, name="nanorl-rollout")
         self.proc.start()
+        _stop_at_exit(self.proc)
         # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
         # rl_step draws the same ones from run.loader and `take` checks they agree.
         self.loader = copy.copy(run.loader)
@@ -377,6 +482,30 @@ class Pipeline:
         if self.proc.is_alive():
             self.proc.terminate()
         self.proc.join()
+        _RUNNING.discard(self.proc)
+
+
+_RUNNING: set = set()  # rollout workers not yet closed
+
+
+def _stop_at_exit(proc) -> None:
+    """End `proc` when the trainer's interpreter exits without close() (an error in the loop).
+    multiprocessing's own exit handler joins every non-daemonic child, which would wait forever for a
+    worker blocked on its next request; atexit runs handlers last-registered first, and this one is
+    registered after multiprocessing's (queues and process start import multiprocessing.util, which
+    registers it), so the worker gets SIGTERM before that join."""
+    if not _RUNNING:
+        atexit.unregister(_terminate_running)
+        atexit.register(_terminate_running)
+    _RUNNING.add(proc)
+
+
+def _terminate_running() -> None:
+    for proc in list(_RUNNING):
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(10.0)
+        _RUNNING.discard(proc)
 
 
 def staleness_metrics(samples: list[Sample], step: int) -> dict:

@@ -41,11 +41,13 @@ IGNORE = -100
 _SUM_SQ: list | None = None  # while record_sum_sq_probs() is active: Σπ² [M] of every head_logprobs call
 
 
-def load_model(name_or_path: str, device: str = "cpu"):
+def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtype = torch.float32):
     """Any causal LM by Hugging Face name or local path, and its tokenizer. The weights load in fp32
     whatever the checkpoint's dtype: they are the master copy the optimizer updates (a bf16 weight
-    cannot hold an RL-sized update; nanorl/precision.py). Attention: flash-attention 2 when it is
-    installed and the device is CUDA (packed varlen micro-batches, nanorl/batching.py), else sdpa."""
+    cannot hold an RL-sized update; nanorl/precision.py). compute_dtype: the run's --dtype, the dtype
+    every forward runs in (autocast). Attention: flash-attention 2 when it is installed, the device is
+    CUDA and compute_dtype is bf16/fp16 (packed varlen micro-batches, nanorl/batching.py), else sdpa:
+    flash-attn refuses the fp32 q/k/v of an fp32 run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nanorl.batching import best_attn_implementation
@@ -54,7 +56,7 @@ def load_model(name_or_path: str, device: str = "cpu"):
     if tokenizer.pad_token_id is None:  # many base models ship without a pad token
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
-                                                 attn_implementation=best_attn_implementation())
+                                                 attn_implementation=best_attn_implementation(compute_dtype))
     model.to(device)
     model.config.use_cache = False  # training forwards never need the KV cache
     return model, tokenizer
@@ -139,12 +141,14 @@ def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, temperature: fl
     head, want_sq = model.get_output_embeddings(), _SUM_SQ is not None
     if impl == "fused" and getattr(head, "bias", None) is None and not _has_logit_transform(model):
         # The fused function runs its own matmuls: give it the dtype autocast would have used (or
-        # fp32 for an fp32 head) explicitly, with autocast off, so forward and backward agree.
+        # fp32 for an fp32 head) explicitly, with autocast off, so forward and backward agree. fp32
+        # master weights go in as they are: it casts them per call and returns ∂W in fp32 (m2).
         dev, w = h.device.type, head.weight
         dtype = (torch.float32 if head_is_fp32(head) else
                  torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else w.dtype)
+        w = w if w.dtype in (dtype, torch.float32) else w.to(dtype)
         with torch.autocast(device_type=dev, enabled=False):
-            out = fused_linear_logprobs_entropy(h.to(dtype), w.to(dtype), targets, temperature=temperature,
+            out = fused_linear_logprobs_entropy(h.to(dtype), w, targets, temperature=temperature,
                                                 support=support, sum_sq=want_sq)
     else:
         logits = model.lm_head(h) if hasattr(model, "lm_head") else head(h)  # [N, V]

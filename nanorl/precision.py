@@ -47,6 +47,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -77,6 +78,24 @@ def autocast(device: torch.device, dtype: torch.dtype):
 def grad_scaler(dtype: torch.dtype, device: torch.device):
     """fp16 only: a dynamic loss scaler (bf16 and fp32 have fp32's exponent range; None)."""
     return torch.amp.GradScaler(device.type) if dtype == torch.float16 else None
+
+
+def agree_found_inf(scaler, optimizer) -> bool:
+    """After `scaler.unscale_(optimizer)`: whether ANY rank found an inf/NaN gradient, written back
+    into the scaler's per-device flags (all-reduce MAX), so that `scaler.step` skips and
+    `scaler.update` backs off on every rank together. GradScaler checks only the gradients it holds:
+    under FSDP a rank holds its shards, so ranks disagree on an overflow in one shard and their loss
+    scales drift apart. (torch's FSDP1 ShardedGradScaler all-reduces the same flags; FSDP2 has no
+    scaler of its own.) The flags live in GradScaler's per-optimizer state, torch 2.x layout."""
+    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    if not found:
+        raise RuntimeError("agree_found_inf: call scaler.unscale_(optimizer) first")
+    flag = torch.stack([f.float() for f in found]).amax()[None]  # [1] on the gradients' device
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    for f in found:
+        f.copy_(flag[0])
+    return bool(flag[0] > 0)
 
 
 def fsdp_policy(dtype: torch.dtype):

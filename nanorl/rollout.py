@@ -73,6 +73,21 @@ def stop_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(i for i in ids if i is not None))
 
 
+def sampling_generator(engine_generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """The generator one generate() call samples from. On the CPU: the engine's own, whose state a
+    checkpoint saves. Elsewhere (CUDA) torch draws on the device, from a generator there: one seeded from
+    a draw of the engine's CPU generator, so a per-batch seed (async, exact resume) fixes the device's
+    samples too. Its stream differs from the CPU one; CPU runs stay bit-identical to before."""
+    if device.type == "cpu":
+        return engine_generator
+    return device_generator(engine_generator, device)
+
+
+def device_generator(cpu_generator: torch.Generator, device: torch.device) -> torch.Generator:
+    seed = int(torch.randint(2**62, (1,), generator=cpu_generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 @dataclass
 class HFEngine(RolloutEngine):
     """Batched sampling with a KV cache on a Hugging Face causal LM (the trainer's own module).
@@ -125,14 +140,16 @@ class HFEngine(RolloutEngine):
         device = next(self.model.parameters()).device
         self.model.eval()  # no checkpointing (it would turn the KV cache off), no dropout
         try:
+            generator = sampling_generator(self.generator, device)
             with autocast(device, self.compute_dtype):
                 for start in range(0, len(rows), self.max_batch):
-                    out += self._generate_rows(rows[start:start + self.max_batch], sampling)
+                    out += self._generate_rows(rows[start:start + self.max_batch], sampling, generator)
         finally:
             self.model.train(was_training)
         return out
 
-    def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingConfig) -> list[Sample]:
+    def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingConfig,
+                       generator: torch.Generator) -> list[Sample]:
         from transformers import DynamicCache
 
         device = next(self.model.parameters()).device
@@ -167,7 +184,7 @@ class HFEngine(RolloutEngine):
                     logits = out.logits[:, -1].float()  # [B, V] next-token logits, fp32 for sampling
                 cache = out.past_key_values
                 tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p,
-                                           generator=self.generator if device.type == "cpu" else None,
+                                           generator=generator,
                                            record_support=sp.keep_support, support_cap=sp.support_cap)
                 tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)  # [B] finished rows pad
                 tokens.append(tok)

