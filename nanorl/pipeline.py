@@ -73,6 +73,7 @@ import atexit
 import copy
 import dataclasses
 import functools
+import math
 import os
 import pickle
 import queue
@@ -165,10 +166,7 @@ class SharedWeights:
     def _view(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         out = {}
         for names, dt, shape, off in self.layout:
-            n = 1
-            for d in shape:
-                n *= d
-            view = flat[off:off + n * dt.itemsize].view(dt).view(shape)
+            view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
             out.update(dict.fromkeys(names, view))
         return out
 
