@@ -70,6 +70,25 @@ def peak_mib(step, device) -> float | None:
     return (_kib("/proc/self/status", "VmHWM") - base) / 2**20
 
 
+def allocated_peak_mib(step) -> float:
+    """MiB the torch CPU allocator holds at the peak of one step() call, above what it held before:
+    CUDA's max_memory_allocated, for the CPU. Read from the profiler's memory events (every allocation
+    and free, in order). Deterministic — the same code allocates the same bytes — where resident
+    memory (peak_mib) also depends on how malloc reuses and returns pages, which varies from machine to
+    machine: this is the figure a test can compare. Slower than peak_mib (the profiler records every
+    op), and blind to memory torch does not allocate (mmapped files, other libraries)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):  # stable: same-time events keep their order
+        live += e.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak / 2**20
+
+
 def rl_inputs(B: int, T: int, device, seed: int = 0) -> dict:
     """Synthetic per-token RL tensors [B, T]; ragged right-padded responses (lengths T/4..T)."""
     g = torch.Generator().manual_seed(seed)

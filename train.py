@@ -451,7 +451,9 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = parse_args(argv) if not isinstance(argv, Config) else argv
     rank, world, _ = distributed.init()  # first: an error anywhere after this stops every rank with it
     with distributed.fail_together(rank, world):
-        return run_training(cfg)
+        result = run_training(cfg)
+    distributed.shutdown()  # every rank got here: the group can go (a gloo group left alive can abort the exit)
+    return result
 
 
 def run_training(cfg: Config) -> dict:

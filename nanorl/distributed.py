@@ -49,6 +49,7 @@ tests/test_multinode.py)
 """
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import sys
@@ -73,7 +74,23 @@ def init() -> tuple[int, int, torch.device]:
     # before PartialState: with DeepSpeed asked for, it would initialise through deepspeed
     check_accelerate_env()
     state = PartialState(cpu=not torch.cuda.is_available())
+    if dist.is_initialized():
+        atexit.register(shutdown)  # the last resort; a normal end calls shutdown itself (train.main)
     return state.process_index, state.num_processes, torch.device(state.device)
+
+
+_ABORTED = threading.Event()  # set by fail_together: after an abort, shutdown has nothing to do
+
+
+def shutdown() -> None:
+    """Destroy the process group at a normal end, while the interpreter is still whole. A process that
+    exits with a gloo group alive can die at exit with "terminate called without an active exception"
+    (SIGABRT, exit status -6: gloo's worker threads still hold tensors when the interpreter is torn
+    down; pytorch/pytorch#190489) — seen on CI as a failed 2-rank run whose work had all passed. Not
+    after fail_together aborted the group (destroying it then could wait on peers that are gone, as
+    torchtitan found for NCCL). Idempotent: train.main calls it, init registers it at exit."""
+    if dist.is_available() and dist.is_initialized() and not _ABORTED.is_set():
+        dist.destroy_process_group()
 
 
 def local_world_size(world: int) -> int:
@@ -348,6 +365,7 @@ def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 
             raise e from None
         print(f"nanorl: {mine}; aborting the process group so that every rank stops", file=sys.stderr, flush=True)
         abort = getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)  # private in 2.13
+        _ABORTED.set()
         abort()
         end = time.monotonic() + linger_s
         try:

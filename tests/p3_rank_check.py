@@ -115,7 +115,9 @@ def probes(rank):
     with distributed.root_gathered(trained):
         stats = engine.check_sync(model)
     diff = stats["max_abs_logprob_diff"]
-    print(f"probes rank {rank} forwards {len(calls)} max_diff {diff:.3g}", flush=True)
+    # one write, led by a newline: two ranks share the launcher's stdout, and a line that runs into
+    # the other rank's ("...weights 1.5scaler rank 1 ...", seen on CI) would hide a rank from the test
+    print(f"\nprobes rank {rank} forwards {len(calls)} max_diff {diff:.3g}", flush=True)
 
 
 def scaler(rank):
@@ -136,7 +138,7 @@ def scaler(rank):
             model.weight.grad[0, 0] = float("inf")
         update.sync_and_step(run, params)
     weights = sum(float(p.double().sum()) for p in params)
-    print(f"scaler rank {rank} scale {run.scaler.get_scale()} skipped {run.counters['skipped_updates']} "
+    print(f"\nscaler rank {rank} scale {run.scaler.get_scale()} skipped {run.counters['skipped_updates']} "
           f"weights {weights:.12g}", flush=True)
 
 

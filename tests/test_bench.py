@@ -129,3 +129,17 @@ def test_an_entry_without_its_package_is_skipped_and_only_fails_when_asked_for(m
     assert bench.main(["--quick", "--only", "padding"]) == 1
     out = capsys.readouterr().out
     assert "skipped padding: needs no_such_module_nanorl" in out and "cannot run here: padding" in out
+
+
+def test_allocated_peak_mib_counts_what_is_live_at_once():
+    """Three 4 MiB tensors live at the peak, then all freed: 12 MiB exactly (the profiler's allocation
+    events, not resident memory), and a step that allocates nothing adds nothing."""
+    def three_live():
+        a = torch.ones(1 << 20)  # 4 MiB fp32
+        b = a * 2
+        c = b + a
+        del a, b
+        return float((c * 2).sum())  # c and c * 2 live: 8 MiB, below the peak of 12
+
+    assert bench.allocated_peak_mib(three_live) == 12.0
+    assert bench.allocated_peak_mib(lambda: None) == 0.0

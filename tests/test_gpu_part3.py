@@ -142,7 +142,7 @@ def test_fsdp_check_sync_runs_the_same_probe_forwards_on_every_rank():
     the engine. Before the fix: 9 forwards against 3 — under NCCL a hang in the all-gathers; gloo
     even let them pair with rank 1's later collectives, so the counts are what is asserted."""
     out = torchrun("probes", port=29561)
-    found = re.findall(r"probes rank (\d) forwards (\d+) max_diff (\S+)", out)
+    found = re.findall(r"probes rank (\d) forwards (\d+) max_diff ([0-9.e+-]+)", out)
     assert sorted(r for r, _, _ in found) == ["0", "1"], out
     assert len({f for _, f, _ in found}) == 1, out
     assert all(float(d) < 1e-4 for _, _, d in found), out
@@ -234,7 +234,7 @@ def test_fp16_overflow_on_one_rank_skips_on_every_rank():
     """Rank 1 alone sees an inf gradient: both ranks skip that step, halve the loss scale together,
     then take the same finite step — equal scales, equal skip counts, equal weights."""
     out = torchrun("scaler", port=29562)
-    found = re.findall(r"scaler rank (\d) scale (\S+) skipped (\d+) weights (\S+)", out)
+    found = re.findall(r"scaler rank (\d) scale ([0-9.e+-]+) skipped (\d+) weights ([0-9.e+-]+)", out)
     assert sorted(r for r, *_ in found) == ["0", "1"], out
     (_, s0, k0, w0), (_, s1, k1, w1) = sorted(found)
     assert s0 == s1 == str(2.0 ** 9) and k0 == k1 == "1" and w0 == w1, out

@@ -209,20 +209,22 @@ def test_master_weights_are_fp32_and_keep_a_1e6_update(real, tmp_path):
 
 
 def test_checkpointing_and_token_budget_bound_the_step_memory(real, tmp_path):
-    """Peak memory (resident, bench.peak_mib) of one train step on the real-shape model: plain, with
-    --gradient-checkpointing, and with checkpointing + a token budget, at two rollout-batch sizes.
+    """Peak memory of one train step on the real-shape model — plain, with --gradient-checkpointing,
+    and with checkpointing + a token budget — at two rollout-batch sizes. Measured as the torch
+    allocator's live bytes (bench.allocated_peak_mib): deterministic, where resident memory depends on
+    how malloc reuses pages (it passed here and failed on CI with the same code).
 
     Compute in fp32 here: this CPU has no bf16 matmul units (bf16 ran ~25x slower than fp32), and
-    what checkpointing and budgets save does not depend on the dtype. Measured on this machine
-    (MiB): plain 1538 @6 samples / 1987 @18, checkpointed 1668 @18, budget 1883 @6 / 1937 @18.
-    - The plain step's activations (~245 KB per token here) grow with the batch.
-    - Checkpointing frees about half of them: with 2 layers, backward recomputes one layer at a
-      time and holds that layer's activations, so half is the most it can save at this depth.
+    what checkpointing and budgets save does not depend on the dtype. Measured (MiB): plain 1158 @6
+    samples / 1730 @18, checkpointed 1255 @18, budget 1674 @6 / 1675 @18.
+    - The plain step's activations grow with the batch (572 MiB per 12 samples here).
+    - Checkpointing frees about half of them (475 of 858 MiB at 18): with 2 layers, backward recomputes
+      one layer at a time and holds that layer's activations, so half is the most it can save here.
     - With a token budget the peak stops growing with the batch: the ratio asserted is the memory
-      each further sample adds, budget vs plain. Its fixed price: the 152k-vocabulary embedding's
-      gradient (545 MB fp32) is accumulated over micro-batches, one more buffer of that size at
-      the peak, which a 2-layer model's small activations only outgrow beyond ~24 samples here."""
-    from bench import peak_mib
+      each further sample adds, budget vs plain (0.002 measured). Its fixed price: the 152k-vocabulary
+      embedding's gradient (545 MB fp32) is accumulated over micro-batches, one more buffer of that
+      size at the peak, which a 2-layer model's small activations only outgrow beyond ~24 samples."""
+    from bench import allocated_peak_mib
 
     variants = {"plain": (["--no-gradient-checkpointing", "--max-tokens-per-micro-batch", "0"], (6, 18)),
                 "checkpointed": (["--gradient-checkpointing", "--max-tokens-per-micro-batch", "0"], (18,)),
@@ -235,15 +237,15 @@ def test_checkpointing_and_token_budget_bound_the_step_memory(real, tmp_path):
         update.train_on(run, synthetic_batch(run.tokenizer, B=2, P=240, T=16))  # Adam state exists now
         for B in sizes:
             batch = synthetic_batch(run.tokenizer, B=B, P=240, T=16, seed=B)
-            peaks[name, B] = peak_mib(lambda: update.train_on(run, batch), torch.device("cpu"))
+            peaks[name, B] = allocated_peak_mib(lambda: update.train_on(run, batch))
         run.logger.close()
         del run
     print("peak MiB", {f"{k}@{b}": round(v) for (k, b), v in peaks.items()})
     growth = {k: peaks[k, 18] - peaks[k, 6] for k in ("plain", "bounded")}  # MiB per 12 more samples
     activations = growth["plain"] * 18 / 12  # the plain step's activations at 18 samples
     assert activations > 300
-    assert peaks["plain", 18] - peaks["checkpointed", 18] > 0.25 * activations  # checkpointing frees them
-    assert growth["bounded"] < 0.35 * growth["plain"]  # budget: ~0.05-0.2 measured; ignored, 0.58
+    assert peaks["plain", 18] - peaks["checkpointed", 18] > 0.4 * activations  # checkpointing frees them
+    assert growth["bounded"] < 0.1 * growth["plain"]  # the budget bounds them
 
 
 def test_fp32_lm_head_narrows_the_rollout_trainer_gap(real, tmp_path):
