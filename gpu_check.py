@@ -1,44 +1,19 @@
 """gpu_check.py — the one-shot device check: what a lent GPU machine runs once, in <= 8 minutes.
 
-    python gpu_check.py --json gpu_check.json    # one CUDA device (same as: python bench.py --gpu --json ...)
-    python gpu_check.py --smoke                  # every stage at tiny sizes, on a CPU (tests/test_gpu_check.py)
+    python gpu_check.py --json gpu_check.json  # one CUDA device (same as: python bench.py --gpu --json ...)
+    python gpu_check.py --smoke                # every stage at tiny sizes, on a CPU (tests/test_gpu_check.py)
 
-Made for one CUDA device without vLLM, flash-attn or network: models are real shapes with random
-weights built in memory (nanorl/task.py). Stages run in order of value (the first three in ~5 min),
-each under its own time limit; a stage whose dependency is absent is skipped with the reason, a stage
-that raises or runs out of time is a FAIL row, and the next stage runs. Each stage's pass criterion is
-a pure function over the stage's measured results (`crit_*`), so tests feed it planted faults.
-
-1 step       today's checks: fwd+bwd+clip+AdamW of the 24-layer Qwen2.5-0.5B shape at 4 × 2048 tokens,
-             bf16 autocast over fp32 masters (time, tokens/s, MFU), peak memory with checkpointing off and
-             on, HF-engine generation. Pass: finite loss, finite non-zero gradient norm, checkpointing
-             lowers the peak, every generated row has its full length.
-2 head       the Triton head (nanorl/entropy.py fused_linear_logprobs_entropy) at H 896 / V 151936 and
-             H 3584 / V 152064, N 16384 chunked, bf16 hidden over fp32 master weights, PEAKED logits
-             (random N(0,1) logits over 152k tokens are near-uniform: no real numerics), temperature 0.7,
-             1/16 ignored rows, a KSM support (top-32) on half the rows, Σπ²; against the torch path (same
-             bf16 chunk logits: 1e-3) and an fp32 reference (fp32 matmul; logprob/entropy within one bf16
-             ulp of the largest scaled logit, gradients within 1/32 of the largest); ms and peak MiB.
-3 README     train.py with the README's GPU line (--engine hf) on the 24-layer real shape, 3 steps: every
-             attention call computes in bf16 (the attention interface is hooked), every metric finite,
-             zero reward faults, train/mismatch/ratio_mean within 0.05 of 1 and ratio_ess >= 0.9.
-4 FSDP       torchrun (1 rank, NCCL) train.py --fsdp --dtype bfloat16 on the built-in task: 3 steps
-             saved each step == 2 steps + resume + 1 step, metric by metric (perf/ aside).
-5 async      train.py --async-steps 1 and 3 on the real shape under `ulimit -n 1024`, 2 steps each.
-6 MoE        train.py --routing-replay on a 2-layer Qwen3-30B-A3B shape (128 experts, top 8): the README
-             criteria plus routing/ metrics present (replay mode 3, recorded by the HF engine).
-
-Rewards: --reward math needs math-verify (not on the device image; its wheels travel in a carried folder,
-docs/bench_results.md). Without it stages 3 and 6 are skipped and 5 uses a stand-in reward.
-
-MFU, model FLOPs utilisation (not hardware FLOPs: gradient checkpointing's recompute and the fused head's
-logit recompute are not counted). FLOPs of one step, for `rows` rows of T tokens and S scored tokens:
-    6·N·rows·T  +  12·L·d·T·rows·T  +  6·V·h·S
-N = weights of the transformer blocks' matmuls (non-embedding; biases and norms left out), 6 = 2 (a
-multiply-add) × 3 (forward, and backward's two products); 12·L·d·T per token = QKᵀ and AV (2·2·d·T
-each forward) × 3, L layers, d = heads × head dim, counting the full T×T scores as PaLM does (Chowdhery
-et al. 2022, app. B); 6·V·h per scored token = the LM head. MFU = FLOPs / step time / peak, peak = the
-GPU's dense bf16 tensor-core figure from PEAK_BF16 by device name, else "n/a".
+Made for one CUDA device without vLLM, flash-attn or network: models are real shapes with random weights
+built in memory (nanorl/task.py). Six stages run in order of value (the first three in ~5 min), each
+under its own time limit: 1 step (fwd+bwd+AdamW of the Qwen2.5-0.5B shape: time, MFU, peak memory),
+2 head (the Triton fused head against torch and fp32), 3 README (train.py with the README's GPU line),
+4 FSDP (save/resume equivalence), 5 async, 6 MoE (routing replay). A stage whose dependency is absent is
+skipped with the reason, a stage that raises or runs out of time is a FAIL row, and the next stage runs.
+Each stage's pass criterion is a pure function over its measured results (`crit_*`), so tests feed it
+planted faults. Start at `main`, then `run_stage`. Each stage's sizes and criteria:
+docs/from-slime-verl.md, "gpu_check.py"; MFU: `step_flops`. Rewards: --reward math needs math-verify
+(not on the device image: docs/bench_results.md); without it stages 3 and 6 are skipped and 5 uses a
+stand-in reward.
 """
 from __future__ import annotations
 
@@ -63,7 +38,8 @@ import time
 
 import torch
 
-import bench_steps  # random_batch, micro_batch_loss (never `bench`: bench imports this file)
+# random_batch, micro_batch_loss (never `bench`: bench imports this file)
+import bench_steps
 from nanorl import batching, entropy, precision
 from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.task import (
@@ -90,28 +66,39 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    model: dict        # Qwen2Config fields of stage 1's model
-    rows: int          # train step: rows × T tokens
+    # Qwen2Config fields of stage 1's model
+    model: dict
+    # train step: rows × T tokens
+    rows: int
     T: int
-    prompts: int       # generate: prompts × new tokens, prompts of prompt_len tokens
+    # generate: prompts × new tokens, prompts of prompt_len tokens
+    prompts: int
     prompt_len: int
     new_tokens: int
-    reps: int          # timed repetitions after one warm-up
-    head: tuple        # ((H, V), ...) of stage 2, N tokens in chunks of `chunk`
+    # timed repetitions after one warm-up
+    reps: int
+    # ((H, V), ...) of stage 2, N tokens in chunks of `chunk`
+    head: tuple
     N: int
     chunk: int
-    dense: dict        # Qwen2Config fields of stages 3 and 5 (vocabulary: the real one)
-    moe: dict          # Qwen3MoeConfig fields of stage 6
-    max_new_tokens: int  # stage 3 (the README's 1024); stages 5-6 use moe_new_tokens
+    # Qwen2Config fields of stages 3 and 5 (vocabulary: the real one)
+    dense: dict
+    # Qwen3MoeConfig fields of stage 6
+    moe: dict
+    # stage 3 (the README's 1024); stages 5-6 use moe_new_tokens
+    max_new_tokens: int
     moe_new_tokens: int
 
 
-FULL = Sizes(dict(QWEN25_05B, num_hidden_layers=24), rows=4, T=2048, prompts=64, prompt_len=128, new_tokens=128,
+FULL = Sizes(dict(QWEN25_05B, num_hidden_layers=24), rows=4, T=2048, prompts=64, prompt_len=128,
+             new_tokens=128,
              reps=5, head=((896, 151936), (3584, 152064)), N=16384, chunk=2048,
-             dense=dict(QWEN25_05B, num_hidden_layers=24), moe=QWEN3_MOE, max_new_tokens=1024, moe_new_tokens=128)
+             dense=dict(QWEN25_05B, num_hidden_layers=24), moe=QWEN3_MOE, max_new_tokens=1024,
+             moe_new_tokens=128)
 SMOKE = Sizes(dict(QWEN25_05B, **TINY, vocab_size=512), rows=2, T=32, prompts=4, prompt_len=8, new_tokens=8,
               reps=2, head=((32, 151936), (48, 152064)), N=64, chunk=16,
-              dense=dict(QWEN25_05B, **TINY), moe=dict(QWEN3_MOE, **TINY, moe_intermediate_size=16, num_experts=8,
+              dense=dict(QWEN25_05B, **TINY),
+              moe=dict(QWEN3_MOE, **TINY, moe_intermediate_size=16, num_experts=8,
                                                          num_experts_per_tok=2, head_dim=8),
               max_new_tokens=8, moe_new_tokens=8)
 
@@ -123,7 +110,17 @@ def block_matmul_params(model) -> int:
 
 
 def step_flops(model, rows: int, T: int, scored: int) -> float:
-    """Model FLOPs of one training step (forward + backward), as the module docstring defines them."""
+    """Model FLOPs of one training step (forward + backward), for MFU, model FLOPs utilisation (not
+    hardware FLOPs: gradient checkpointing's recompute and the fused head's logit recompute are not
+    counted). FLOPs of one step, for `rows` rows of T tokens and S scored tokens:
+
+        6·N·rows·T  +  12·L·d·T·rows·T  +  6·V·h·S
+
+    N = weights of the transformer blocks' matmuls (non-embedding; biases and norms left out), 6 = 2 (a
+    multiply-add) × 3 (forward, and backward's two products); 12·L·d·T per token = QKᵀ and AV (2·2·d·T
+    each forward) × 3, L layers, d = heads × head dim, counting the full T×T scores as PaLM does
+    (Chowdhery et al. 2022, app. B); 6·V·h per scored token = the LM head. MFU = FLOPs / step time /
+    peak, peak = the GPU's dense bf16 tensor-core figure from PEAK_BF16 by device name, else "n/a"."""
     c = model.config
     d = c.num_attention_heads * (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
     tokens = rows * T
@@ -174,7 +171,8 @@ def machine(device: torch.device) -> dict:
     import transformers
     return dict(logical_cpus=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
                 transformers=transformers.__version__, triton=getattr(entropy.triton, "__version__", None),
-                python=platform.python_version(), device=str(device), load_avg_1m=round(os.getloadavg()[0], 1),
+                python=platform.python_version(), device=str(device),
+                load_avg_1m=round(os.getloadavg()[0], 1),
                 gpu=torch.cuda.get_device_name() if device.type == "cuda" else None)
 
 
@@ -185,7 +183,8 @@ class Check:
     device: torch.device
     workdir: str
     smoke: bool = False
-    deadline: float = math.inf   # time.monotonic() at which the running stage is stopped
+    # time.monotonic() at which the running stage is stopped
+    deadline: float = math.inf
     rows: list = dataclasses.field(default_factory=list)
     _model: object = None
     _optimizer: object = None
@@ -217,14 +216,16 @@ class Check:
         out = pathlib.Path(self.workdir, f"real_{kind}")
         out.mkdir(parents=True, exist_ok=True)
         rows = gsm8k_rows(72)
-        paths = {"model": str(out / "model"), "train": str(out / "train.jsonl"), "test": str(out / "test.jsonl")}
+        paths = {"model": str(out / "model"), "train": str(out / "train.jsonl"),
+                 "test": str(out / "test.jsonl")}
         for split, items in (("train", rows[:64]), ("test", rows[64:])):
             pathlib.Path(paths[split]).write_text("".join(json.dumps(x) + "\n" for x in items))
         cls = transformers.Qwen2Config if kind == "dense" else transformers.Qwen3MoeConfig
         config = cls(bos_token_id=ENDOFTEXT, eos_token_id=IM_END, pad_token_id=ENDOFTEXT,
                      **(self.sizes.dense if kind == "dense" else self.sizes.moe))
         torch.manual_seed(0)
-        with torch.device(self.device):  # initialised in place: no host copy of GBs of weights
+        # initialised in place: no host copy of GBs of weights
+        with torch.device(self.device):
             model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT, eos_token_id=[IM_END, ENDOFTEXT],
                                                    pad_token_id=ENDOFTEXT)
@@ -242,7 +243,8 @@ class Check:
                 torch.bfloat16))
             with torch.device(self.device):
                 self._model = Qwen2ForCausalLM(config)
-            self._model.config.use_cache = False  # training forwards; the engine asks for its cache itself
+            # training forwards; the engine asks for its cache itself
+            self._model.config.use_cache = False
             self._optimizer = torch.optim.AdamW(self._model.parameters(), lr=1e-6, betas=(0.9, 0.99))
         return self._model
 
@@ -258,7 +260,8 @@ class Check:
             precision.enable_gradient_checkpointing(model)
         else:
             model.gradient_checkpointing_disable()
-        model.train()  # Hugging Face checkpoints only in train mode (dropout is 0 in Qwen2)
+        # Hugging Face checkpoints only in train mode (dropout is 0 in Qwen2)
+        model.train()
         out = {}
 
         def step():
@@ -301,7 +304,8 @@ def crit_head(r: dict) -> list[str]:
     reference, ignored rows score 0 with zero gradient, supported rows stay inside their support."""
     bad = []
     if not r["median_entropy"] <= 0.5 * r["log_v"]:
-        bad.append(f"logits near-uniform: median entropy {r['median_entropy']:.2f} > ½ ln V = {0.5 * r['log_v']:.2f}")
+        bad.append(f"logits near-uniform: median entropy {r['median_entropy']:.2f} > ½ ln V = "
+                   f"{0.5 * r['log_v']:.2f}")
     for ref, errs in r["errors"].items():
         for name, err in errs.items():
             tol = r["tols"][ref][name]
@@ -310,7 +314,8 @@ def crit_head(r: dict) -> list[str]:
     if r["ignored_abs_max"] != 0.0:
         bad.append(f"ignored rows: max |logprob|, |entropy|, |grad h| = {r['ignored_abs_max']:.2e}, want 0")
     if not r["support_entropy_max"] <= math.log(r["support_k"]) + 1e-3:
-        bad.append(f"supported rows: entropy {r['support_entropy_max']:.3f} > ln K = {math.log(r['support_k']):.3f}")
+        bad.append(f"supported rows: entropy {r['support_entropy_max']:.3f} > ln K = "
+                   f"{math.log(r['support_k']):.3f}")
     return bad
 
 
@@ -388,7 +393,8 @@ def step_stage(c: Check) -> dict:
     r = dict(loss=out["loss"], grad_norm=out["grad_norm"], step_s=t)
     for ckpt in (False, True):
         step, _, _ = c.train_step(checkpointing=ckpt)
-        step()  # the optimizer state exists from here on, as in a run
+        # the optimizer state exists from here on, as in a run
+        step()
         r["peak_on" if ckpt else "peak_off"] = mib = peak_mib(step, c.device)
         c.row("1 step", f"peak memory, checkpointing {'on' if ckpt else 'off'}",
               "n/a (no CUDA)" if mib is None else f"{mib:.0f} MiB added", peak_mib=mib)
@@ -400,8 +406,9 @@ def step_stage(c: Check) -> dict:
     samples = engine.generate(prompts, 1, sp)
     sync(c.device)
     t = time.perf_counter() - t0
-    c.row("1 step", f"HF engine, {s.prompts} prompts × {s.new_tokens} new tokens", f"{s.prompts * s.new_tokens / t:.0f}"
-          " tok/s", f"{fmt_s(t)} per call (first call, bf16 autocast)", tokens_per_s=s.prompts * s.new_tokens / t)
+    c.row("1 step", f"HF engine, {s.prompts} prompts × {s.new_tokens} new tokens",
+          f"{s.prompts * s.new_tokens / t:.0f} tok/s", f"{fmt_s(t)} per call (first call, bf16 autocast)",
+          tokens_per_s=s.prompts * s.new_tokens / t)
     r.update(gen_lengths=[len(x.response_ids) for x in samples], gen_expected=s.new_tokens)
     return r
 
@@ -505,17 +512,21 @@ def head_case(c: Check, H: int, V: int, backend: str) -> dict:
         d = [(a.float() - b.float()).abs() for a, b in zip(xs, ys)]
         return {"logprob": float(d[0][live].max()), "entropy": float(d[1][live].max()),
                 "sum_sq": float((d[2][live] / ys[2][live].clamp_min(1e-12)).max()),
-                "grad_h": float(d[3].max() / ys[3].abs().max()), "grad_w": float(d[4].max() / ys[4].abs().max())}
+                "grad_h": float(d[3].max() / ys[3].abs().max()),
+                "grad_w": float(d[4].max() / ys[4].abs().max())}
     # bf16 run vs fp32: the kernel's logits are bf16 (each rounded by <= ½ ulp), so a logprob or an
     # entropy may move by about one bf16 ulp of the largest scaled logit, Σπ² by that relatively, and
     # gradients leave in bf16 from bf16 logits: a loose bound that catches only gross errors.
     ulp = 2.0 ** (math.floor(math.log2(float(ref[5].max()) / T)) - 7)
-    errors = {"fp32 kernel vs fp32": maxerr(got["fp32 kernel"], ref), "bf16 vs fp32": maxerr(got["kernel"], ref)}
+    errors = {"fp32 kernel vs fp32": maxerr(got["fp32 kernel"], ref),
+              "bf16 vs fp32": maxerr(got["kernel"], ref)}
     tols = {"fp32 kernel vs fp32": dict(logprob=5e-4, entropy=5e-4, sum_sq=5e-4, grad_h=1e-3, grad_w=1e-3),
             "bf16 vs fp32": dict(logprob=ulp, entropy=ulp, sum_sq=2 * ulp, grad_h=1 / 8, grad_w=1 / 8)}
-    if "torch" in got:  # same bf16 chunk logits: only fp32 row arithmetic differs
+    # same bf16 chunk logits: only fp32 row arithmetic differs
+    if "torch" in got:
         errors["bf16 vs torch path"] = maxerr(got["kernel"], got["torch"])
-        tols["bf16 vs torch path"] = dict(logprob=1e-3, entropy=1e-3, sum_sq=1e-3, grad_h=1 / 64, grad_w=1 / 64)
+        tols["bf16 vs torch path"] = dict(logprob=1e-3, entropy=1e-3, sum_sq=1e-3, grad_h=1 / 64,
+                                          grad_w=1 / 64)
     ign = targets == -100
     full = (support < 0).all(1) & ~ign
     r = dict(H=H, V=V, N=s.N, backend=backend, log_v=math.log(V), median_entropy=float(ref[1][full].median()),
@@ -528,7 +539,8 @@ def head_case(c: Check, H: int, V: int, backend: str) -> dict:
           "peak n/a", **t)
     for ref_name, errs in errors.items():
         c.row("2 head", f"H={H} V={V} {ref_name}", ", ".join(f"{n} {v:.1e}" for n, v in errs.items()),
-              f"tol {', '.join(f'{v:.0e}' for v in tols[ref_name].values())}", max_abs=errs, tol=tols[ref_name])
+              f"tol {', '.join(f'{v:.0e}' for v in tols[ref_name].values())}", max_abs=errs,
+              tol=tols[ref_name])
     c.row("2 head", f"H={H} V={V} logits", f"median entropy {r['median_entropy']:.2f} nats",
           f"ln V = {math.log(V):.2f}: peaked (want <= ½ ln V)")
     return r
@@ -546,7 +558,8 @@ def crit_heads(r: dict) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- stages 3-6: train.py runs
-PROMPT_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."  # README's
+# README's
+PROMPT_TEMPLATE = "{prompt} Please reason step by step, and put your final answer within \\boxed{}."
 STAND_IN_REWARD = "def reward(prompt, response, label):\n    return float(len(response) % 3 == 0)\n"
 
 
@@ -555,7 +568,8 @@ def rehearsal_argv(paths: dict, out_dir: str, engine: str, max_new_tokens: int =
     """README's GPU command line (--algo grpo ... --reward math --max-new-tokens 1024 --dtype bfloat16;
     tests/test_gpu_check.py compares) on a real-shape model and GSM8K-format data, `steps` steps of 4 × 4."""
     return ["--algo", "grpo", "--model", paths["model"], "--train-data", paths["train"], "--test-data",
-            f"gsm8k={paths['test']}", "--input-key", "question,problem", "--label-key", "answer", "--prompt-template",
+            f"gsm8k={paths['test']}", "--input-key", "question,problem", "--label-key", "answer",
+            "--prompt-template",
             PROMPT_TEMPLATE, "--reward", reward, "--engine", engine,
             "--max-new-tokens", str(max_new_tokens), "--dtype", "bfloat16", "--steps", str(steps),
             "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-limit", "4", "--out-dir", out_dir,
@@ -632,8 +646,10 @@ def readme_stage(c: Check) -> dict:
         took = time.perf_counter() - t
     r.update(steps=read_steps(out), want_steps=3, attn=dict(calls))
     last = r["steps"].get(3, {})
-    c.row("3 README", f"train.py README GPU line, --engine hf, {c.sizes.dense['num_hidden_layers']}-layer real shape",
-          f"{fmt_s(last.get('perf/time/step', float('nan')))} last step", f"whole run {fmt_s(took)}; attention "
+    c.row("3 README", f"train.py README GPU line, --engine hf, {c.sizes.dense['num_hidden_layers']}-layer "
+                      "real shape",
+          f"{fmt_s(last.get('perf/time/step', float('nan')))} last step",
+          f"whole run {fmt_s(took)}; attention "
           f"calls {dict(calls)}; mismatch ratio_mean {last.get('train/mismatch/ratio_mean')}", argv=argv)
     return r
 
@@ -642,7 +658,8 @@ def fsdp_stage(c: Check) -> dict:
     """4: one FSDP2 rank (NCCL on CUDA, gloo on CPU): 3 steps saved each step == 2 + resume + 1."""
     out = pathlib.Path(c.workdir, "run_fsdp")
     argv = ["--fsdp", "--dtype", "bfloat16", "--steps", "3", "--save-every", "1", "--prompts-per-step", "8",
-            "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8", "--quiet", "--out-dir", str(out), *c.threads]
+            "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8", "--quiet", "--out-dir",
+            str(out), *c.threads]
     first = train_subprocess(c, argv, torchrun=True)
     done = read_steps(out)
     import shutil
@@ -650,7 +667,8 @@ def fsdp_stage(c: Check) -> dict:
     again = train_subprocess(c, argv + ["--resume", "latest"], torchrun=True)
     redone = read_steps(out)
     # CUDA kernels may reorder sums between two processes (atomics in backward): a relative 1e-4
-    r = dict(rc={"first": first["rc"], "resumed": again["rc"]}, first=done.get(3, {}), again=redone.get(3, {}),
+    r = dict(rc={"first": first["rc"], "resumed": again["rc"]}, first=done.get(3, {}),
+             again=redone.get(3, {}),
              rel_tol=0.0 if c.device.type == "cpu" else 1e-4, resumed="at step 2" in again["stdout"],
              error=first["error"] if first["rc"] else again["error"])
     c.row("4 FSDP", "torchrun 1 rank, --fsdp bf16, built-in task: 3 steps vs 2 + resume + 1",
@@ -668,7 +686,8 @@ def async_stage(c: Check) -> dict:
         r = train_subprocess(c, argv, nofile=1024)
         r.update(steps=read_steps(out), want_steps=2)
         res[f"K{K}"] = r
-        c.row("5 async", f"--async-steps {K}, ulimit -n 1024, {c.sizes.dense['num_hidden_layers']}-layer real shape",
+        c.row("5 async", f"--async-steps {K}, ulimit -n 1024, {c.sizes.dense['num_hidden_layers']}-layer "
+                         "real shape",
               f"exit {r['rc']}", f"{len(r['steps'])} steps; reward {c.reward()}")
     return res
 
@@ -686,9 +705,10 @@ def moe_stage(c: Check) -> dict:
         r = train_in_process(argv)
     r.update(steps=read_steps(out), want_steps=2, attn=dict(calls), need=("routing/disagreement",))
     last = r["steps"].get(2, {})
-    c.row("6 MoE", f"--routing-replay, {c.sizes.moe['num_experts']} experts top {c.sizes.moe['num_experts_per_tok']}",
-          f"replay mode {last.get('routing/replay_mode')}", f"disagreement {last.get('routing/disagreement')}, "
-          f"attention calls {dict(calls)}")
+    c.row("6 MoE", f"--routing-replay, {c.sizes.moe['num_experts']} experts top "
+                   f"{c.sizes.moe['num_experts_per_tok']}",
+          f"replay mode {last.get('routing/replay_mode')}",
+          f"disagreement {last.get('routing/disagreement')}, attention calls {dict(calls)}")
     return r
 
 
@@ -768,13 +788,16 @@ def run_stage(c: Check, label: str, stage, criterion, limit: int, need) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--smoke", action="store_true", help="tiny sizes, every stage (a CPU runs it; figures mean nothing)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny sizes, every stage (a CPU runs it; figures mean nothing)")
     p.add_argument("--json", default="", help="also write machine, sizes, rows and each stage's results here")
     p.add_argument("--only", default="", help="comma-separated stage numbers to run (e.g. 1,2); default all")
-    p.add_argument("--budget", type=int, default=480, help="seconds for the whole run; later stages are skipped")
+    p.add_argument("--budget", type=int, default=480,
+                   help="seconds for the whole run; later stages are skipped")
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    precision.setup_device(device)  # TF32 for the fp32 matmuls, as train.py sets it
+    # TF32 for the fp32 matmuls, as train.py sets it
+    precision.setup_device(device)
     info = machine(device)
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr, flush=True)
     start, sizes, stages = time.monotonic(), SMOKE if args.smoke else FULL, {}
@@ -791,7 +814,8 @@ def main(argv=None) -> int:
                 stages[label] = dict(status="skip", reasons=["out of time"])
                 continue
             # smoke: CPU sizes, but a busy CPU is slower than the device: limits at 3×
-            stages[label] = run_stage(c, label, stage, criterion, min(limit * (3 if args.smoke else 1), left), need)
+            stages[label] = run_stage(c, label, stage, criterion, min(limit * (3 if args.smoke else 1), left),
+                                      need)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -799,7 +823,8 @@ def main(argv=None) -> int:
     total = round(time.monotonic() - start, 1)
     print(table(c.rows) + f"\nfailed: {failed or 'none'}\nseconds: {total}", flush=True)
     if args.json:
-        out = dict(machine=info, smoke=args.smoke, sizes=dataclasses.asdict(sizes), rows=c.rows, stages=stages,
+        out = dict(machine=info, smoke=args.smoke, sizes=dataclasses.asdict(sizes), rows=c.rows,
+                   stages=stages,
                    failed=failed, seconds=total)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))
     return 1 if failed else 0

@@ -1,42 +1,23 @@
 """DCPO — Decoupled Calibration Policy Optimization (arXiv 2603.09117) — as ONE nanorl plug-in file.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-              ^^^^^^ reward + reward_postprocess     ^^^^^^^^^ advantage (the loss is nanorl's PPO, unchanged)
-
-The model answers, then states how sure it is; training must make it more accurate AND better
-calibrated, without the two signals interfering. Here on nanorl's built-in task (sums of three
-digits, nanorl/task.py) with one confidence digit after the answer:
+Fills link 2 of the chain (reward + reward_postprocess) and link 4 (advantage); the loss is nanorl's PPO,
+unchanged. The model answers, then states how sure it is; training must make it more accurate AND better
+calibrated, without the two signals interfering. Here on nanorl's built-in task (sums of three digits,
+nanorl/task.py) with one confidence digit after the answer:
 
     prompt "3+4+9="   response "16-7<eos>"   answer 16, confidence c = 7/9
 
-Everything goes through nanorl's plug-in points (nanorl/plugins.py); nothing under nanorl/ knows
-DCPO. The five steps (the walk-through, with why: docs/extending.md):
-1. `reward`: accuracy (0/1, the only trained field) and, log-only ("_" keys → Sample.metadata),
-   the stated confidence c and the token position where it starts. No parsable confidence → the
-   documented fallback: the worst calibration error, w·1, on the tokens where the confidence belongs
-   (after the answer and separator). The other fallback, no calibration signal, was tried first: the
-   negated calibration advantage then pushed mass off the digits onto EOS and the format decayed
-   (held-out format rate 0.93 → 0.84 in 60 steps). A response whose tokens do not map one to one
-   onto its characters gets no calibration signal. Both count in `dcpo/format_rate`.
-2. `reward_postprocess`, per group: hybrid accuracy h = α·acc + (1 − α)·group_mean(acc) (α = 0.5);
-   calibration error e = w·(h − c)² (w = 0.5); acc and e are each normalised GRPO-style within the
-   group, separately (nanorl.advantage.grpo), into metadata "dcpo/acc_adv" and "dcpo/cal_adv".
-3. `advantage`, per token, by position, never added: acc_adv on every token before the confidence,
-   −cal_adv on the confidence tokens (the digit and the EOS after it): a larger error must LOWER
-   the probability of the digit that made it.
-4. Loss: nanorl's PPO/GRPO policy loss on that [B, T] tensor (no `policy_loss` here).
-5. Logs (`LOG_METADATA`): dcpo/accuracy, dcpo/confidence, dcpo/brier, dcpo/ece, the two
-   advantages' statistics — under dcpo/. `heldout_calibration` scores the policy's answers on the
-   held-out split, greedy or sampled (Brier, ECE, accuracy, format rate).
+Everything goes through nanorl's plug-in points (nanorl/plugins.py); nothing under nanorl/ knows DCPO.
+The five steps, in file order (the walk-through, with why: docs/extending.md): 1. `reward` (accuracy,
+trained; confidence, log-only), 2. `reward_postprocess` (per group: hybrid accuracy, calibration error,
+each GRPO-normalised), 3. `advantage` (by token position, never added), 4. the loss: nanorl's PPO/GRPO
+policy loss on that [B, T] tensor (no `policy_loss` here), 5. logs (`LOG_METADATA`, under dcpo/) and
+`heldout_calibration`. Each function's docstring gives its rule.
 
-The confidence position is a character index, which is the token index under the built-in
-character tokenizer; a response whose tokens and characters do not match one to one (a special
-token sampled mid-answer) gets no calibration signal. With a BPE tokenizer, map the position
-through the tokenizer's offsets instead.
-
-    python train.py --algo grpo --plugin examples/dcpo.py --threads 1          # 800 steps, ~3 min on a laptop CPU
-    python train.py --algo grpo --plugin examples/dcpo.py --steps 100         # the learning test's length
-    python -m examples.dcpo runs/nanorl/checkpoints/step_000800 runs/nanorl/task/test.jsonl  # held-out calibration
+    python train.py --algo grpo --plugin examples/dcpo.py --threads 1   # 800 steps, ~3 min on a laptop CPU
+    python train.py --algo grpo --plugin examples/dcpo.py --steps 100  # the learning test's length
+    # held-out calibration:
+    python -m examples.dcpo runs/nanorl/checkpoints/step_000800 runs/nanorl/task/test.jsonl
     python -m pytest tests/test_dcpo.py -q
 """
 from __future__ import annotations
@@ -50,31 +31,53 @@ import torch
 
 from nanorl.advantage import grpo
 
-SEP = "-"           # between the answer and the confidence digit (the task's tokenizer has "-")
-ALPHA, W = 0.5, 0.5  # α, the hybrid accuracy's mix, and w, the calibration weight
-BINS = 10            # ECE bins over [0, 1]
+# between the answer and the confidence digit (the task's tokenizer has "-")
+SEP = "-"
+# α, the hybrid accuracy's mix, and w, the calibration weight
+ALPHA, W = 0.5, 0.5
+# ECE bins over [0, 1]
+BINS = 10
 LOG_METADATA = "dcpo/"
-CONFIG = {"max_new_tokens": 6}  # "16-7" + EOS is 5 tokens; the built-in task's default is 4
+# "16-7" + EOS is 5 tokens; the built-in task's default is 4
+CONFIG = {"max_new_tokens": 6}
 FORMAT = re.compile(r"(-?\d+)" + re.escape(SEP) + r"(\d)")
 
 
 def parse(response: str) -> tuple[str, float | None, int]:
     """→ (answer text, confidence in [0, 1] or None, character index where the confidence starts —
-    or, without one, where it should have: after the answer and its separator)."""
+    or, without one, where it should have: after the answer and its separator).
+
+    The confidence position is a character index, which is the token index under the built-in character
+    tokenizer; a response whose tokens and characters do not match one to one (a special token sampled
+    mid-answer) gets no calibration signal. With a BPE tokenizer, map the position through the tokenizer's
+    offsets instead.
+    """
     m = FORMAT.fullmatch(response)
     if m is not None:
         return m.group(1), int(m.group(2)) / 9, m.start(2)
-    cut = response.find(SEP, 1)  # no (or a malformed) confidence: the answer ends at the separator
+    # no (or a malformed) confidence: the answer ends at the separator
+    cut = response.find(SEP, 1)
     return (response, None, len(response)) if cut < 0 else (response[:cut], None, cut + 1)
 
 
 # ----------------------------------------------------------------------------- 1. reward
 def reward(prompt: str, response: str, label: str, sample) -> dict:
-    """{"correct": 0/1} trained; "_dcpo/confidence", "_dcpo/conf_pos" logged only (→ metadata)."""
+    """{"correct": 0/1} trained; "_dcpo/confidence", "_dcpo/conf_pos" logged only (→ metadata).
+
+    Accuracy (0/1, the only trained field) and, log-only ("_" keys → Sample.metadata), the stated confidence
+    c and the token position where it starts. No parsable confidence → the documented fallback: the worst
+    calibration error, w·1, on the tokens where the confidence belongs (after the answer and separator). The
+    other fallback, no calibration signal, was tried first: the negated calibration advantage then pushed
+    mass off the digits onto EOS and the format decayed (held-out format rate 0.93 → 0.84 in 60 steps). A
+    response whose tokens do not map one to one onto its characters gets no calibration signal. Both count
+    in `dcpo/format_rate`.
+    """
     answer, conf, pos = parse(response)
     out = {"correct": float(answer == str(label).strip()), "_dcpo/format_rate": float(conf is not None)}
-    if sample.response_length - (sample.status == "completed") != len(response):  # the EOS is not in the text
-        return out  # a token without a character (a <pad> sampled mid-answer): positions do not map
+    # the EOS is not in the text
+    if sample.response_length - (sample.status == "completed") != len(response):
+        # a token without a character (a <pad> sampled mid-answer): positions do not map
+        return out
     if conf is not None:
         out["_dcpo/confidence"] = conf
     out["_dcpo/conf_pos"] = float(pos)
@@ -85,7 +88,8 @@ def reward(prompt: str, response: str, label: str, sample) -> dict:
 def normalised(x: list[float]) -> list[float]:
     """GRPO's within-group normalisation (r − mean)/(std + ε) of one group: nanorl.advantage.grpo."""
     if len(x) < 2:
-        return [0.0] * len(x)  # no peer: no signal (nanorl's group-of-one rule)
+        # no peer: no signal (nanorl's group-of-one rule)
+        return [0.0] * len(x)
     adv, _ = grpo(mask=torch.ones(len(x), 1), index=torch.zeros(len(x), dtype=torch.long),
                   scores=torch.tensor(x))
     return adv[:, 0].tolist()
@@ -104,7 +108,12 @@ def ece(conf: list[float], right: list[float], bins: int = BINS) -> float:
 
 def reward_postprocess(samples: list) -> None:
     """Per group (consecutive samples sharing group_id): hybrid accuracy, calibration error, and the
-    two GRPO-normalised advantages, written into each sample's metadata."""
+    two GRPO-normalised advantages, written into each sample's metadata.
+
+    Hybrid accuracy h = α·acc + (1 − α)·group_mean(acc) (α = 0.5); calibration error e = w·(h − c)² (w =
+    0.5); acc and e are each normalised GRPO-style within the group, separately (nanorl.advantage.grpo),
+    into metadata "dcpo/acc_adv" and "dcpo/cal_adv".
+    """
     groups: dict[int, list] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
@@ -113,18 +122,21 @@ def reward_postprocess(samples: list) -> None:
         mean_acc = sum(acc) / len(acc)
         for s, a in zip(group, normalised(acc)):
             s.metadata.update({"dcpo/accuracy": s.reward["correct"], "dcpo/acc_adv": a})
-        placed = [s for s in group if "dcpo/conf_pos" in s.metadata]  # where a confidence is (or belongs)
+        # where a confidence is (or belongs)
+        placed = [s for s in group if "dcpo/conf_pos" in s.metadata]
         errors = []
         for s in placed:
             h = ALPHA * s.reward["correct"] + (1 - ALPHA) * mean_acc
             c = s.metadata.get("dcpo/confidence")
-            errors.append(W * (h - c) ** 2 if c is not None else W)  # none stated: the worst error, w·1
+            # none stated: the worst error, w·1
+            errors.append(W * (h - c) ** 2 if c is not None else W)
         for s, e, a in zip(placed, errors, normalised(errors)):
             s.metadata.update({"dcpo/cal_error": e, "dcpo/cal_adv": a})
             if "dcpo/confidence" in s.metadata:
                 s.metadata["dcpo/brier"] = (s.metadata["dcpo/confidence"] - s.reward["correct"]) ** 2
     stated = [s for s in samples if "dcpo/confidence" in s.metadata]
-    if stated:  # a batch statistic: every stated sample carries it, so its logged mean is the value
+    # a batch statistic: every stated sample carries it, so its logged mean is the value
+    if stated:
         value = ece([s.metadata["dcpo/confidence"] for s in stated], [s.reward["correct"] for s in stated])
         for s in stated:
             s.metadata["dcpo/ece"] = value
@@ -133,7 +145,12 @@ def reward_postprocess(samples: list) -> None:
 # ----------------------------------------------------------------------------- 3. advantage
 def advantage(*, mask, index, scores, metadata):
     """[B, T]: dcpo/acc_adv on tokens before dcpo/conf_pos, −dcpo/cal_adv from it on (assigned by
-    position, never summed); a sample without a confidence gets acc_adv everywhere."""
+    position, never summed); a sample without a confidence gets acc_adv everywhere.
+
+    Per token, by position, never added: acc_adv on every token before the confidence, −cal_adv on the
+    confidence tokens (the digit and the EOS after it): a larger error must LOWER the probability of the
+    digit that made it.
+    """
     B, T = mask.shape
     acc = torch.tensor([m.get("dcpo/acc_adv", 0.0) for m in metadata], dtype=torch.float32)   # [B]
     cal = torch.tensor([m.get("dcpo/cal_adv", 0.0) for m in metadata], dtype=torch.float32)   # [B]
@@ -160,7 +177,8 @@ def make_task(out_dir: str, seed: int = 0, sft_steps: int = 80, hidden: int = 12
     model_dir = os.path.join(out_dir, f"dcpo-qwen2-h{hidden}-sft{sft_steps}-seed{seed}")
     paths = {"model": model_dir, "train": os.path.join(out_dir, "train.jsonl"),
              "test": os.path.join(out_dir, "test.jsonl")}
-    train, test = problems(seed=0)  # the built-in split: the held-out sums are never trained on
+    # the built-in split: the held-out sums are never trained on
+    train, test = problems(seed=0)
     os.makedirs(out_dir, exist_ok=True)
     for split, items in (("train", train), ("test", test)):
         with open(paths[split], "w") as f:
@@ -180,7 +198,12 @@ def heldout_calibration(model_dir: str, test_file: str, limit: int = 0, max_new_
                         temperature: float = 0.0, n: int = 1, seed: int = 0) -> dict:
     """Answers + stated confidence on the held-out prompts (greedy, or `n` samples per prompt at
     `temperature`): accuracy, Brier, ECE, format rate, mean confidence. A missing confidence is
-    scored as the worst forecast (c = 1 − correct)."""
+    scored as the worst forecast (c = 1 − correct).
+
+    The run's logs (`LOG_METADATA`): dcpo/accuracy, dcpo/confidence, dcpo/brier, dcpo/ece, the two
+    advantages' statistics — under dcpo/. This function scores the policy's answers on the held-out split,
+    greedy or sampled (Brier, ECE, accuracy, format rate).
+    """
     from nanorl.policy import load_model
     from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
 
@@ -207,7 +230,8 @@ def heldout_calibration(model_dir: str, test_file: str, limit: int = 0, max_new_
 
 if __name__ == "__main__":
     import argparse
-    ap = argparse.ArgumentParser(prog="python -m examples.dcpo", description="Held-out calibration of a policy.")
+    ap = argparse.ArgumentParser(prog="python -m examples.dcpo",
+                                 description="Held-out calibration of a policy.")
     ap.add_argument("model", help="a model or checkpoint directory")
     ap.add_argument("test_jsonl", help="the held-out prompts (the built-in task's test.jsonl)")
     a = ap.parse_args()

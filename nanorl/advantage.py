@@ -1,60 +1,42 @@
-"""Advantage estimation: how much credit each response token gets for the reward.
+"""Advantage estimation, link 4 of the chain: how much credit each response token gets for the reward.
 
-    rollout → reward → logprob recompute → **advantage** → loss → backward → optimizer step → weight sync
-
-The policy gradient is ∇J = E[Σ_t ∇log π(a_t|s_t) · Ψ_t]. With Ψ_t = G_t, the *return* (the
-reward from token t on), every token of a good answer gets the same noisy push (REINFORCE). Subtracting a
-*baseline* b(s_t) that does not depend on a_t keeps the gradient unbiased (E[∇log π] = 0) and can
-shrink its variance a lot; Ψ_t = G_t − b is the *advantage*. Which tokens earn an outcome reward that
-arrives at the end is the *credit-assignment* problem; each estimator answers it differently.
-
-- gae / gae_chunked: a critic V, δ_t = r_t + γV_{t+1} − V_t, A_t = Σ_l (γλ)^l δ_{t+l} (Schulman et al.
-  2015, arXiv:1506.02438); γ=λ=1 gives A_t = G_t − V_t. The trainer whitens them (as verl does inside).
-- grpo: A = (r − mean_group)/(std_group + ε) on every token (Shao et al. 2024, arXiv:2402.03300);
-  dr_grpo drops the std (Liu et al. 2025, arXiv:2503.20783). rloo: the mean of the *other* samples,
-  A_i = r_i − (Σ_j r_j − r_i)/(n−1) (Ahmadian et al. 2024, arXiv:2402.14740). remax: the greedy
-  response's reward, A_t = G_t − b (Li et al. 2023, arXiv:2310.10505; verl: G_t undiscounted).
-- reinforce_pp: discounted return of a reward carrying the KL per token, whitened over the batch (Hu
-  2025, arXiv:2501.03262). reinforce_pp_baseline: A_t = r_i − mean_g − β·KL_t, whitened; the per-token
-  KL term is slime's form (kl_penalty given: KL in the reward), without it verl's; whiten=False is
-  slime's unwhitened option.
-- opo: length-weighted baseline b = Σ_j |o_j| r_j / Σ_j |o_j| (Hao et al. 2025, arXiv:2505.23585).
-- grpo_passk: pass@k's closed form (Chen et al. 2025, arXiv:2508.10751): over size-k subsets of a
-  group with N_neg failures R̄ = 1 − C(N_neg,k)/C(N,k), σ = sqrt(R̄(1−R̄)); a success gets (1−R̄)/σ, a
-  failure (1 − R̄ − C(N_neg−1,k−1)/C(N−1,k−1))/σ; k=1 is GRPO with the population std.
-  grpo_passk_max is verl's grpo_passk (arXiv:2503.19595, pass@n of the group): only the best sample
-  gets r_max − r_second, ÷ (std_g + ε); every other sample gets 0.
-- gpg: A = α·(r − mean_group), α = B/(B − M) for the M samples of all-equal groups (Chu et al. 2025,
-  arXiv:2504.02546). verl takes M = number of zero scores; we use the paper's definition.
-- otb: optimal *token* baseline B_t = Σ_i G_t^i W_t^i / Σ_i W_t^i, W_t = Σ_{j≤t} w_j, w_j = 1 − 2π_j +
-  Σ_v π_v² = ||∇_logits log π||² (arXiv:2602.07078, as verl); with rollout IS weights ρ̄, w_j·ρ̄_j²
-  (verl: MSE-optimal under truncated IS). Σπ² comes from the trainer's fused logprob pass; without it
-  Σπ² ≥ π_j² gives w_j = (1 − π_j)², without old_logprobs too w_j = 1.
-- gdpo: each named reward component normalised in its group, weighted (verl's gdpo_reward_weights),
-  summed, whitened over the batch (Liu et al. 2026, arXiv:2601.05242; token-weighted as verl).
-
-Choices (where verl and slime differ; each is tested in tests/test_advantage.py):
-- Outcome estimators take `scores` [B] or `token_rewards` [B, T], never both; with token rewards the
-  score is Σ_t token_rewards (verl's convention), so a KL penalty in the reward reaches every one.
-  An estimator reads only its keyword inputs: one it cannot use is a TypeError (direct call) or a
-  ValueError (compute_advantages), never silently ignored. A user function (--advantage file.py:fn)
-  gets the same inputs by name, plus `metadata` (PLUGIN_INPUTS); its output is checked like an input.
-- Masks with holes (multi-turn tool output) are *skipped*: recursions run over valid tokens, a valid
-  token's "next" is the next valid one, as in verl 0.9.1's GAE and REINFORCE++ and OpenRLHF.
-- Group of one: advantage 0 (no peer, no information). verl uses mean 0 / std 1 (the raw score, an
-  outlier in a normalised batch) and its grpo_passk raises; slime's std of one element is NaN. otb
-  applies it per timestep (verl's handle_zero_tail instead uses baseline 0 on the longest tail).
-- Group std is unbiased (as verl and slime), vectorised with index_add_ over any integer `index`.
-  Outcome estimators return returns = score on every valid token.
-- float32, zero outside the mask, no graph; NaN/inf on masked positions is removed with torch.where
-  before any arithmetic; NaN/inf in scores or on valid positions raises ValueError.
-
+The policy gradient is E[Σ_t ∇log π(a_t|s_t)·Ψ_t]; with Ψ_t = G_t − b(s_t), the return minus a baseline
+that does not depend on a_t, it stays unbiased and its variance shrinks: Ψ_t is the *advantage*. Each
+estimator answers the credit-assignment question its own way: a critic (gae), the group (grpo,
+dr_grpo, rloo, opo, gpg, grpo_passk), a greedy response (remax), the batch (reinforce_pp), a
+variance-optimal per-token baseline (otb), each reward component (gdpo). Their papers, and every
+place verl and slime differ with the choice made here: docs/from-slime-verl.md.
+Start at `grpo`, then `gae`. Each estimator is a keyword-only function registered with
+@register_advantage, which declares what it reads by its parameter names (nanorl/plan.py).
+Key choices: float32, zero outside the mask; recursions skip masked holes; a group of one gets
+advantage 0; NaN/inf on a valid token raises; an input an estimator cannot use raises.
 Run: python -m nanorl.advantage (a demo). Test: python -m pytest tests/test_advantage.py -q
 """
 
 import inspect
 
 import torch
+
+# ----------------------------------------------------------------------------- the registry
+# name -> estimator. Built-ins and plug-ins (--advantage file.py:fn, nanorl/plugins.py) register alike.
+# An estimator declares what it reads by its keyword parameters: `values` needs a critic,
+# `old_logprobs` the π_old recompute, `sum_sq_probs` Σπ² from that pass, `baselines` a greedy
+# response per prompt, `rollout_is_weights` TIS/MIS weights (nanorl/plan.py turns them into the step).
+ADVANTAGE_ESTIMATORS: dict = {}
+
+
+def register_advantage(name: str, raw_scores: bool = False):
+    """Decorator: add an estimator to ADVANTAGE_ESTIMATORS under `name` (a name is registered once).
+    raw_scores: it reads the raw scores (0/1 pass/fail, reward components), so a KL penalty cannot be
+    folded into its rewards (--kl-in-reward is refused; put the KL in the loss)."""
+    def add(fn):
+        if ADVANTAGE_ESTIMATORS.get(name, fn) is not fn:
+            raise ValueError(f"advantage estimator {name!r} is already registered")
+        fn.raw_scores = raw_scores
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return add
+
 
 # ----------------------------------------------------------------------------- masked helpers
 
@@ -238,11 +220,14 @@ def _gae_inputs(who, mask, values, token_rewards, scores):
     return m, _check_tokens("values", values, m), _outcome_token_rewards(token_rewards, scores, m)
 
 
-def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0):
+@register_advantage("gae")
+def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0, whiten=False):
     """GAE as the plain reverse loop (the reference). values, token_rewards, mask: [B, T].
 
     Masked positions are skipped: `last` (the running advantage) and `next_v` (the next valid value)
-    are carried through them unchanged; after the last valid token V_next = 0.
+    are carried through them unchanged; after the last valid token V_next = 0. whiten: the advantages
+    (not the returns, the critic's targets) whitened over the batch's valid tokens, as verl and
+    OpenRLHF do for PPO; the trainer passes --whiten-advantages (on by default).
     """
     m, v, r = _gae_inputs("gae", mask, values, token_rewards, scores)
     B, T = m.shape
@@ -254,11 +239,12 @@ def gae(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0):
         next_v = torch.where(m[:, t], v[:, t], next_v)
         adv[:, t] = last
     adv = torch.where(m, adv, 0.0)
-    return adv, torch.where(m, adv + v, 0.0)
+    return (masked_whiten(adv, mask) if whiten else adv), torch.where(m, adv + v, 0.0)
 
 
+@register_advantage("gae_chunked")
 def gae_chunked(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam=1.0,
-                chunk_size=128):
+                chunk_size=128, whiten=False):
     """GAE as a chunked matrix scan of δ with discount γλ; equals `gae` (≤1e-5), many times faster."""
     m, v, r = _gae_inputs("gae_chunked", mask, values, token_rewards, scores)
     dest = _compact_dest(m)
@@ -266,12 +252,13 @@ def gae_chunked(*, mask, values, token_rewards=None, scores=None, gamma=1.0, lam
     v_next = torch.nn.functional.pad(vc[:, 1:], (0, 1))                         # 0 after the last
     delta = rc + gamma * v_next - vc                                            # 0 on the padding
     adv = _uncompact(_suffix_scan(delta, gamma * lam, chunk_size), dest, m)
-    return adv, torch.where(m, adv + v, 0.0)
+    return (masked_whiten(adv, mask) if whiten else adv), torch.where(m, adv + v, 0.0)
 
 
 # ----------------------------------------------------------------------------- group baselines
 
 
+@register_advantage("grpo")
 def grpo(*, mask, index, scores=None, token_rewards=None, norm_by_std=True, eps=1e-6):
     """A_i = (r_i − mean_g)/(std_g + ε) (or r_i − mean_g if not norm_by_std) on every valid token."""
     m, scores, gid, G = _check(mask, scores, index, who="grpo", token_rewards=token_rewards)
@@ -282,11 +269,13 @@ def grpo(*, mask, index, scores=None, token_rewards=None, norm_by_std=True, eps=
     return _broadcast(a, m), _broadcast(scores, m)
 
 
+@register_advantage("dr_grpo")
 def dr_grpo(*, mask, index, scores=None, token_rewards=None):
     """GRPO without the std division (Dr.GRPO)."""
     return grpo(mask=mask, index=index, scores=scores, token_rewards=token_rewards, norm_by_std=False)
 
 
+@register_advantage("rloo")
 def rloo(*, mask, index, scores=None, token_rewards=None):
     """A_i = r_i − mean of the other samples of its group = n/(n−1)·(r_i − mean_g); 0 if n = 1."""
     m, scores, gid, G = _check(mask, scores, index, who="rloo", token_rewards=token_rewards)
@@ -295,6 +284,7 @@ def rloo(*, mask, index, scores=None, token_rewards=None):
     return _broadcast(a, m), _broadcast(scores, m)
 
 
+@register_advantage("remax")
 def remax(*, mask, baselines, scores=None, token_rewards=None):
     """A_t = G_t − b_i: G_t the reward-to-go (undiscounted, as verl), b_i [B] the greedy response's reward."""
     m, scores, _, _ = _check(mask, scores)
@@ -305,6 +295,7 @@ def remax(*, mask, baselines, scores=None, token_rewards=None):
     return torch.where(m, ret - b[:, None], 0.0), ret
 
 
+@register_advantage("opo")
 def opo(*, mask, index, scores=None, token_rewards=None):
     """A_i = r_i − Σ_j |o_j| r_j / Σ_j |o_j| with |o_j| the number of valid tokens of sample j."""
     m, scores, gid, G = _check(mask, scores, index, who="opo", token_rewards=token_rewards)
@@ -315,6 +306,7 @@ def opo(*, mask, index, scores=None, token_rewards=None):
     return _broadcast(a, m), _broadcast(scores, m)
 
 
+@register_advantage("gpg")
 def gpg(*, mask, index, scores=None, token_rewards=None, eps=1e-6):
     """A_i = α(r_i − mean_g), α = B/(B − M), M = samples in groups with equal rewards (or of one)."""
     m, scores, gid, G = _check(mask, scores, index, who="gpg", token_rewards=token_rewards)
@@ -332,6 +324,7 @@ def _comb_ratio(a, b, k):
     return torch.where(a >= k, lr.exp(), 0.0)
 
 
+@register_advantage("grpo_passk", raw_scores=True)
 def grpo_passk(*, mask, index, scores=None, token_rewards=None, pass_k=1, norm_by_std=True, eps=1e-6):
     """Pass@k training advantage (closed form, binary 0/1 scores). Needs pass_k ≤ every group size."""
     m, scores, gid, G = _check(mask, scores, index, who="grpo_passk", token_rewards=token_rewards)
@@ -352,6 +345,7 @@ def grpo_passk(*, mask, index, scores=None, token_rewards=None, pass_k=1, norm_b
     return _broadcast(a.to(torch.float32), m), _broadcast(scores, m)
 
 
+@register_advantage("grpo_passk_max")
 def grpo_passk_max(*, mask, index, scores=None, token_rewards=None, norm_by_std=True, eps=1e-6):
     """verl's grpo_passk: the group's unique best sample gets r_max − r_second (÷ (std_g + ε)), all
     others 0. A tie at the top gives everyone 0 (verl's topk picks one tied sample, whose r_max −
@@ -368,6 +362,7 @@ def grpo_passk_max(*, mask, index, scores=None, token_rewards=None, norm_by_std=
     return _broadcast(a, m), _broadcast(s, m)
 
 
+@register_advantage("gdpo", raw_scores=True)
 def gdpo(*, mask, index, components=None, scores=None, component_weights=None, norm_by_std=True,
          eps=1e-6, whiten=True):
     """Σ_c w_c · group-normalised component c, then token-weighted batch whitening. components: [B, C].
@@ -399,6 +394,7 @@ def gdpo(*, mask, index, components=None, scores=None, component_weights=None, n
 # ----------------------------------------------------------------------------- batch-normalised
 
 
+@register_advantage("reinforce_pp")
 def reinforce_pp(*, mask, token_rewards=None, scores=None, gamma=1.0, chunk_size=128, whiten=True):
     """G_t = discounted return of token_rewards (KL penalty inside), whitened over the batch."""
     m, scores, _, _ = _check(mask, scores)
@@ -408,6 +404,7 @@ def reinforce_pp(*, mask, token_rewards=None, scores=None, gamma=1.0, chunk_size
     return (masked_whiten(returns, m) if whiten else returns), returns
 
 
+@register_advantage("reinforce_pp_baseline")
 def reinforce_pp_baseline(*, scores, mask, index, kl_penalty=None, whiten=True):
     """A_t = r_i − mean_g − kl_penalty_t, whitened over all valid tokens of the batch (unless whiten=False).
 
@@ -424,6 +421,7 @@ def reinforce_pp_baseline(*, scores, mask, index, kl_penalty=None, whiten=True):
 # ----------------------------------------------------------------------------- token baseline
 
 
+@register_advantage("otb")
 def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_sq_probs=None,
         rollout_is_weights=None, gamma=1.0, eps=1e-6, chunk_size=128):
     """Optimal token baseline. old_logprobs, sum_sq_probs, rollout_is_weights, token_rewards, mask: [B, T].
@@ -459,19 +457,12 @@ def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_
 
 # ----------------------------------------------------------------------------- registry
 
-ADVANTAGE_ESTIMATORS = {
-    "gae": gae, "gae_chunked": gae_chunked, "grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "remax": remax,
-    "reinforce_pp": reinforce_pp, "reinforce_pp_baseline": reinforce_pp_baseline, "opo": opo,
-    "grpo_passk": grpo_passk, "grpo_passk_max": grpo_passk_max, "gpg": gpg, "otb": otb, "gdpo": gdpo,
-}
-
-
 # What the trainer can feed an estimator (train.py advantage_inputs), by name; a user estimator
 # (--advantage file.py:fn, nanorl/plugins.py) may ask for any of these, and for `metadata`: the
 # batch's per-sample Sample.metadata dicts, one per row (nanorl/trajectory.py collate).
 PLUGIN_INPUTS = frozenset({"mask", "index", "scores", "token_rewards", "values", "components", "old_logprobs",
-                           "sum_sq_probs", "rollout_is_weights", "gamma", "lam", "pass_k", "kl_penalty", "whiten",
-                           "component_weights", "baselines", "metadata"})
+                           "sum_sq_probs", "rollout_is_weights", "gamma", "lam", "pass_k", "kl_penalty",
+                           "whiten", "component_weights", "baselines", "metadata"})
 
 
 def estimator_inputs(name):
@@ -504,15 +495,16 @@ def compute_advantages(name, **inputs):
         raise TypeError(f"advantage estimator {label!r} must return (advantages [B, T], returns [B, T]), "
                         f"got {type(out).__name__}")
     if "mask" not in given:
-        raise ValueError(f"advantage estimator {label!r} must take `mask` [B, T] (its output is checked against it)")
+        raise ValueError(f"advantage estimator {label!r} must take `mask` [B, T] "
+                         "(its output is checked against it)")
     m = given["mask"] > 0                                              # [B, T]
     return tuple(_check_tokens(f"{label} {what}", x, m) for what, x in zip(("advantages", "returns"), out))
 
 
 if __name__ == "__main__":
     import argparse
-    argparse.ArgumentParser(prog="python -m nanorl.advantage",
-                            description="Print a few estimators' advantages on a toy batch of 2 groups.").parse_args()
+    about = "Print a few estimators' advantages on a toy batch of 2 groups."
+    argparse.ArgumentParser(prog="python -m nanorl.advantage", description=about).parse_args()
     kw = dict(scores=torch.tensor([1.0, 0, 0, 1, 0.5, 0.5]), index=torch.tensor([0, 0, 0, 0, 1, 1]),
               mask=torch.ones(6, 3))
     for name in ["grpo", "dr_grpo", "rloo", "gpg", "opo", "grpo_passk_max"]:  # GAE timing: bench.py

@@ -1,43 +1,16 @@
 """Dynamic micro-batching and sequence packing: split an optimizer-step batch by a token budget.
 
-Where it sits: rollout → reward → logprob recompute → advantage → **loss forward/backward, micro-batch
-by micro-batch** → optimizer step. RL batches mix 20- and 4000-token samples: micro-batches of a fixed
-sample count, each padded to its longest sample, waste most of the compute and leave peak memory to
-luck. Instead we cap the *tokens* of a micro-batch and run its samples *packed* (one row, no padding,
-attention confined to each sample).
-
-1. Partitioning, `make_micro_batches(lengths, max_tokens, num_micro_batches=None)`. Cost model: a sample
-   costs its real tokens, prompt + response (packed rows pay no padding; `padding_share` prices padding).
-   (a) Fewest micro-batches with totals <= max_tokens (bin packing, NP-hard): lower bound L = #over-long
-   + max(⌈Σ/cap⌉, #samples > cap/2); first-fit-decreasing (FFD) is a feasible ceiling; we take the first
-   k = L, L+1, ... where a balanced partition fits, so k <= FFD's count. (b) Balanced totals: the
-   heaviest micro-batch sets peak memory (and, across data-parallel ranks, the step time). Candidates:
-   LPT (longest sample into the lightest bucket) and FFD-into-k, each polished by moves/swaps that
-   never raise the heaviest bucket; the best within the cap wins. Bound (brute-force tested): the
-   heaviest bucket (over-long singletons aside) is within (4/3 − 1/(3k)) of the optimal capped
-   k-partition: LPT is within it of the uncapped optimum (Graham 1969), and when LPT breaks the cap,
-   ours <= cap < LPT. In practice both count and heaviest bucket were optimal in every one of ~850
-   brute-forced small cases. verl and slime balance with Karmarkar–Karp's largest differencing (1982);
-   as a third candidate it changed nothing measurable (those cases, 100 lognormal batches) at O(n·k)
-   Python cost, so it is left out.
-   Bugs avoided: slime rebalances with KK without re-checking the cap (buckets over `max_tokens_per_gpu`
-   OOM; verl PR #7553 fixed this in verl), and its capped first-fit fallback leaves buckets empty when
-   ranks agree on a larger count, crashing in torch.cat([]) (slime issue #1838). Here an over-long sample
-   gets a micro-batch of its own with a warning (never dropped), no bucket is ever empty, and a count
-   imposed from outside (`agree_num_micro_batches`: every rank runs as many passes as the busiest, an
-   all-reduce MAX) is reached by splitting the heaviest splittable bucket. A count above the number of
-   samples (a rank the DAPO filter left few samples) gives each sample its own micro-batch plus EMPTY
-   ones at the end: an explicit `[]` the caller runs as a zero-weight forward (nanorl/update.py), never
-   rows made up to fill it — so a real micro-batch is never empty, and an empty one is never data.
-2. Packed forward, `packed_response_logprobs` (drop-in for policy.response_logprobs): samples in one row
-   [1, N], position ids restarting at 0 per sample. Flash-attention models get `cu_seq_lens_q/k` and
-   `max_length_q/k`, which transformers 5.x passes to `flash_attn_varlen_func` (no mask, no padding);
-   sdpa/eager get a 4D additive block-diagonal causal mask [1, 1, N, N], used by attention as-is.
-   Rotary embeddings see only position ids and no token sees another sample, so logprobs equal the
-   padded path (tested <= 1e-5 in fp32, gradients too).
-3. Loss normalisation, `global_denominators(masks)`: a token-mean built micro-batch by micro-batch must
-   divide by the token count of the whole optimizer-step batch (all micro-batches, all ranks), else the
-   split reweights tokens (a mean of means is not the mean). Counts are summed, then all-reduced (SUM).
+Links 5-6 of the chain (loss forward/backward), micro-batch by micro-batch. RL batches mix 20- and
+4000-token samples: micro-batches of a fixed sample count, each padded to its longest sample, waste most
+of the compute and leave peak memory to luck. Instead we cap the *tokens* of a micro-batch and run its
+samples *packed* (one row, no padding, attention confined to each sample). Start at
+`make_micro_batches(lengths, max_tokens, num_micro_batches=None)` (fewest micro-batches under the cap,
+then balanced totals; its docstring has the algorithm and its bound), then `packed_response_logprobs`
+(the packed forward, a drop-in for policy.response_logprobs) and `global_denominators` (a token-mean
+built micro-batch by micro-batch divides by the whole step's count, all ranks). Key choices: an over-long
+sample gets a micro-batch of its own (never dropped), a real micro-batch is never empty, a count imposed
+by the busiest rank (`agree_num_micro_batches`) is met by splitting buckets. Bugs avoided in slime and
+verl: docs/from-slime-verl.md, "nanorl/batching.py".
 
 Run: `python -m pytest tests/test_batching.py -q`.
 """
@@ -45,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import importlib.util
 import math
 import warnings
 from contextlib import nullcontext
@@ -55,10 +27,13 @@ import torch
 import torch.distributed as dist
 
 from nanorl.distributed import comm_device
-from nanorl.policy import head_logprobs
+
+# best_attn_implementation lives in policy.py (load_model chooses the kernel); re-exported for callers
+from nanorl.policy import best_attn_implementation as best_attn_implementation, head_logprobs
 from nanorl.trajectory import PaddedBatch, pack, packed_response_index
 
-Bins = list[list[int]]  # micro-batches as lists of sample indices
+# micro-batches as lists of sample indices
+Bins = list[list[int]]
 
 
 # ----------------------------------------------------------------------------- partitioning helpers
@@ -67,18 +42,21 @@ def _loads(bins: Bins, lengths: list[int]) -> list[int]:
     return [sum(lengths[i] for i in b) for b in bins]
 
 
-def _quality(bins: Bins, lengths: list[int]) -> tuple[int, int]:  # (heaviest, heaviest − lightest)
+# (heaviest, heaviest − lightest)
+def _quality(bins: Bins, lengths: list[int]) -> tuple[int, int]:
     loads = _loads(bins, lengths)
     return max(loads), max(loads) - min(loads)
 
 
 def _first_fit_decreasing(idx: list[int], lengths: list[int], cap: int, max_bins: int | None) -> Bins | None:
     """FFD over `idx` (all <= cap). With max_bins, return None if an item fits in none of them."""
-    room = np.full(len(idx) if max_bins is None else max_bins, cap, dtype=np.int64)  # room left per bin
+    # room left per bin
+    room = np.full(len(idx) if max_bins is None else max_bins, cap, dtype=np.int64)
     bins: Bins = []
     for i in sorted(idx, key=lambda i: (-lengths[i], i)):
         fits = room >= lengths[i]
-        j = int(fits.argmax())  # first bin with room; numpy keeps this O(n·bins) scan in C
+        # first bin with room; numpy keeps this O(n·bins) scan in C
+        j = int(fits.argmax())
         if not fits[j]:
             return None
         if j == len(bins):
@@ -90,7 +68,8 @@ def _first_fit_decreasing(idx: list[int], lengths: list[int], cap: int, max_bins
 
 def _lpt(idx: list[int], lengths: list[int], k: int) -> Bins:
     """Longest processing time first: each sample (longest first) into the lightest bucket."""
-    heap = [(0, 0, j) for j in range(k)]  # (load, n_items, bucket): empty buckets are filled first
+    # (load, n_items, bucket): empty buckets are filled first
+    heap = [(0, 0, j) for j in range(k)]
     bins: Bins = [[] for _ in range(k)]
     for i in sorted(idx, key=lambda i: (-lengths[i], i)):
         load, n, j = heapq.heappop(heap)
@@ -100,7 +79,8 @@ def _lpt(idx: list[int], lengths: list[int], k: int) -> Bins:
 
 
 def _fill_empty(bins: Bins, lengths: list[int]) -> Bins:
-    """Give every empty bucket the lightest sample of a bucket holding several (removal never breaks a cap)."""
+    """Give every empty bucket the lightest sample of a bucket holding several (removal never breaks a
+    cap)."""
     for b in bins:
         if not b:
             donor = max((d for d in bins if len(d) > 1), key=len)
@@ -116,12 +96,14 @@ def _best_transfer(src: tuple[list[int], list[int]], dst: tuple[list[int], list[
     src/dst: (sorted lengths, aligned sample ids). Returns (score, x, y) as positions in src/dst, with
     score = |gap − 2d| (smaller = more even pair); x is None when no transfer strictly helps.
     """
-    best = (gap, None, None)  # d = 0 or d = gap would only swap the two loads: not an improvement
+    # d = 0 or d = gap would only swap the two loads: not an improvement
+    best = (gap, None, None)
     src_lens, dst_lens = src[0], dst[0]
     for px, lx in enumerate(src_lens):
         if len(src_lens) > 1 and 0 < lx < gap and abs(gap - 2 * lx) < best[0]:
             best = (abs(gap - 2 * lx), px, None)
-        pos = bisect.bisect_left(dst_lens, lx - gap / 2)  # swap partner nearest the ideal y = x − gap/2
+        # swap partner nearest the ideal y = x − gap/2
+        pos = bisect.bisect_left(dst_lens, lx - gap / 2)
         for p in (pos - 1, pos):
             if 0 <= p < len(dst_lens):
                 d = lx - dst_lens[p]
@@ -153,11 +135,12 @@ def _local_search(bins: Bins, lengths: list[int], max_rounds: int = 100_000) -> 
     loads = [sum(lens) for lens, _ in bins_]
     for _ in range(max_rounds):
         order = sorted(range(len(bins_)), key=lambda j: loads[j])
-        h, l = order[-1], order[0]
-        if loads[h] - loads[l] <= 1:
-            break  # integer loads: already as even as possible
+        h, lo = order[-1], order[0]
+        if loads[h] - loads[lo] <= 1:
+            # integer loads: already as even as possible
+            break
         step = None
-        for s, t in [(h, j) for j in order[:-1]] + [(j, l) for j in reversed(order[1:])]:
+        for s, t in [(h, j) for j in order[:-1]] + [(j, lo) for j in reversed(order[1:])]:
             if loads[s] > loads[t]:
                 _, px, py = _best_transfer(bins_[s], bins_[t], loads[s] - loads[t])
                 if px is not None:
@@ -186,7 +169,8 @@ def _balanced(idx: list[int], lengths: list[int], k: int, cap: int) -> Bins | No
     best = None
     for bins in candidates:
         bins = _local_search(_fill_empty(bins, lengths), lengths)
-        if max(_loads(bins, lengths)) <= cap and (best is None or _quality(bins, lengths) < _quality(best, lengths)):
+        if max(_loads(bins, lengths)) <= cap and (best is None or _quality(bins, lengths) <
+                                                  _quality(best, lengths)):
             best = bins
     return best
 
@@ -195,7 +179,8 @@ def _split_heaviest(bins: Bins, lengths: list[int], k: int) -> Bins:
     """Reach k buckets by halving (LPT into two) the heaviest bucket that holds >= 2 samples."""
     bins = [list(b) for b in bins]
     while len(bins) < k:
-        j = max((j for j in range(len(bins)) if len(bins[j]) > 1), key=lambda j: sum(lengths[i] for i in bins[j]))
+        j = max((j for j in range(len(bins)) if len(bins[j]) > 1),
+                key=lambda j: sum(lengths[i] for i in bins[j]))
         bins[j:j + 1] = _lpt(bins[j], lengths, 2)
     return bins
 
@@ -225,13 +210,34 @@ def make_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: i
         minimum this cap needs; above len(lengths), every sample is alone and the rest are empty.
     Returns lists of sample indices: every index exactly once, heaviest first; a list is empty only
     when num_micro_batches > len(lengths) (the last num_micro_batches − len(lengths) lists).
+
+    Cost model: a sample costs its real tokens, prompt + response (packed rows pay no padding;
+    `padding_share` prices padding). (a) Fewest micro-batches with totals <= max_tokens (bin packing,
+    NP-hard): lower bound L = #over-long + max(⌈Σ/cap⌉, #samples > cap/2); first-fit-decreasing (FFD) is a
+    feasible ceiling; we take the first k = L, L+1, ... where a balanced partition fits, so k <= FFD's
+    count. (b) Balanced totals: the heaviest micro-batch sets peak memory (and, across data-parallel ranks,
+    the step time). Candidates: LPT (longest sample into the lightest bucket) and FFD-into-k, each polished
+    by moves/swaps that never raise the heaviest bucket; the best within the cap wins. Bound (brute-force
+    tested): the heaviest bucket (over-long singletons aside) is within (4/3 − 1/(3k)) of the optimal capped
+    k-partition: LPT is within it of the uncapped optimum (Graham 1969), and when LPT breaks the cap, ours
+    <= cap < LPT. In practice both count and heaviest bucket were optimal in every one of ~850 brute-forced
+    small cases.
+
+    An over-long sample gets a micro-batch of its own with a warning (never dropped), no bucket is ever
+    empty, and a count imposed from outside (`agree_num_micro_batches`: every rank runs as many passes as
+    the busiest, an all-reduce MAX) is reached by splitting the heaviest splittable bucket. A count above
+    the number of samples (a rank the DAPO filter left few samples) gives each sample its own micro-batch
+    plus EMPTY ones at the end: an explicit `[]` the caller runs as a zero-weight forward
+    (nanorl/update.py), never rows made up to fill it — so a real micro-batch is never empty, and an empty
+    one is never data.
     """
     if any(int(n) != n or n < 1 for n in lengths):
         raise ValueError("every sample length must be a positive integer (prompt + response tokens)")
     lengths = [int(n) for n in lengths]
     n = len(lengths)
     if (bins := _beyond_samples(lengths, max_tokens, num_micro_batches)) is not None:
-        return bins  # alone is the lightest a sample can be
+        # alone is the lightest a sample can be
+        return bins
     over = [i for i in range(n) if lengths[i] > max_tokens]
     if over:
         warnings.warn(f"{len(over)} sample(s) longer than max_tokens={max_tokens} (longest "
@@ -242,19 +248,22 @@ def make_micro_batches(lengths: list[int], max_tokens: int, num_micro_batches: i
         ffd = _first_fit_decreasing(normal, lengths, max_tokens, max_bins=None)
         lower = max(math.ceil(sum(lengths[i] for i in normal) / max_tokens),
                     sum(2 * lengths[i] > max_tokens for i in normal))
-        for k in range(max(lower, 1), len(ffd) + 1):  # at k = len(ffd), FFD itself is a fitting candidate
+        # at k = len(ffd), FFD itself is a fitting candidate
+        for k in range(max(lower, 1), len(ffd) + 1):
             bins = _balanced(normal, lengths, k, max_tokens)
             if bins is not None:
                 break
     if num_micro_batches is not None:
         want = num_micro_batches - len(over)
         if want < len(bins):
-            raise ValueError(f"imposed num_micro_batches={num_micro_batches} is below the {len(bins) + len(over)} "
-                             f"micro-batches that max_tokens={max_tokens} needs here")
+            raise ValueError(f"imposed num_micro_batches={num_micro_batches} is below the "
+                             f"{len(bins) + len(over)} micro-batches that max_tokens={max_tokens} needs here")
         if want > len(bins):
-            split = _local_search(_split_heaviest(bins, lengths, want), lengths)  # always feasible
+            # always feasible
+            split = _local_search(_split_heaviest(bins, lengths, want), lengths)
             direct = _balanced(normal, lengths, want, max_tokens)
-            bins = split if direct is None or _quality(split, lengths) <= _quality(direct, lengths) else direct
+            bins = split if direct is None or _quality(split, lengths) <= _quality(direct,
+                                                                                   lengths) else direct
     bins = [sorted(b) for b in bins] + [[i] for i in over]
     return sorted(bins, key=lambda b: (-sum(lengths[i] for i in b), b[0]))
 
@@ -286,7 +295,8 @@ def make_padded_micro_batches(prompt_lens: list[int], response_lens: list[int], 
         raise ValueError(f"imposed num_micro_batches={num_micro_batches} is below the {len(bins)} padded "
                          f"micro-batches that max_tokens={max_tokens} needs here")
     while num_micro_batches is not None and len(bins) < num_micro_batches:
-        j = max(range(len(bins)), key=lambda j: len(bins[j]))  # halving never raises a padded size
+        # halving never raises a padded size
+        j = max(range(len(bins)), key=lambda j: len(bins[j]))
         bins[j:j + 1] = [bins[j][: len(bins[j]) // 2], bins[j][len(bins[j]) // 2:]]
     return [sorted(b) for b in bins]
 
@@ -301,7 +311,8 @@ def split_fixed(n: int, micro_batch_size: int) -> Bins:
 def agree_num_micro_batches(n: int, group=None) -> int:
     """All ranks must run the same number of micro-batches (collectives in backward): all-reduce MAX."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return int(n)  # one rank agrees with itself (vLLM makes a world-1 group: no collective there)
+        # one rank agrees with itself (vLLM makes a world-1 group: no collective there)
+        return int(n)
     t = torch.tensor([n], dtype=torch.long, device=comm_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return int(t.item())
@@ -325,16 +336,6 @@ def padding_share(lengths: list[int], micro_batches: Bins, packed: bool, pad_to_
 
 # ----------------------------------------------------------------------------- packed forward
 
-def best_attn_implementation(compute_dtype: torch.dtype | None = None) -> str:
-    """'flash_attention_2' on CUDA with flash-attn installed (varlen packing) and a bf16/fp16 compute
-    dtype, else 'sdpa'. flash-attn only takes fp16/bf16 q/k/v ("FlashAttention only support fp16 and
-    bf16 data type"): an fp32 run (the weights are fp32 masters, no autocast) would hand it fp32 in
-    every forward. None counts as fp32: flash only when the caller says the compute is half."""
-    half = compute_dtype in (torch.bfloat16, torch.float16)
-    flash = half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if flash else "sdpa"
-
-
 def packs_varlen(model) -> bool:
     """Whether training forwards run packed: only with a varlen attention kernel (flash-attention).
     Without one a packed row needs the dense [N, N] mask below — O(N²) memory (77 GB at N = 196k in
@@ -342,7 +343,8 @@ def packs_varlen(model) -> bool:
     return "flash" in (getattr(model.config, "_attn_implementation", None) or "")
 
 
-def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype,
+                      window: int | None = None) -> torch.Tensor:
     """Additive mask [1, 1, N, N]: 0 where query q may see key k (same sample, k <= q, and within the
     sliding window if any), the dtype's most negative number elsewhere. Additive rather than boolean
     because eager attention adds the mask to the scores while sdpa accepts either."""
@@ -351,7 +353,8 @@ def block_causal_mask(cu_seqlens: torch.Tensor, dtype: torch.dtype, window: int 
     pos = torch.arange(seg.numel(), device=lens.device)                        # [N]
     allowed = (seg[:, None] == seg[None, :]) & (pos[None, :] <= pos[:, None])  # [N, N] (query, key)
     if window is not None:
-        allowed &= pos[None, :] > pos[:, None] - window  # transformers' sliding overlay: k > q − window
+        # transformers' sliding overlay: k > q − window
+        allowed &= pos[None, :] > pos[:, None] - window
     zero = torch.zeros((), dtype=dtype, device=lens.device)
     return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]      # [1, 1, N, N]
 
@@ -361,7 +364,8 @@ def _packed_inputs(model, packed) -> dict:
     cfg = model.config
     impl = cfg._attn_implementation or "eager"
     base = dict(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
-    if "flash" in impl:  # varlen kernel straight from cu_seqlens: no mask, no padding, no N×N memory
+    # varlen kernel straight from cu_seqlens: no mask, no padding, no N×N memory
+    if "flash" in impl:
         cu = packed.cu_seqlens.to(packed.input_ids.device, torch.int32)
         return dict(base, attention_mask=None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                     max_length_q=packed.max_seqlen, max_length_k=packed.max_seqlen)
@@ -369,8 +373,10 @@ def _packed_inputs(model, packed) -> dict:
         raise ValueError(f"packed forward supports flash-attention, sdpa and eager, not {impl!r}")
     dtype = next(model.parameters()).dtype
     cu = packed.cu_seqlens.to(packed.input_ids.device)
-    mask = block_causal_mask(cu, dtype)  # a 4D mask is passed to attention as-is (masking_utils)
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):  # e.g. Qwen2 use_sliding_window
+    # a 4D mask is passed to attention as-is (masking_utils)
+    mask = block_causal_mask(cu, dtype)
+    # e.g. Qwen2 use_sliding_window
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
         mask = {"full_attention": mask, "sliding_attention": block_causal_mask(cu, dtype, cfg.sliding_window)}
     return dict(base, attention_mask=mask)
 
@@ -380,7 +386,8 @@ def _replay_ctx(model, packed, replay: bool):
         return nullcontext()
     if packed.routed_experts is None:
         raise ValueError("replay=True but the batch carries no routed_experts")
-    from nanorl.moe_replay import replay as moe_replay  # only MoE runs need it
+    # only MoE runs need it
+    from nanorl.moe_replay import replay as moe_replay
     return moe_replay(model, packed.routed_experts, packed.routed_mask)
 
 
@@ -403,6 +410,12 @@ def packed_response_logprobs(model, batch: PaddedBatch, temperature: float = 1.0
     Packs the batch, runs one row, gathers the hidden states that predict response tokens (only real
     ones: the LM head never sees padding) and scores them as the padded path does. Padding → 0, no grad.
     support: [B, T, K] kept token ids or None; replay: route MoE layers to batch.routed_experts.
+
+    Samples in one row [1, N], position ids restarting at 0 per sample. Flash-attention models get
+    `cu_seq_lens_q/k` and `max_length_q/k`, which transformers 5.x passes to `flash_attn_varlen_func` (no
+    mask, no padding); sdpa/eager get a 4D additive block-diagonal causal mask [1, 1, N, N], used by
+    attention as-is. Rotary embeddings see only position ids and no token sees another sample, so logprobs
+    equal the padded path (tested <= 1e-5 in fp32, gradients too).
     """
     packed = pack(batch)
     B, T = batch.response_ids.shape
@@ -426,6 +439,10 @@ def global_denominators(batch_masks: list[torch.Tensor], group=None) -> tuple[in
     batch_masks: the [b, T] loss masks of every micro-batch of the step (> 0 = valid, as aggregate
     counts). num_seqs counts rows with at least one valid token — the rows aggregate's
     seq-mean modes average over. Summed over micro-batches, then all-reduced (SUM) across ranks.
+
+    A token-mean built micro-batch by micro-batch must divide by the token count of the whole
+    optimizer-step batch (all micro-batches, all ranks), else the split reweights tokens (a mean of means is
+    not the mean). Counts are summed, then all-reduced (SUM).
     """
     counts = [0, 0]
     for m in batch_masks:

@@ -1,42 +1,19 @@
-"""Checkpoints: everything a run needs to continue exactly, written atomically, resumed from the
-newest one that is whole (every save_every steps, after the optimizer step and weight sync).
+"""Checkpoints: everything a run needs to continue exactly, written atomically, resumed from the newest
+one that is whole. Link: after the optimizer step and weight sync, every save_every steps.
 
-A crash, a kill or a full disk must cost at most the steps since the last checkpoint, and a resumed
-run must go on as if nothing had happened. `out_dir/checkpoints/step_NNNNNN/` holds the model and
-tokenizer (safetensors, loadable as is by transformers / vLLM); trainer_state.pt (scheduler, every
-RNG state per rank; optimizer and critic in the full layout); trainer_state.json (step, loader
-position, KL controller, counters, reward faults, config, layout, length of metrics.jsonl); and
-manifest.json (size and sha256 of every other file) written LAST. Nothing is unpickled: JSON,
-safetensors, DCP, and `torch.load(weights_only=True)` (tensors and plain containers only). The
-reference model is the starting `--model`, not saved.
+Start at `save(state, cfg, logger)` and `resume(state, cfg, path_or_latest, logger)`; `State` lists what
+is saved. A step directory `out_dir/checkpoints/step_NNNNNN/` holds the model and tokenizer (safetensors,
+loadable as is by transformers / vLLM), trainer_state.pt (optimizer, critic, scheduler, every rank's RNG
+streams), trainer_state.json (step, loader, KL controller, counters, reward faults, config, layout) and
+manifest.json (size and sha256 of every other file), written last. Key choices: nothing is unpickled
+(JSON, safetensors, DCP, `torch.load(weights_only=True)`); a save is atomic (a hidden directory, fsync'd,
+one rename), so a reader sees a whole checkpoint or none, and a damaged one fails its manifest and is
+skipped; two layouts, "full" (rank 0 writes one copy) and "sharded" under FSDP (nanorl/ckpt_sharded.py);
+ranks agree on every verdict; a resume puts back every random stream, the loader and metrics.jsonl, so
+N steps + resume + N steps log what 2N steps log (the limits are in `resume`). The reference model is
+the starting `--model`, not saved.
 
-Two layouts. One process or DDP ("full"): rank 0 writes the one copy (`save_pretrained`, the
-optimizer's state_dict). FSDP ("sharded"): every rank writes and reads only its own shards of the
-weights, optimizer state and critic (torch.distributed.checkpoint, nanorl/ckpt_sharded.py); such a
-checkpoint resumes on any number of ranks, one process without FSDP included. The layout read is
-the checkpoint's, whatever the resuming run's mode. Ranks split the hashing (save and verify) and
-agree on every verdict, so no rank resumes from a checkpoint another one skipped.
-
-Atomicity: files go to a hidden `.tmp-step_N-<pid>/`, are fsync'd, the manifest comes last, and one
-rename puts the directory in place: a reader sees a whole checkpoint or none. One damaged later (a
-truncated copy, a bad disk) fails its manifest check and is skipped with the reason; `--resume
-latest` falls back to the next older. A failed save (ENOSPC) deletes its temporary directory and
-raises `CheckpointError`, never touching older checkpoints. The newest `keep_checkpoints` are kept.
-
-Exact resume: 2N steps, and N steps + `--resume latest` + N steps, log identical per-step metrics
-(tests/test_reliability.py): every random stream is restored (python, numpy, torch CPU/CUDA, the
-engine's sampler), the loader restarts at the same row, train.py seeds its mini-batch shuffle by
-step, evaluation runs under `isolated_rng` so it never shifts the training stream, and
-metrics.jsonl is cut back to the checkpoint. Limits: bitwise for the HF engine on CPU at the same
-thread count. GPU kernels with atomics (some attention / scatter backwards) differ run to run unless
-`torch.use_deterministic_algorithms(True)`; vLLM has its own per-request sampling RNG and
-batch-shape-dependent kernels: it resumes from the right state, equal in distribution, not bitwise.
-
-Asynchronous runs (--async-steps K) also store the K batches sampled ahead from versions the
-checkpoint does not hold (pipeline.pt); what that guarantees is in nanorl/pipeline.py.
-
-Test hook: NANORL_CHECKPOINT_PAUSE=<seconds> sleeps between the weights and the trainer state, so a
-test can SIGKILL a save midway.        python -m pytest tests/test_reliability.py -q
+    python -m pytest tests/test_reliability.py -q
 """
 from __future__ import annotations
 
@@ -50,20 +27,23 @@ import shutil
 import time
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-
 from torch.distributed.checkpoint import CheckpointException
 
 from nanorl import ckpt_sharded, distributed
 
 FORMAT = "nanorl-checkpoint-1"
 MANIFEST = "manifest.json"
+# test hook: NANORL_CHECKPOINT_PAUSE=<seconds> sleeps between the weights and the trainer state, so a
+# test can SIGKILL a save midway (tests/test_reliability.py)
 PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
+# config fields a resumed run may change without a note (where it writes, how long it runs, how it evaluates)
 FREE_FIELDS = {"resume", "steps", "out_dir", "save_every", "eval_every", "eval_limit", "quiet", "threads",
                "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k",
                "test_data", "eval_temperature", "eval_max_new_tokens"}
@@ -73,44 +53,83 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be written or read; the message says which and why."""
 
 
-def _engine_gen(run) -> torch.Generator | None:
-    gen = getattr(run.engine, "generator", None)
+@dataclass
+class State:
+    """What a checkpoint saves and `resume` restores in place (the objects are loaded into; `step` is
+    set here, and a caller that keeps its own step count reads it back).
+
+    model: the policy (a Hugging Face causal LM: save_pretrained; under FSDP its sharded self).
+    tokenizer: saved beside it (save_pretrained). optimizer, scheduler: torch's (state_dict).
+    loader, kl_ctl: anything with state_dict() / load_state_dict() of JSON values (nanorl/data.py
+    PromptLoader, nanorl/kl.py controllers). trained: the module the optimizer's parameters were taken
+    from (train.py's policy + critic behind DDP / FSDP); None: `model`. critic: PPO's value model or None.
+    engine: the rollout engine or None: its `generator` (a torch.Generator) is one of the random streams,
+    and `update_weights(model, version=step)` syncs it after a resume. rewards: the reward runner or None:
+    its `faults` Counter is saved per rank. pipeline: --async-steps' trainer end (nanorl/pipeline.py) or
+    None: the batches in flight. counters: plain counts (restored by update, in place). step: the steps
+    done. rank, world: this process's rank and the number of ranks; every rank calls save and resume."""
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loader: object
+    kl_ctl: object
+    trained: torch.nn.Module | None = None
+    critic: torch.nn.Module | None = None
+    engine: object | None = None
+    rewards: object | None = None
+    pipeline: object | None = None
+    counters: dict = field(default_factory=dict)
+    step: int = 0
+    rank: int = 0
+    world: int = 1
+
+    def __post_init__(self):
+        if self.trained is None:
+            self.trained = self.model
+
+
+def _engine_gen(engine) -> torch.Generator | None:
+    gen = getattr(engine, "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
 
 
-def rng_state(run) -> dict:
-    """Every random stream of this process (tensors and plain values: loadable with weights_only)."""
+def rng_state(engine=None) -> dict:
+    """Every random stream of this process, the engine's sampler included when it has a torch
+    generator (tensors and plain values: loadable with weights_only)."""
     npy = np.random.get_state()
     state = {"python": random.getstate(), "numpy": (npy[0], npy[1].tolist(), *npy[2:]),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if _engine_gen(run) is not None:
-        state["engine"] = _engine_gen(run).get_state()
+    if _engine_gen(engine) is not None:
+        state["engine"] = _engine_gen(engine).get_state()
     return state
 
 
-def set_rng_state(run, state: dict) -> None:
+def set_rng_state(state: dict, engine=None) -> None:
+    """Put back what `rng_state` returned (the engine's stream only when both have one)."""
     npy = state["numpy"]
     random.setstate(state["python"])
     np.random.set_state((npy[0], np.array(npy[1], dtype=np.uint32), *npy[2:]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
-    if "engine" in state and _engine_gen(run) is not None:
-        _engine_gen(run).set_state(state["engine"])
+    if "engine" in state and _engine_gen(engine) is not None:
+        _engine_gen(engine).set_state(state["engine"])
 
 
 @contextmanager
-def isolated_rng(run, seed: int):
-    """Evaluate from a fixed seed, then put every stream back: evaluation never shifts training's."""
-    saved = rng_state(run)
-    if _engine_gen(run) is not None:
-        _engine_gen(run).manual_seed(seed)
+def isolated_rng(engine, seed: int):
+    """Seed the engine's sampler with `seed`, then put every stream back: evaluation, run inside,
+    never shifts training's random stream (exact resume depends on it)."""
+    saved = rng_state(engine)
+    if _engine_gen(engine) is not None:
+        _engine_gen(engine).manual_seed(seed)
     try:
         yield
     finally:
-        set_rng_state(run, saved)
+        set_rng_state(saved, engine)
 
 
 def _fsync(path: str) -> None:
@@ -133,72 +152,85 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def save(run) -> str:
-    """Checkpoint the current step; every rank calls it and returns the path, or raises the same
-    CheckpointError. FSDP: each rank writes its own shards (nanorl/ckpt_sharded.py). Else rank 0
-    writes the one copy (DDP replicas are identical). Every rank hashes a share of the files."""
-    local = {"rng": rng_state(run), "reward_faults": dict(run.rewards.faults)}
-    ranks = [local] * run.world  # RNG streams differ by rank: collect them all
-    if run.world > 1:
+def save(state: State, cfg, logger=None) -> str:
+    """Checkpoint `state` as out_dir/checkpoints/step_NNNNNN (state.step); every rank calls it and
+    returns the path, or raises the same CheckpointError. cfg: the run's Config, saved whole (a resume
+    compares it); its out_dir, fsdp and keep_checkpoints are read. logger: a nanorl.logger.Logger or
+    None; its `file` (rank 0's metrics.jsonl) is flushed and its length saved, for the resume to cut
+    back to. FSDP: each rank writes its own shards (nanorl/ckpt_sharded.py). Else rank 0 writes the
+    one copy (DDP replicas are identical). Every rank hashes a share of the files."""
+    rank, world = state.rank, state.world
+    faults = dict(state.rewards.faults) if state.rewards is not None else {}
+    local = {"rng": rng_state(state.engine), "reward_faults": faults}
+    # RNG streams differ by rank: collect them all
+    ranks = [local] * world
+    if world > 1:
         torch.distributed.all_gather_object(ranks, local)
-    root = os.path.join(run.cfg.out_dir, "checkpoints")
-    final = os.path.join(root, f"step_{run.step:06d}")
-    tmp, err = _from_rank0(run, _make_tmp(root, run.step) if run.rank == 0 else None)
+    root = os.path.join(cfg.out_dir, "checkpoints")
+    final = os.path.join(root, f"step_{state.step:06d}")
+    tmp, err = _from_rank0(world, _make_tmp(root, state.step) if rank == 0 else None)
     # several nodes: a rank that cannot see rank 0's directory would hash nothing, silently; the
     # verdict is agreed before the collective save below
-    if run.world > 1:
+    if world > 1:
         if err is None and not os.path.isdir(tmp):
-            err = f"{tmp} (made by rank 0) is not visible on rank {run.rank}: --out-dir must be shared"
-        err = _first_error(run, err)
+            err = f"{tmp} (made by rank 0) is not visible on rank {rank}: --out-dir must be shared"
+        err = _first_error(world, err)
     trash = tmp.replace(f"{os.sep}.tmp-", f"{os.sep}.trash-")
     try:
         if err is None:
             try:
-                sharded = ckpt_sharded.save(run, tmp) if run.cfg.fsdp else None  # collective
-                if run.rank == 0:
-                    _write_rank0(run, tmp, ranks, sharded)
+                # collective: State carries the model, trained, critic, optimizer and rank it reads
+                sharded = ckpt_sharded.save(state, tmp) if cfg.fsdp else None
+                if rank == 0:
+                    _write_rank0(state, cfg, logger, tmp, ranks, sharded)
             except (OSError, CheckpointException) as e:
                 err = f"{type(e).__name__}: {e}"
-        err = _first_error(run, err)
+        err = _first_error(world, err)
         entries = {}
-        if err is None:  # sizes and sha256 (after an fsync): each rank a share of the files
+        # sizes and sha256 (after an fsync): each rank a share of the files
+        if err is None:
             files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, ns in os.walk(tmp) for n in ns)
             try:
-                entries = {f: _entry(tmp, f) for f in files[run.rank::run.world]}
+                entries = {f: _entry(tmp, f) for f in files[rank::world]}
             except OSError as e:
                 err = f"{type(e).__name__}: {e}"
-        shares = [(entries, err)] * run.world
-        if run.world > 1:
+        shares = [(entries, err)] * world
+        if world > 1:
             torch.distributed.all_gather_object(shares, (entries, err))
         err = next((e for _, e in shares if e), None)
-        if run.rank == 0 and err is None:
+        if rank == 0 and err is None:
             try:
-                _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": run.step, "files": {
-                    f: m for share, _ in shares for f, m in sorted(share.items())}})  # last: it means "complete"
+                # the manifest is written last: it means "complete"
+                _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": state.step, "files": {
+                    f: m for share, _ in shares for f, m in sorted(share.items())}})
                 _fsync(tmp)
-                if os.path.exists(final):  # the same step saved again (save_every, then the end of the run)
+                # the same step saved again (save_every, then the end of the run)
+                if os.path.exists(final):
                     os.rename(final, trash)
                 os.rename(tmp, final)
                 _fsync(root)
             except OSError as e:
                 err = f"{type(e).__name__}: {e}"
-        err = _from_rank0(run, err)
-    except BaseException:  # anything else (a bug, Ctrl-C): leave no half-written directory behind
-        if run.rank == 0:
+        err = _from_rank0(world, err)
+    # anything else (a bug, Ctrl-C): leave no half-written directory behind
+    except BaseException:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if err is not None:
-        if run.rank == 0:
+        if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         prev = [p for _, p in list_checkpoints(root)]
-        raise CheckpointError(f"could not write checkpoint {final}: {err}. Nothing was replaced: the previous "
-                              f"checkpoint ({prev[0] if prev else 'none'}) is intact. Free disk space, then "
-                              "resume with --resume latest.")
-    if run.rank == 0:
+        raise CheckpointError(f"could not write checkpoint {final}: {err}. Nothing was replaced: the "
+                              f"previous checkpoint ({prev[0] if prev else 'none'}) is intact. Free disk "
+                              "space, then resume with --resume latest.")
+    if rank == 0:
         shutil.rmtree(trash, ignore_errors=True)
         complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
-        for s, p in list_checkpoints(root):  # keep the newest K complete ones, delete everything older
-            if len(complete) >= run.cfg.keep_checkpoints and s < complete[run.cfg.keep_checkpoints - 1][0]:
+        keep = cfg.keep_checkpoints
+        # keep the newest `keep` complete ones, delete everything older
+        for s, p in list_checkpoints(root):
+            if len(complete) >= keep and s < complete[keep - 1][0]:
                 shutil.rmtree(p, ignore_errors=True)
     return final
 
@@ -208,7 +240,8 @@ def _make_tmp(root: str, step: int) -> tuple[str, str | None]:
     tmp = os.path.join(root, f".tmp-step_{step:06d}-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
-        for name in os.listdir(root):  # leftovers of a save that was killed: never valid, never read
+        # leftovers of a save that was killed: never valid, never read
+        for name in os.listdir(root):
             if name.startswith((".tmp-", ".trash-")):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
         os.makedirs(tmp)
@@ -217,32 +250,39 @@ def _make_tmp(root: str, step: int) -> tuple[str, str | None]:
         return tmp, f"{type(e).__name__}: {e}"
 
 
-def _write_rank0(run, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
+def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
     """Rank 0's files: the model (not sharded: the module's own tensors) or, sharded, its config; the
     tokenizer; trainer_state.pt and trainer_state.json."""
+    model = state.model
     if sharded is None:
-        critic = distributed.full_state_dict(run.critic) if run.critic is not None else None
-        run.model.save_pretrained(tmp)
-    else:  # the weights were written by every rank (ckpt_sharded); the critic and optimizer too
+        critic = distributed.full_state_dict(state.critic) if state.critic is not None else None
+        model.save_pretrained(tmp)
+    # sharded: the weights were written by every rank (ckpt_sharded); the critic and optimizer too
+    else:
         critic = None
-        run.model.config.save_pretrained(tmp)
-        if run.model.generation_config is not None:
-            run.model.generation_config.save_pretrained(tmp)
-    run.tokenizer.save_pretrained(tmp)
-    time.sleep(float(os.environ.get(PAUSE_ENV) or 0))  # test hook (module docstring)
-    torch.save({"optimizer": run.optimizer.state_dict() if sharded is None else None, "critic": critic,
-                "scheduler": run.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]},
-               os.path.join(tmp, "trainer_state.pt"))  # read back with weights_only=True
-    if getattr(run, "pipeline", None) is not None:  # --async-steps: the batches in flight (nanorl/pipeline.py)
-        run.pipeline.save(tmp, run.step)
-    logfile = getattr(run.logger, "file", None)  # rank 0's metrics.jsonl
+        model.config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+    state.tokenizer.save_pretrained(tmp)
+    # test hook (PAUSE_ENV)
+    time.sleep(float(os.environ.get(PAUSE_ENV) or 0))
+    # read back with weights_only=True
+    torch.save({"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
+                "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]},
+               os.path.join(tmp, "trainer_state.pt"))
+    # --async-steps: the batches in flight, sampled from versions this checkpoint does not hold
+    # (pipeline.pt; what that guarantees is in nanorl/pipeline.py)
+    if state.pipeline is not None:
+        state.pipeline.save(tmp, state.step)
+    # rank 0's metrics.jsonl
+    logfile = getattr(logger, "file", None)
     if logfile is not None:
         logfile.flush()
     _write_json(os.path.join(tmp, "trainer_state.json"), {
-        "format": FORMAT, "step": run.step, "config": dataclasses.asdict(run.cfg),
+        "format": FORMAT, "step": state.step, "config": dataclasses.asdict(cfg),
         "layout": "full" if sharded is None else "sharded", "sharded": sharded,
-        "loader": run.loader.state_dict(), "kl_ctl": run.kl_ctl.state_dict(), "counters": dict(run.counters),
-        "reward_faults": [r["reward_faults"] for r in ranks],
+        "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
+        "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
         "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None})
 
 
@@ -252,18 +292,18 @@ def _entry(root: str, name: str) -> dict:
     return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
 
 
-def _from_rank0(run, value):
+def _from_rank0(world: int, value):
     """Rank 0's value on every rank (a broadcast; one process: the value)."""
     box = [value]
-    if run.world > 1:
+    if world > 1:
         torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def _first_error(run, err: str | None) -> str | None:
+def _first_error(world: int, err: str | None) -> str | None:
     """The first rank's error, or None: the same verdict on every rank (an all-gather)."""
-    errs = [err] * run.world
-    if run.world > 1:
+    errs = [err] * world
+    if world > 1:
         torch.distributed.all_gather_object(errs, err)
     return next((e for e in errs if e), None)
 
@@ -283,7 +323,8 @@ def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
             manifest = json.load(f)
         files = manifest["files"]
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: no {MANIFEST} (not a checkpoint, or its save was interrupted)") from None
+        why = "not a checkpoint, or its save was interrupted"
+        raise CheckpointError(f"{path}: no {MANIFEST} ({why})") from None
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}: corrupt {MANIFEST} ({e})") from None
     if manifest.get("format") != FORMAT:
@@ -297,12 +338,12 @@ def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
     return manifest
 
 
-def _read(run, path: str) -> tuple[dict, dict, list[dict]]:
+def _read(rank: int, world: int, path: str) -> tuple[dict, dict, list[dict]]:
     """Verified trainer state, trainer tensors and — full layout only — the model's weight shards, in
     memory (sharded: read later, each rank its slices). Every rank reaches the same verdict."""
     state = tensors = weights = err = None
     try:
-        manifest = verify(path, (run.rank, run.world))
+        manifest = verify(path, (rank, world))
         with open(os.path.join(path, "trainer_state.json")) as f:
             state = json.load(f)
         # weights_only: tensors and plain containers only, no arbitrary unpickling
@@ -310,97 +351,122 @@ def _read(run, path: str) -> tuple[dict, dict, list[dict]]:
         shards = sorted(f for f in manifest["files"] if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", f))
         if not shards:
             raise CheckpointError(f"{path}: has no model.safetensors")
-        weights = [] if state.get("layout") == "sharded" else [load_file(os.path.join(path, s)) for s in shards]
+        sharded = state.get("layout") == "sharded"
+        weights = [] if sharded else [load_file(os.path.join(path, s)) for s in shards]
     except CheckpointError as e:
         err = str(e)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         err = f"{path}: unreadable ({type(e).__name__}: {e})"
-    err = _first_error(run, err)
+    err = _first_error(world, err)
     if err is not None:
         raise CheckpointError(err)
     return state, tensors, weights
 
 
-def resume(run, path_or_latest: str) -> str | None:
-    """Restore `run` from a checkpoint directory, or from the newest valid one under
-    out_dir/checkpoints ("latest"). Returns the path, or None when "latest" finds no checkpoint
-    at all (the run then starts from scratch)."""
-    log, root = run.logger.print, os.path.join(run.cfg.out_dir, "checkpoints")
+def resume(state: State, cfg, path_or_latest: str, logger=None) -> str | None:
+    """Restore `state` in place from a checkpoint directory, or from the newest valid one under
+    cfg.out_dir/checkpoints ("latest": a damaged one is skipped with the reason, the next older
+    tried). Returns the path, or None when "latest" finds no checkpoint at all (the run then starts
+    from scratch). cfg: the run's Config (a difference from the saved one is noted); logger: as for
+    `save` (its print for notes; its metrics.jsonl is cut back to the checkpoint), or None (print).
+
+    Exact: 2N steps, and N steps + resume + N steps, log identical per-step metrics
+    (tests/test_reliability.py): every random stream is restored (python, numpy, torch CPU/CUDA, the
+    engine's sampler), the loader restarts at the same row, train.py seeds its mini-batch shuffle by
+    step, evaluation runs under `isolated_rng`, and metrics.jsonl is cut back. Limits: bitwise for the
+    HF engine on CPU at the same thread count. GPU kernels with atomics (some attention / scatter
+    backwards) differ run to run unless `torch.use_deterministic_algorithms(True)`; vLLM has its own
+    per-request sampling RNG and batch-shape-dependent kernels: it resumes from the right state, equal
+    in distribution, not bitwise. Another world size: the streams stay as the run seeded them."""
+    log = logger.print if logger is not None else print
+    root = os.path.join(cfg.out_dir, "checkpoints")
     latest = path_or_latest == "latest"
     candidates = [p for _, p in list_checkpoints(root)] if latest else [path_or_latest]
     if not candidates:
         log(f"--resume latest: no checkpoint in {root}; starting from scratch")
-        _cut_metrics(run, root, 0)
+        _cut_metrics(logger, cfg.out_dir, root, 0)
         return None
     skipped = []
     for path in candidates:
         try:
-            loaded = _read(run, path)
+            loaded = _read(state.rank, state.world, path)
             break
         except CheckpointError as e:
-            if not latest:  # a checkpoint named explicitly is that one or nothing
+            # a checkpoint named explicitly is that one or nothing
+            if not latest:
                 raise
             log(f"skipping checkpoint: {e}")
             skipped.append(str(e))
     else:
         raise CheckpointError(f"no valid checkpoint in {root}:\n  " + "\n  ".join(skipped))
-    _apply(run, path, *loaded)
-    log(f"resumed from {path} at step {run.step}")
+    _apply(state, cfg, logger, path, *loaded)
+    log(f"resumed from {path} at step {state.step}")
     return path
 
 
-def _load_weights(run, path: str, weights: list[dict], tensors: dict) -> None:
-    model_sd = run.model.state_dict()
-    full = {k: v for shard in weights for k, v in shard.items()}  # every safetensors shard, by name
+def _load_weights(state: State, path: str, weights: list[dict], tensors: dict) -> None:
+    model_sd = state.model.state_dict()
+    # every safetensors shard, by name
+    full = {k: v for shard in weights for k, v in shard.items()}
     unexpected = [k for k in full if k not in model_sd]
     if unexpected:
         raise CheckpointError(f"{path}: weights {unexpected[:5]} do not belong to this model")
-    saved = {_ptr(model_sd[k]): k for k in full}  # a tied weight (lm_head = embeddings) is saved once
+    # a tied weight (lm_head = embeddings) is saved once
+    saved = {_ptr(model_sd[k]): k for k in full}
     full.update({k: full[saved[_ptr(v)]] for k, v in model_sd.items() if k not in full and _ptr(v) in saved})
     missing = [k for k in model_sd if k not in full]
     if missing:
         raise CheckpointError(f"{path}: no weights for {missing[:5]}")
-    distributed.load_full_state_dict(run.model, full)  # --fsdp: each rank keeps its shards
-    if run.critic is not None:
+    # --fsdp: each rank keeps its shards
+    distributed.load_full_state_dict(state.model, full)
+    if state.critic is not None:
         if tensors["critic"] is None:
             raise CheckpointError(f"{path}: has no critic, but this run has one (--vf-coef > 0)")
-        distributed.load_full_state_dict(run.critic, tensors["critic"])
+        distributed.load_full_state_dict(state.critic, tensors["critic"])
 
 
 def _ptr(t: torch.Tensor) -> int:
-    return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()  # FSDP: the local shard
+    # FSDP: the local shard
+    return (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
 
 
-def _apply(run, path: str, state: dict, tensors: dict, weights: list[dict]) -> None:
-    changed = {k: (v, getattr(run.cfg, k, None)) for k, v in state["config"].items()  # FREE_FIELDS: harmless
-               if k not in FREE_FIELDS and getattr(run.cfg, k, None) != v}
+def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, weights: list[dict]) -> None:
+    log = logger.print if logger is not None else print
+    # FREE_FIELDS: harmless to change
+    changed = {k: (v, getattr(cfg, k, None)) for k, v in saved["config"].items()
+               if k not in FREE_FIELDS and getattr(cfg, k, None) != v}
     if changed:
-        run.logger.print(f"note: config differs from the checkpoint's (saved, now): {changed}")
+        log(f"note: config differs from the checkpoint's (saved, now): {changed}")
     try:
-        if state.get("layout") == "sharded":  # every rank reads its slices (any world size, FSDP or not)
-            ckpt_sharded.load(run, path, state["sharded"])
+        # sharded: every rank reads its slices (any world size, FSDP or not)
+        if saved.get("layout") == "sharded":
+            ckpt_sharded.load(state, path, saved["sharded"])
         else:
-            _load_weights(run, path, weights, tensors)
-            distributed.load_optimizer_state(run.trained, run.optimizer, tensors["optimizer"])
-    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:  # another model or setup
+            _load_weights(state, path, weights, tensors)
+            distributed.load_optimizer_state(state.trained, state.optimizer, tensors["optimizer"])
+    # another model or setup
+    except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
         raise CheckpointError(f"{path} does not fit this run (another model or --vf-coef?): {e}") from None
-    run.scheduler.load_state_dict(tensors["scheduler"])
-    run.kl_ctl.load_state_dict(state["kl_ctl"])
-    run.loader.load_state_dict(state["loader"])
-    run.counters.update(state["counters"])
-    run.step = int(state["step"])
-    if len(tensors["rng"]) == run.world:  # another world size: the streams stay as setup() seeded them
-        set_rng_state(run, tensors["rng"][run.rank])
-        run.rewards.faults = Counter(state["reward_faults"][run.rank])
-    run.engine.update_weights(run.model, version=run.step)
-    if state.get("metrics_bytes") is not None:
-        _cut_metrics(run, os.path.dirname(os.path.normpath(path)), state["metrics_bytes"])
+    state.scheduler.load_state_dict(tensors["scheduler"])
+    state.kl_ctl.load_state_dict(saved["kl_ctl"])
+    state.loader.load_state_dict(saved["loader"])
+    state.counters.update(saved["counters"])
+    state.step = int(saved["step"])
+    # another world size: the streams stay as the run seeded them
+    if len(tensors["rng"]) == state.world:
+        set_rng_state(tensors["rng"][state.rank], state.engine)
+        if state.rewards is not None:
+            state.rewards.faults = Counter(saved["reward_faults"][state.rank])
+    if state.engine is not None:
+        state.engine.update_weights(state.model, version=state.step)
+    if saved.get("metrics_bytes") is not None:
+        _cut_metrics(logger, cfg.out_dir, os.path.dirname(os.path.normpath(path)), saved["metrics_bytes"])
 
 
-def _cut_metrics(run, root: str, size: int) -> None:
+def _cut_metrics(logger, out_dir: str, root: str, size: int) -> None:
     """Cut this run's metrics.jsonl back to the checkpoint: steps logged after it are redone."""
-    logfile = getattr(run.logger, "file", None)
-    own = os.path.realpath(root) == os.path.realpath(os.path.join(run.cfg.out_dir, "checkpoints"))
+    logfile = getattr(logger, "file", None)
+    own = os.path.realpath(root) == os.path.realpath(os.path.join(out_dir, "checkpoints"))
     if logfile is not None and own and os.path.getsize(logfile.name) >= size:
         logfile.flush()
         os.truncate(logfile.name, size)

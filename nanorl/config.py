@@ -1,11 +1,16 @@
-"""Configuration: one dataclass, a docstring per field (the `--algo` presets: nanorl/presets.py).
+"""Configuration: one dataclass, a docstring per field; every flag of train.py is a field of `Config`.
 
-Every flag of train.py is a field of `Config` (`--max-new-tokens 8` sets `max_new_tokens`). An
-`--algo` preset is a named set of field values (which estimator, which policy loss, where KL goes);
-flags given on the command line override the preset, and `__post_init__` rejects inconsistent or
-out-of-range values with a message naming the field.
+Read the class top to bottom. Its first section holds the flags a GRPO run sets first; then one section per
+concern (data, reward, sampling, engine, environments, async, advantage, loss and each loss's own knobs,
+KL, DAPO, off-policy, optimisation, memory, evaluation). `--help` shows the same sections in the same
+order: each `# --- title` comment line is an argument group (`help_layout` reads them from the source).
+An `--algo` preset (nanorl/presets.py) is a named set of field values; flags given override it.
 
-    python train.py --help        # every flag, with its docstring, and every preset
+`__post_init__` rejects out-of-range values and flags that would do nothing, with a message naming the
+field. It reads fields only: user code (--plugin, file.py:fn) is loaded and checked at set-up, by
+nanorl/plugins.py `apply`, which returns the config with the plug-in's values filled in.
+
+    python train.py --help        # the flags by section, then every preset
 """
 from __future__ import annotations
 
@@ -15,15 +20,24 @@ import inspect
 import json
 from dataclasses import dataclass, fields
 
-from nanorl.presets import PRESETS, pretrained_defaults  # --algo presets, pretrained-model defaults
+from nanorl.presets import PRESETS, pretrained_defaults
+
+# The built-in environments' names (their classes: nanorl/tool_envs.py BUILTIN_ENVS)
+BUILTIN_ENV_NAMES = ("calc", "python_tool")
+# Rewards whose verifier (SymPy) adversarial output can keep busy: run in worker processes with this
+# per-call timeout unless --reward-timeout says otherwise (nanorl/rewards.py reads it as BOUNDED)
+BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0}
+# Fields with a fixed set of values: argparse offers them as choices, __post_init__ checks them
+CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
+           "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
+           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16")}
 
 
 @dataclass
 class Config:
-    # --- what to train
+    # --- start here: the flags a GRPO run sets first
     algo: str = "grpo"
-    """Preset: grpo, dr_grpo, dapo, rloo, reinforce_pp, reinforce_pp_baseline, ppo, gspo, cispo, gmpo, opo, otb,
-    remax, sapo, gpg, kl_cov, clip_cov, gdpo."""
+    """Preset: a named set of the fields below (each listed at the end of --help; nanorl/presets.py)."""
     model: str = ""
     """Hugging Face name or local path of a causal LM; empty = the built-in tiny Qwen2 (nanorl/task.py)."""
     train_data: str = ""
@@ -32,63 +46,58 @@ class Config:
     test_data: str = ""
     """Eval sets, comma-separated, each [name=]source in the same forms (split default test), logged
     as eval/<name>/...; empty = the built-in held-out split."""
-    input_key: str = "prompt"
-    """Column holding the prompt (a string or a list of chat messages); a.b reads a nested column,
-    a,b takes the first a set has."""
-    label_key: str = "answer"
-    """Column holding the reference answer the reward checks (same a.b / a,b forms)."""
-    # --- prompt format (nanorl/data.py PromptFormat): the four ways recipes shape a prompt
-    system_prompt: str = ""
-    """A system message put before every prompt (a row with its own system message is an error)."""
-    prompt_template: str = ""
-    """Wraps the user's text: "{prompt}" is replaced by it (e.g. "{prompt} Put your final answer in \\boxed{}.")."""
-    chat_template: bool = True
-    """Render prompts with the tokenizer's chat template when it has one (--no-chat-template: raw text, for base models)."""
-    chat_template_kwargs: str = ""
-    """JSON object of extra chat-template options, e.g. '{"enable_thinking": false}' for Qwen3."""
     reward: str = "exact"
     """Reward: exact, math, format, math_format, exact_format, or module:function / file.py:function
-    (fn(prompt, response, label[, sample]); dict keys starting with "_" are logged only: nanorl/rewards.py)."""
-    reward_postprocess: str = ""
-    """module:function / file.py:function run on the step's scored Samples (groups in order): may write
-    Sample.metadata and set rewards, in place (nanorl/plugins.py; docs/extending.md)."""
-    log_metadata: str = ""
-    """Comma list of numeric Sample.metadata fields to log as step means under their own names; a name
-    ending in "/" is a prefix (e.g. calib/)."""
-    plugin: str = ""
-    """file.py (or module) whose reward, reward_postprocess, advantage, policy_loss, LOG_METADATA, CONFIG (a
-    dict of fields) and make_task(out_dir) fill the settings left at their defaults (nanorl/plugins.py)."""
-    reward_timeout: float = -1.0
-    """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
-    them in-process; -1 = 10 s for the math rewards (the verifier can hang on adversarial output), else 0."""
-    out_dir: str = "runs/nanorl"
-    """Where metrics, checkpoints and the built-in task files go."""
-    # --- rollout
+    (fn(prompt, response, label[, sample]); dict keys starting with "_" are logged only)."""
     engine: str = "auto"
     """hf (the trainer's own module), vllm (in-process, weights hot-swapped), or auto: vllm on a GPU
     when importable, else hf (on CPU, vLLM's start-up and kernel compile cost more than a tiny run)."""
-    gpu_memory_utilization: float = 0.3
-    """vLLM: share of GPU memory for the engine (weights + KV cache, which it sizes unless kv_cache_gb > 0)."""
-    sleep_level: int = 2
-    """vLLM: sleep mode from after the rollout to the weight sync (2: weights and KV cache dropped — the
-    sync reloads every weight anyway; 1: weights kept on CPU and copied back, then overwritten; 0: stay
-    resident). Where vLLM has no sleep mode (CPU) it is skipped with one log line."""
-    sync_check_every: int = 1
-    """vLLM: every N steps, check that the engine's logprobs match the trainer's after the sync (0 = off)."""
-    max_model_len: int = 0
-    """vLLM: longest sequence the engine holds (0 = the longest prompt of the data + max_new_tokens)."""
-    kv_cache_gb: float = 0.0
-    """vLLM KV cache in GiB (0 = GPU: sized by gpu_memory_utilization; CPU: 0.25); > 0 fixes it, also on GPU."""
-    enforce_eager: bool = False
-    """vLLM: no CUDA graphs on GPU (slower decoding, faster start-up); CPU always runs eager."""
+    steps: int = 800
+    """Optimizer steps (one rollout batch each, times ppo_epochs × mini_batches)."""
     prompts_per_step: int = 16
     """Prompts sampled per optimizer step (over all ranks)."""
     samples_per_prompt: int = 8
     """Responses per prompt (the group size of GRPO/RLOO)."""
     max_new_tokens: int = 4
     """Longest response; longer ones are cut and marked truncated."""
+    lr: float = 2e-4
+    """AdamW learning rate (the built-in task's, docs/bench_results.md; pretrained models get 1e-6)."""
+    kl_coef: float = 0.0
+    """β of the KL to the reference policy (0 = no reference model at all; the grpo preset: 0.001)."""
+    out_dir: str = "runs/nanorl"
+    """Where metrics, checkpoints and the built-in task files go."""
+    seed: int = 0
+    """Seeds data order, sampling and the built-in model."""
+    # --- data and prompt format (nanorl/data.py PromptFormat)
+    input_key: str = "prompt"
+    """Column holding the prompt (a string or a list of chat messages); a.b reads a nested column,
+    a,b takes the first a set has."""
+    label_key: str = "answer"
+    """Column holding the reference answer the reward checks (same a.b / a,b forms)."""
     max_prompt_len: int = 512
     """Prompts longer than this (in tokens) are skipped and counted."""
+    system_prompt: str = ""
+    """A system message put before every prompt (a row with its own system message is an error)."""
+    prompt_template: str = ""
+    """Wraps the user's text: "{prompt}" is replaced by it (e.g. "{prompt} Box the answer: \\boxed{}.")."""
+    chat_template: bool = True
+    """Use the tokenizer's chat template when it has one (--no-chat-template: raw text, for base models)."""
+    chat_template_kwargs: str = ""
+    """JSON object of extra chat-template options, e.g. '{"enable_thinking": false}' for Qwen3."""
+    # --- reward and plug-ins (nanorl/rewards.py, nanorl/plugins.py, docs/extending.md)
+    reward_timeout: float = -1.0
+    """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
+    them in-process; -1 = 10 s for the math rewards (BOUNDED_REWARDS), else 0."""
+    reward_postprocess: str = ""
+    """module:function / file.py:function run on the step's scored Samples (groups in order): may write
+    Sample.metadata and set rewards, in place."""
+    log_metadata: str = ""
+    """Comma list of numeric Sample.metadata fields to log as step means under their own names; a name
+    ending in "/" is a prefix (e.g. calib/)."""
+    plugin: str = ""
+    """file.py (or module) whose reward, reward_postprocess, advantage, policy_loss, LOG_METADATA, CONFIG
+    (a dict of fields) and make_task(out_dir) fill the settings left at their defaults."""
+    # --- sampling (nanorl/rollout.py, nanorl/sampling.py)
     temperature: float = 1.0
     """Sampling temperature; the trainer scores tokens at the same temperature."""
     top_k: int = 0
@@ -96,40 +105,64 @@ class Config:
     top_p: float = 1.0
     """Top-p (nucleus) filter at sampling (1.0 = off)."""
     keep_sampling_mask: bool = False
-    """Score every policy on the top-k/top-p support the sampler kept (nanorl/sampling.py)."""
+    """Score every policy on the top-k/top-p support the sampler kept."""
     support_cap: int = 64
     """Most kept ids stored per token with keep_sampling_mask; a larger set falls back to full vocab."""
-    routing_replay: bool = False
-    """MoE only: replay the rollout's experts in every training forward (nanorl/moe_replay.py)."""
+    # --- the vLLM engine (--engine vllm, nanorl/vllm_engine.py)
+    gpu_memory_utilization: float = 0.3
+    """Share of GPU memory for the engine (weights + KV cache, which it sizes unless kv_cache_gb > 0)."""
+    sleep_level: int = 2
+    """Sleep mode from the rollout's end to the weight sync: 2 drops weights and KV cache (the sync reloads
+    every weight anyway), 1 keeps weights on CPU, 0 stays resident; skipped where vLLM has none (CPU)."""
+    sync_check_every: int = 1
+    """Every N steps, check that the engine's logprobs match the trainer's after the sync (0 = off)."""
+    max_model_len: int = 0
+    """Longest sequence the engine holds (0 = the longest prompt of the data + max_new_tokens)."""
+    kv_cache_gb: float = 0.0
+    """KV cache in GiB (0 = GPU: sized by gpu_memory_utilization; CPU: 0.25); > 0 fixes it, also on GPU."""
+    enforce_eager: bool = False
+    """No CUDA graphs on GPU (slower decoding, faster start-up); CPU always runs eager."""
     # --- multi-turn environments (nanorl/env.py): the environment answers between turns, scores episodes
     env: str = ""
     """calc (the built-in task with a calculator; builds its own model without --model), python_tool
     (a Python-expression tool with ChatML tool calls, for chat models), or module:Class / file.py:Class;
     empty = single-turn responses scored by --reward."""
     env_max_turns: int = 4
-    """--env: model turns per episode; an episode not done by then ends as turn_cap (truncated)."""
+    """Model turns per episode; an episode not done by then ends as turn_cap (truncated)."""
     env_max_tokens: int = 0
-    """--env: response tokens per episode, model and environment tokens together (0 = env_max_turns ×
+    """Response tokens per episode, model and environment tokens together (0 = env_max_turns ×
     max_new_tokens); the context bound: reaching it ends the episode as token_cap (truncated)."""
     tool_timeout: float = -1.0
-    """--env: seconds per tool call; > 0 runs tools in a worker process killed at the limit (the episode
-    ends as tool_timeout), 0 in-process; -1 = the environment's default (calc 0, python_tool 5, others 10)."""
+    """Seconds per tool call; > 0 runs tools in a worker process killed at the limit (the episode ends
+    as tool_timeout), 0 in-process; -1 = the environment's default (calc 0, python_tool 5, others 10)."""
     # --- asynchronous rollout (nanorl/pipeline.py): generation overlapped with training
     async_steps: int = 0
     """K: a worker process samples and scores batch b from weight version max(0, b − K) while the trainer
     trains on the batches before it (so no sample is more than K versions old); 0 = the synchronous loop.
     The worker runs --threads torch threads (1 when 0); correct the staleness with --tis-cap / --mis-high."""
     partial_rollout: bool = False
-    """--async-steps: a generation running when newer weights are published goes on under them
-    (re-prefilled) instead of finishing under the old ones; per-token versions are recorded."""
+    """A generation running when newer weights are published goes on under them (re-prefilled) instead
+    of finishing under the old ones; per-token versions are recorded."""
     mask_offpolicy_in_partial_rollout: bool = False
     """--partial-rollout: tokens sampled under an older version than their sample's newest leave the loss
     (else they train, IS-corrected by their own rollout logprobs with --tis-cap / --mis-high)."""
     rollout_device: str = ""
-    """--async-steps: the worker's device, e.g. cuda:1 to give the engine its own GPU; empty = the trainer's."""
-    # --- advantage and loss
+    """The worker's device, e.g. cuda:1 to give the engine its own GPU; empty = the trainer's."""
+    # --- advantage estimator (nanorl/advantage.py)
     advantage: str = "grpo"
     """Advantage estimator (nanorl/advantage.py ADVANTAGE_ESTIMATORS), or a user one as file.py:fn."""
+    gamma: float = 1.0
+    """Discount (GAE, REINFORCE++, OTB)."""
+    lam: float = 1.0
+    """GAE λ."""
+    vf_coef: float = 0.0
+    """Value-loss coefficient; > 0 creates a critic (PPO, GAE)."""
+    whiten_advantages: bool = True
+    """Whiten the advantages over the batch where the estimator does (gae, reinforce_pp,
+    reinforce_pp_baseline, gdpo); --no-whiten-advantages keeps them raw (slime's option)."""
+    gdpo_weights: str = ""
+    """GDPO: comma-separated weight per reward component, in the reward's component order (empty = all 1)."""
+    # --- policy loss (nanorl/losses.py)
     policy_loss: str = "ppo"
     """Policy loss (nanorl/losses.py POLICY_LOSSES): ppo, gspo, cispo, gmpo, dppo_tv, dppo_kl, sapo,
     reinforce, gpg, dro, kl_cov, clip_cov; or a user one as file.py:fn."""
@@ -141,56 +174,48 @@ class Config:
     """Upper clip ε (ratio ≤ 1 + ε); DAPO's clip-higher raises it."""
     dual_clip: float = 3.0
     """Dual-clip constant c > 1 for negative advantages (0 = off)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus coefficient."""
+    top_entropy_quantile: float = 0.0
+    """> 0: train only on the top q of the step's tokens by entropy (Wang et al. 2025, "80/20": 0.2)."""
+    # --- one loss's own knobs: SAPO, DRO, KL-Cov / Clip-Cov (each needs its policy_loss)
     sapo_tau_pos: float = 1.0
     """SAPO: gate temperature τ for A > 0 (Gao et al. 2025: 1.0)."""
     sapo_tau_neg: float = 1.05
     """SAPO: gate temperature τ for A ≤ 0 (Gao et al. 2025: 1.05; larger damps negative updates faster)."""
     dro_beta: float = 1.0
-    """DRO: β of the quadratic penalty ½β(log π_θ − log π_old)² (verl requires it set; no paper default online)."""
+    """DRO: β of the quadratic penalty ½β(log π_θ − log π_old)² (verl requires it set; no paper default)."""
     cov_ratio: float = 2e-4
     """KL-Cov / Clip-Cov: share of the step's tokens selected by covariance (verl's default 2e-4)."""
     cov_kl_coef: float = 1.0
     """KL-Cov: κ of κ·|log r| on the selected tokens (verl's kl_cov fallback 1.0)."""
-    top_entropy_quantile: float = 0.0
-    """> 0: train only on the top q of the step's tokens by entropy (Wang et al. 2025, "80/20": 0.2)."""
-    gamma: float = 1.0
-    """Discount (GAE, REINFORCE++, OTB)."""
-    lam: float = 1.0
-    """GAE λ."""
-    whiten_advantages: bool = True
-    """Whiten the advantages over the batch where the estimator does (gae, reinforce_pp,
-    reinforce_pp_baseline, gdpo); --no-whiten-advantages keeps them raw (slime's option)."""
-    gdpo_weights: str = ""
-    """GDPO: comma-separated weight per reward component, in the reward's component order (empty = all 1)."""
-    filter_groups: bool = False
-    """DAPO dynamic sampling: drop groups whose rewards are all equal and generate more prompts until
-    the step has prompts_per_step groups with signal (nanorl/dapo.py)."""
-    max_gen_batches: int = 10
-    """DAPO: most generation rounds per step before training on the groups found (the recipe's 10)."""
-    drop_truncated: bool = False
-    """DAPO overlong filtering: truncated responses (no stop token) leave the loss; they still count in
-    their group's baseline."""
-    overlong_buffer: float = 0.0
-    """DAPO soft overlong punishment: the last share of max_new_tokens where the reward falls linearly
-    to −overlong_penalty (the paper's 4096 of 20480 = 0.2; 0 = off)."""
-    overlong_penalty: float = 1.0
-    """DAPO: the penalty at max_new_tokens of the soft overlong punishment (the paper's 1.0)."""
-    kl_coef: float = 0.0
-    """β of the KL to the reference policy (0 = no reference model at all)."""
+    # --- KL to the reference policy (nanorl/kl.py; its β: kl_coef)
     kl_estimator: str = "k3"
-    """k1, k2, k3, abs, or a straight-through k1+/k3+ (nanorl/kl.py)."""
+    """k1, k2, k3, abs, or a straight-through k1+/k3+."""
     kl_in_reward: bool = False
     """Put −β·KL in the per-token reward instead of the loss (outcome estimators: score = Σ rewards)."""
     unbiased_kl: bool = False
-    """KL as a loss, weighted by π_θ/π_old: unbiased for off-policy tokens (DeepSeek-V3.2; slime's flag)."""
+    """KL as a loss, weighted by π_θ/π_old: unbiased for off-policy tokens (DeepSeek-V3.2; slime's)."""
     kl_target: float = 0.0
     """> 0: adapt β toward this KL per token (Ziegler et al. 2019), in either placement."""
-    entropy_coef: float = 0.0
-    """Entropy bonus coefficient."""
-    vf_coef: float = 0.0
-    """Value-loss coefficient; > 0 creates a critic (PPO)."""
+    # --- DAPO: dynamic sampling and overlong responses (nanorl/dapo.py)
+    filter_groups: bool = False
+    """Dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the
+    step has prompts_per_step groups with signal."""
+    max_gen_batches: int = 10
+    """Most generation rounds per step before training on the groups found (the recipe's 10)."""
+    drop_truncated: bool = False
+    """Overlong filtering: truncated responses leave the loss (they still count in their group's baseline)."""
+    overlong_buffer: float = 0.0
+    """Soft overlong punishment: the last share of max_new_tokens where the reward falls linearly
+    to −overlong_penalty (the paper's 4096 of 20480 = 0.2; 0 = off)."""
+    overlong_penalty: float = 1.0
+    """The penalty at max_new_tokens of the soft overlong punishment (the paper's 1.0)."""
+    # --- off-policy correction (nanorl/offpolicy.py): π_old against the rollout policy
+    old_logprobs: str = "auto"
+    """recompute (a forward before training), rollout (the engine's), or auto (skip when on-policy)."""
     tis_cap: float = 0.0
-    """Truncated importance sampling: clip π_old/π_rollout at C (0 = off; nanorl/offpolicy.py)."""
+    """Truncated importance sampling: clip π_old/π_rollout at C (0 = off)."""
     tis_low: float = 0.0
     """TIS: also clip it from below at this (slime's tis_clip_low; 0 = verl's upper-only TIS)."""
     mis_low: float = 0.0
@@ -200,31 +225,12 @@ class Config:
     is_level: str = "token"
     """TIS / MIS weights per token, or per sequence (the product of the token ratios)."""
     opsm_delta: float = 0.0
-    """OPSM: mask negative-advantage tokens of sequences whose mean KL to the rollout policy exceeds δ (0 = off)."""
+    """OPSM: mask negative-advantage tokens of sequences whose mean KL to the rollout exceeds δ (0 = off)."""
     # --- optimisation
-    steps: int = 800
-    """Optimizer steps (one rollout batch each, times ppo_epochs × mini_batches)."""
     ppo_epochs: int = 1
     """Passes over each rollout batch; > 1 makes later passes off-policy."""
     mini_batches: int = 1
     """Optimizer steps per epoch (the rollout batch is split into this many)."""
-    micro_batch_size: int = 0
-    """Samples per forward/backward (0 = all of a mini-batch)."""
-    max_tokens_per_micro_batch: int = 0
-    """> 0: micro-batches by token budget (nanorl/batching.py), for every forward and backward;
-    packed (no padding) with flash-attention, else padded rows whose padded size fits the budget.
-    Overrides micro_batch_size."""
-    old_logprobs: str = "auto"
-    """recompute (a forward before training), rollout (the engine's), or auto (skip when on-policy)."""
-    skip_zero_advantage: bool = True
-    """Rows with advantage 0 on every token (a group whose rewards are all equal) skip the update's and
-    the reference's forward; denominators still count them. Exact without a KL loss, entropy bonus or
-    critic; with them, those rows' KL/entropy pull is dropped. Off for pretrained models (verl, slime)."""
-    logprob_impl: str = "fused"
-    """fused (never materialise [tokens, vocab]) or naive (materialised log_softmax)."""
-    lr: float = 2e-4
-    """AdamW learning rate (the built-in task's: 3e-4 swung held-out accuracy by 20+ points and reached 95%
-    later, docs/bench_results.md; pretrained models get 1e-6, PRETRAINED_DEFAULTS)."""
     warmup_steps: int = 20
     """Linear warm-up steps (RL on a warm-started policy needs it: ../shared/FACTS.md)."""
     schedule: str = "cosine"
@@ -233,23 +239,33 @@ class Config:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
-    seed: int = 0
-    """Seeds data order, sampling and the built-in model."""
+    # --- memory, speed, precision and ranks
+    micro_batch_size: int = 0
+    """Samples per forward/backward (0 = all of a mini-batch)."""
+    max_tokens_per_micro_batch: int = 0
+    """> 0: micro-batches by token budget in every forward and backward (overrides micro_batch_size):
+    packed with flash-attention, else padded rows whose padded size fits (nanorl/batching.py)."""
+    skip_zero_advantage: bool = True
+    """Rows with advantage 0 on every token (a group whose rewards are all equal) skip the update's and
+    the reference's forward; denominators still count them. Exact without a KL loss, entropy bonus or
+    critic; with them, those rows' KL/entropy pull is dropped. Off for pretrained models (verl, slime)."""
+    logprob_impl: str = "fused"
+    """fused (never materialise [tokens, vocab]) or naive (materialised log_softmax)."""
     dtype: str = "float32"
-    """Compute dtype: float32, bfloat16 or float16 (autocast; fp16 with a loss scaler). Weights and
-    optimizer state stay fp32 and the RL math too (nanorl/precision.py); the reference model and the
-    vLLM engine hold weights in this dtype."""
+    """Compute dtype (autocast; fp16 with a loss scaler); weights, optimizer state and the RL math stay
+    fp32 (nanorl/precision.py); the reference model and the vLLM engine hold weights in this dtype."""
     fp32_lm_head: bool = False
     """Compute the LM head in fp32 under bf16/fp16 (narrows the engine/trainer logprob gap)."""
     gradient_checkpointing: bool = False
     """Recompute each transformer block in backward instead of keeping its activations."""
     threads: int = 0
     """torch threads; 0 = 1 for the built-in task (its ops are too small to split, and two threads on a
-    busy 2-core box stall each other: 10-15x slower steps, docs/bench_results.md), torch's default else."""
+    busy 2-core box stall each other: 10-15x slower steps), torch's default else."""
     fsdp: bool = False
     """Several ranks: shard weights, gradients and optimizer state (FSDP2) instead of replicating them
-    (DDP), for policies whose training state does not fit on one device. The HF engine then keeps a
-    full copy of the weights per rank for generation (nanorl/distributed.py)."""
+    (DDP); the HF engine then keeps a full copy of the weights per rank (nanorl/distributed.py)."""
+    routing_replay: bool = False
+    """MoE only: replay the rollout's experts in every training forward (nanorl/moe_replay.py)."""
     # --- evaluation, logging, saving
     eval_every: int = 25
     """Held-out greedy accuracy and pass@k every N steps (0 = only before and after)."""
@@ -274,11 +290,11 @@ class Config:
     quiet: bool = False
     """No progress bar (metrics still go to out_dir/metrics.jsonl)."""
     dump_rollouts: int = 0
-    """Every N steps, out_dir/rollouts/step_NNNNNN.jsonl: each sample's text, reward and per-token values (0 = off; nanorl/dump.py)."""
+    """Every N steps, out_dir/rollouts/step_NNNNNN.jsonl: each sample's text, reward, per-token values."""
     dump_rollouts_mb: float = 512.0
-    """Disk budget of out_dir/rollouts in MiB: the oldest dumps are deleted to stay under it; one larger dump is cut."""
+    """Disk budget of out_dir/rollouts in MiB (the oldest dumps are deleted; one larger dump is cut)."""
     debug_rollout_only: bool = False
-    """Rollout + reward (+ metrics, + dumps) each step and no update: to check a reward function or a data file."""
+    """Rollout + reward (+ metrics, + dumps) each step and no update: to check a reward function or data."""
 
     def __post_init__(self):
         from nanorl.advantage import ADVANTAGE_ESTIMATORS
@@ -289,52 +305,54 @@ class Config:
                 raise ValueError(f"config: {msg}")
 
         need(self.algo in PRESETS, f"unknown --algo {self.algo!r}; valid: {', '.join(PRESETS)}")
-        from nanorl.plugins import check_config as check_plugins
-        check_plugins(self, need, {f.name: f.default for f in fields(Config)})
-        need(self.advantage in ADVANTAGE_ESTIMATORS or ":" in self.advantage,
-             f"unknown advantage {self.advantage!r}; valid: {', '.join(ADVANTAGE_ESTIMATORS)} or file.py:fn")
-        need(self.policy_loss in POLICY_LOSSES or ":" in self.policy_loss,
-             f"unknown policy_loss {self.policy_loss!r}; valid: {', '.join(POLICY_LOSSES)} or file.py:fn")
+        # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
+        need(not self.reward_postprocess or ":" in self.reward_postprocess, "reward_postprocess must be "
+             f"module:function or file.py:function, got {self.reward_postprocess!r}")
+        need(all(x.strip() for x in self.log_metadata.split(",")) or not self.log_metadata,
+             f"log_metadata: an empty name in {self.log_metadata!r}")
+        for name, known in (("advantage", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+            value = getattr(self, name)
+            need(value in known or ":" in value,
+                 f"unknown {name} {value!r}; valid: {', '.join(known)} or file.py:fn")
         need(self.loss_agg in AGG_MODES, f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
-        need(self.engine in ("auto", "hf", "vllm"), f"engine must be auto, hf or vllm, got {self.engine!r}")
+        for name, choices in CHOICES.items():
+            need(getattr(self, name) in choices,
+                 f"{name} must be one of {', '.join(map(str, choices))}, got {getattr(self, name)!r}")
         need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
-        need(self.sleep_level in (0, 1, 2), f"sleep_level must be 0, 1 or 2, got {self.sleep_level}")
         need(self.kv_cache_gb >= 0, f"kv_cache_gb must be >= 0, got {self.kv_cache_gb}")
         need(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
              f"max_model_len {self.max_model_len} leaves no room for a prompt plus max_new_tokens "
              f"{self.max_new_tokens} (0 = sized from the data)")
-        need(self.old_logprobs in ("auto", "recompute", "rollout"), "old_logprobs: auto, recompute or rollout")
-        need(self.logprob_impl in ("fused", "naive"), "logprob_impl: fused or naive")
-        need(self.schedule in ("constant", "cosine"), "schedule: constant or cosine")
-        need(self.dtype in ("float32", "bfloat16", "float16"), "dtype: float32, bfloat16 or float16")
         for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
                      "mini_batches", "max_prompt_len", "pass_k", "keep_checkpoints"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.reward_timeout == -1:  # the math verifier is bounded by default (nanorl/rewards.py BOUNDED)
-            from nanorl.rewards import BOUNDED
-            self.reward_timeout = BOUNDED.get(self.reward, 0.0)
-        need(not self.prompt_template or "{prompt}" in self.prompt_template,
-             f"prompt_template must contain {{prompt}} (where the user's text goes), got {self.prompt_template!r}")
+        if self.reward_timeout == -1:
+            self.reward_timeout = BOUNDED_REWARDS.get(self.reward, 0.0)
+            # plugins.apply resolves it again when a plug-in changes the reward
+            self._auto_reward_timeout = True
+        need(not self.prompt_template or "{prompt}" in self.prompt_template, "prompt_template must contain "
+             f"{{prompt}} (where the user's text goes), got {self.prompt_template!r}")
         need(not self.chat_template_kwargs or isinstance(self.chat_template_dict, dict),
              f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
         for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
-                     "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef", "vf_coef",
-                     "tis_cap", "tis_low", "mis_low", "mis_high", "opsm_delta", "kl_target", "reward_timeout", "weight_decay", "top_k", "grad_clip",
-                     "eval_temperature", "eval_max_new_tokens", "dump_rollouts"):
+                     "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef",
+                     "vf_coef", "tis_cap", "tis_low", "mis_low", "mis_high", "opsm_delta", "kl_target",
+                     "reward_timeout", "weight_decay", "top_k", "grad_clip", "eval_temperature",
+                     "eval_max_new_tokens", "dump_rollouts"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(self.dump_rollouts_mb > 0, f"dump_rollouts_mb must be > 0, got {self.dump_rollouts_mb}")
-        need(not (self.debug_rollout_only and self.async_steps),  # the worker would wait for weights forever
+        # the rollout worker would wait for new weights forever
+        need(not (self.debug_rollout_only and self.async_steps),
              "debug_rollout_only makes no update, so --async-steps has no new weights to wait for: drop one")
         need(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
         need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(self.dual_clip == 0 or self.dual_clip > 1, f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
+        need(self.dual_clip == 0 or self.dual_clip > 1,
+             f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
         need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
         self._check_advantage_and_loss(need)
-        from nanorl.tool_envs import check_config
-        check_config(self, need, {f.name: f.default for f in fields(Config)})
-        from nanorl import pipeline
-        pipeline.check_config(self, need)
+        self._check_env(need)
+        self._check_async(need)
         need(not (self.fsdp and self.routing_replay), "--fsdp with --routing-replay is not supported: routing"
              " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
         need(self.prompts_per_step * self.samples_per_prompt >= self.mini_batches,
@@ -342,23 +360,15 @@ class Config:
 
     def _check_advantage_and_loss(self, need) -> None:
         """The advantage / loss / KL / off-policy / DAPO group: ranges, and no flag that does nothing."""
-        from nanorl.advantage import estimator_inputs
+        from nanorl.advantage import ADVANTAGE_ESTIMATORS
         from nanorl.losses import COV_LOSSES
         defaults = {f.name: f.default for f in fields(Config)}
         moved = lambda name: getattr(self, name) != defaults[name]  # noqa: E731
-        uses = estimator_inputs(self.advantage_fn)
-        need(self.advantage not in ("gae", "gae_chunked") or self.vf_coef > 0,
-             f"advantage {self.advantage} needs a critic: set vf_coef > 0")
-        need(self.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {self.advantage}")
-        need(self.lam == 1 or "lam" in uses, f"lam does nothing with advantage {self.advantage}")
-        need(self.whiten_advantages or "whiten" in uses or self.advantage in ("gae", "gae_chunked"),
-             f"--no-whiten-advantages does nothing with advantage {self.advantage} (it never whitens)")
-        need(not self.gdpo_weights or self.advantage == "gdpo", "gdpo_weights needs advantage gdpo")
+        if ":" not in self.advantage:  # a user estimator is checked when it is loaded (plugins.apply)
+            self.check_estimator(ADVANTAGE_ESTIMATORS[self.advantage])
         need(self.gdpo_weights == "" or all(_is_float(x) for x in self.gdpo_weights.split(",")),
              f"gdpo_weights must be comma-separated numbers, got {self.gdpo_weights!r}")
         need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
-        need(not self.kl_in_reward or self.advantage not in ("gdpo", "grpo_passk"),
-             f"kl_in_reward: {self.advantage} normalises raw reward components / needs 0/1 scores; put KL in the loss")
         need(not self.unbiased_kl or (self.kl_coef > 0 and not self.kl_in_reward),
              "unbiased_kl weights the KL loss term: needs kl_coef > 0 without kl_in_reward")
         need(not self.kl_target or self.kl_coef > 0, "kl_target adapts β: needs kl_coef > 0")
@@ -366,23 +376,104 @@ class Config:
             need(getattr(self, name) > 0, f"{name} must be > 0")
             need(not moved(name) or self.policy_loss == loss, f"{name} needs policy_loss {loss}")
         for name in ("cov_ratio", "cov_kl_coef"):
-            need(not moved(name) or self.policy_loss in COV_LOSSES, f"{name} needs policy_loss kl_cov or clip_cov")
+            need(not moved(name) or self.policy_loss in COV_LOSSES,
+                 f"{name} needs a policy loss with a token selection: {' or '.join(COV_LOSSES)}")
         need(0 < self.cov_ratio <= 1, f"cov_ratio must be in (0, 1], got {self.cov_ratio}")
         need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile must be in [0, 1]")
         need(not self.tis_cap or self.tis_cap > 1 > self.tis_low, "TIS needs tis_low < 1 < tis_cap")
         need(not self.tis_low or self.tis_cap, "tis_low needs tis_cap")
         need(not (self.mis_low or self.mis_high) or 0 <= self.mis_low < 1 < self.mis_high,
              "masked IS needs 0 <= mis_low < 1 < mis_high")
-        need(self.is_level in ("token", "sequence"), f"is_level must be token or sequence, got {self.is_level!r}")
+        need(self.is_level in ("token", "sequence"),
+             f"is_level must be token or sequence, got {self.is_level!r}")
         need(self.is_level == "token" or self.tis_cap or self.mis_high, "is_level needs tis_cap or mis_high")
         need(self.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
         need(not moved("max_gen_batches") or self.filter_groups, "max_gen_batches needs filter_groups")
-        need(not (self.filter_groups and self.advantage == "remax"),
-             "filter_groups with remax is not supported: a refilled group has no greedy baseline")
         need(0 <= self.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
              f"{self.overlong_buffer}")
         need(self.overlong_penalty > 0, "overlong_penalty must be > 0")
         need(not moved("overlong_penalty") or self.overlong_buffer, "overlong_penalty needs overlong_buffer")
+
+
+    def _check_env(self, need) -> None:
+        """The --env group: ranges, and no flag that does nothing."""
+        defaults = {f.name: f.default for f in fields(self)}
+        moved = [k for k in ("env_max_turns", "env_max_tokens", "tool_timeout")
+                 if getattr(self, k) != defaults[k]]
+        need(self.env or not moved, f"{', '.join(moved)} only shape --env episodes: set --env")
+        need(not self.env or self.env in BUILTIN_ENV_NAMES or ":" in self.env, f"--env {self.env!r}: "
+             f"expected one of {sorted(BUILTIN_ENV_NAMES)}, 'module:Class' or 'file.py:Class'")
+        need(self.env_max_turns >= 1 and self.env_max_tokens >= 0,
+             "env_max_turns must be >= 1 and env_max_tokens >= 0")
+        need(self.tool_timeout >= 0 or self.tool_timeout == -1,
+             f"tool_timeout must be >= 0 or -1, got {self.tool_timeout}")
+        if not self.env:
+            return
+        # the environment scores its episodes: --reward is unused (a resolved reward_timeout of 0 is fine)
+        for k in ("reward", "reward_timeout"):
+            need(getattr(self, k) == defaults[k] or (k == "reward_timeout" and self.reward_timeout == 0),
+                 f"--{k.replace('_', '-')} does nothing with --env: the environment scores its episodes")
+        need(not self.overlong_buffer, "--overlong-buffer measures one response against max_new_tokens; an "
+             "episode's length is bounded by env_max_tokens instead: not supported with --env")
+        need(self.env != "calc" or self.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 "
+             f"(a call is up to 12 tokens: calc(9+9+9)<eos>), got {self.max_new_tokens}")
+
+    def _check_async(self, need) -> None:
+        """The --async-steps group: ranges, and no flag that does nothing or cannot work."""
+        on = self.async_steps > 0
+        need(self.async_steps >= 0, f"async_steps must be >= 0, got {self.async_steps}")
+        need(not self.partial_rollout or on, "partial_rollout needs async_steps >= 1")
+        need(not self.mask_offpolicy_in_partial_rollout or self.partial_rollout,
+             "mask_offpolicy_in_partial_rollout needs partial_rollout")
+        need(not self.rollout_device or on, "rollout_device needs async_steps >= 1")
+        if self.rollout_device:
+            import torch
+            try:
+                torch.device(self.rollout_device)
+            except RuntimeError:
+                need(False, f"rollout_device {self.rollout_device!r} is not a device "
+                     "(cpu, cuda, cuda:1, ...)")
+        # what generates inside the step, or needs the engine to be the trainer's own module
+        for bad, what in ((self.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
+                          (self.env, "--env (the multi-turn driver runs in the trainer)"),
+                          (self.routing_replay, "--routing-replay (not built: the worker records no "
+                           "routing)"),
+                          (self.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
+                          (self.engine == "vllm", "--engine vllm (not built: the worker runs an HF engine)")):
+            need(not (on and bad), f"--async-steps with {what} is not supported")
+
+    def check_estimator(self, fn) -> None:
+        """The checks that read what the advantage estimator `fn` declares by its keyword parameters
+        (nanorl/plan.py): a flag it cannot use, an input the run cannot give it. Built-ins are checked
+        while the config is built; a user estimator when plugins.apply loads it."""
+        from nanorl.advantage import estimator_inputs
+        from nanorl.plan import explicit_inputs
+
+        def need(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(f"config: {msg}")
+        uses, named = estimator_inputs(fn), explicit_inputs(fn)
+        need("values" not in named or self.vf_coef > 0,
+             f"advantage {self.advantage} needs a critic: set vf_coef > 0")
+        need(self.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {self.advantage}")
+        need(self.lam == 1 or "lam" in uses, f"lam does nothing with advantage {self.advantage}")
+        need(self.whiten_advantages or "whiten" in uses,
+             f"--no-whiten-advantages does nothing with advantage {self.advantage} (it never whitens)")
+        need(not self.gdpo_weights or "component_weights" in named,
+             f"gdpo_weights does nothing with advantage {self.advantage} (it takes no component_weights)")
+        need(not self.kl_in_reward or not getattr(fn, "raw_scores", False),
+             f"kl_in_reward: {self.advantage} reads the raw scores (0/1 pass/fail or reward components), "
+             "a KL penalty cannot enter them; put KL in the loss")
+        # an estimator reading greedy baselines (ReMax) generates inside the step, per prompt group
+        need(not (self.filter_groups and "baselines" in named),
+             f"filter_groups with {self.advantage} is not supported: it reads greedy baselines, and a "
+             "refilled group has none")
+        need(not (self.reward_postprocess and "baselines" in named),
+             f"reward_postprocess with advantage {self.advantage} is not supported: the greedy baseline "
+             "response is scored by --reward alone, outside any group")
+        need(not (self.async_steps and "baselines" in named),
+             f"--async-steps with --advantage {self.advantage} is not supported (its greedy baseline is "
+             "sampled in the step)")
 
     @property
     def chat_template_dict(self) -> dict | None:
@@ -400,20 +491,26 @@ class Config:
 
     @property
     def advantage_fn(self):
-        """The estimator: a registry name, or the user function --advantage names (nanorl/plugins.py)."""
-        from nanorl.plugins import resolve
-        return resolve(self.advantage, "advantage")
+        """The estimator: a registry name as is, or the user function --advantage names."""
+        return _user_fn(self.advantage, "advantage")
 
     @property
     def policy_loss_fn(self):
-        """The policy loss: a registry name, or the user function --policy-loss names."""
-        from nanorl.plugins import resolve
-        return resolve(self.policy_loss, "policy_loss")
+        """The policy loss: a registry name as is, or the user function --policy-loss names."""
+        return _user_fn(self.policy_loss, "policy_loss")
 
     @property
     def uses_reference(self) -> bool:
         """A reference model exists only when a KL term is on."""
         return self.kl_coef > 0
+
+
+def _user_fn(spec: str, what: str):
+    if ":" not in spec:
+        return spec
+    # user code: nanorl.plugins is imported only when a flag names a plug-in
+    from nanorl.plugins import resolve
+    return resolve(spec, what)
 
 
 def _is_float(text: str) -> bool:
@@ -424,37 +521,48 @@ def _is_float(text: str) -> bool:
     return True
 
 
-def field_docs() -> dict[str, str]:
-    """The docstring under each field, read from this file's source (one source of truth for --help)."""
-    tree = ast.parse(inspect.getsource(Config))
-    body, docs = tree.body[0].body, {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            docs[node.target.id] = nxt.value.value
-    return docs
-
-
-def help_text(doc: str, default) -> str:
-    """A field's docstring as argparse help: argparse %-formats help strings, so a literal % is doubled."""
-    return f"{doc} (default {default})".replace("%", "%%")
+def help_layout() -> list[tuple[str, list[tuple[str, str]]]]:
+    """Config's `# --- title` sections in source order, each with its (field, docstring) pairs: the
+    argument groups of --help, read from this file (one source of truth for the class and the help)."""
+    source = inspect.getsource(Config)
+    titles = [(i, line.strip()[6:]) for i, line in enumerate(source.splitlines(), 1)
+              if line.strip().startswith("# --- ")]
+    groups: dict[str, list] = {title: [] for _, title in titles}
+    body = ast.parse(source).body[0].body
+    for node, doc in zip(body, body[1:]):
+        is_doc = isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and is_doc:
+            title = [t for line, t in titles if line < node.lineno][-1]
+            groups[title].append((node.target.id, doc.value.value))
+    return list(groups.items())
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
     """Flags → Config: preset values first, then every flag the user actually gave."""
     presets = "\n".join(f"  {k:<22} {v[0]}" for k, v in PRESETS.items())
-    parser = argparse.ArgumentParser(description="nanorl: RL for language models.",
+    parser = argparse.ArgumentParser(usage="%(prog)s [--algo PRESET] [--flag VALUE ...]", add_help=False,
+                                     description="nanorl: RL for language models. Every flag is a field of "
+                                     "nanorl/config.py; start with the first group.",
                                      epilog="presets (--algo):\n" + presets,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    docs = field_docs()
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        default = f.default
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text(docs.get(f.name, ""), default))
-        else:
-            parser.add_argument(flag, type=type(default), default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=help_text(docs.get(f.name, ""), repr(default)))
+    defaults = {f.name: f.default for f in fields(Config)}
+    for i, (title, items) in enumerate(help_layout()):
+        group = parser.add_argument_group(title)
+        if i == 0:
+            group.add_argument("-h", "--help", action="help", help="show this help message and exit")
+        for name, doc in items:
+            default = defaults.pop(name)
+            # argparse %-formats help strings: a literal % is doubled
+            kw = dict(default=argparse.SUPPRESS, help=f"{doc} (default {default!r})".replace("%", "%%"))
+            if isinstance(default, bool):
+                kw.update(action=argparse.BooleanOptionalAction)
+            else:
+                kw.update(type=type(default), choices=CHOICES.get(name),
+                          metavar=None if name in CHOICES else name.upper())
+            group.add_argument("--" + name.replace("_", "-"), **kw)
+    # a field without a docstring, or above every section, would have no flag
+    if defaults:
+        raise RuntimeError(f"Config fields outside --help's groups: {sorted(defaults)}")
     given = vars(parser.parse_args(argv))
     algo = given.get("algo", Config.algo)
     if algo not in PRESETS:

@@ -1,29 +1,17 @@
-"""DAPO's data-side pieces: dynamic sampling that refills the batch, overlong filtering, soft overlong punishment.
+"""DAPO's data-side pieces: dynamic sampling that refills the batch, overlong filtering, soft overlong
+punishment (Yu et al. 2025, arXiv:2503.14476, as verl's DAPO recipe and reward manager run them).
 
-    rollout → reward → **(DAPO: filter and refill the groups, reshape the reward, mask truncated)** →
-    logprob recompute → advantage → loss → backward → optimizer step → weight sync
+Between links 2 and 3 of the chain (after the reward): filter and refill the groups, reshape the reward,
+mask truncated responses. `dynamic_sampling` keeps drawing rounds of fresh prompts until the step holds
+`target` groups with reward variance (a group of equal rewards has advantage 0 and teaches nothing);
+`truncated_loss_mask` takes truncated responses out of the loss (their reward still counts in the
+group's baseline); `overlong_penalty` adds a linear length penalty inside a buffer before max_new_tokens.
+Start at `dynamic_sampling`. Key choices: when the rounds run out nanorl trains on the groups it found
+(verl raises), and filtering reads the reward before the overlong penalty. The `dapo` preset turns all
+three on with clip-higher (0.2/0.28) and token-mean, as the paper's Table 1 stacks them. Details and the
+comparison with verl: docs/from-slime-verl.md, "nanorl/dapo.py".
 
-Yu et al. 2025, "DAPO: An Open-Source LLM Reinforcement Learning System at Scale" (arXiv:2503.14476),
-as verl's DAPO recipe and reward manager (verl 0.9.1 workers/reward_manager/dapo.py) run them:
-
-- Dynamic sampling. A group whose rewards are all equal (all right or all wrong) has advantage 0 on
-  every token: it costs a forward and backward and teaches nothing, and as accuracy rises more groups
-  look like that, so the effective batch shrinks. DAPO over-samples: it keeps drawing generation
-  rounds of fresh prompts, keeps only groups with reward variance, and stops when the step holds
-  `target` of them, cut to exactly `target` (verl: `batch[:train_batch_size]`). `max_rounds` bounds
-  the rounds (the recipe's max_num_gen_batches = 10). Choice: verl raises when the rounds run out;
-  nanorl trains on the groups it found and says so (`gave_up`; train.py logs a line and counts it), as
-  one hard stretch of data should not end a long run. Filtering reads the reward before the overlong
-  penalty (the recipe filters on "acc", the correctness score): a group all right but of different
-  lengths has no correctness signal.
-- Overlong filtering (`truncated_loss_mask`). A response cut at max_new_tokens has no final answer,
-  so its reward punishes reasoning that may have been sound. Its tokens leave the loss (mask 0); its
-  reward still counts in its group's baseline.
-- Soft overlong punishment (`overlong_penalty`). With L_max = max_new_tokens and a buffer L_cache,
-  R_length(y) = 0 if |y| ≤ L_max − L_cache, ((L_max − L_cache) − |y|)/L_cache · factor inside the
-  buffer, so −factor at |y| = L_max (paper: L_max 20480, L_cache 4096, factor 1). Added to the reward.
-The `dapo` preset turns all three on with clip-higher (0.2/0.28) and token-mean, as the paper's
-Table 1 stacks them. Test: python -m pytest tests/test_dapo.py -q
+Test: python -m pytest tests/test_dapo.py -q
 """
 from __future__ import annotations
 

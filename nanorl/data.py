@@ -1,31 +1,18 @@
-"""Data: the prompts RL trains on, with the label each reward checks against (feeds the rollout).
+"""Data: the prompts RL trains on, with the label each reward checks against (feeds link 1, the rollout).
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^ (its prompts)
-
-A prompt set is rows with an input (the question) and a label (the reference answer). `--train-data`
-and `--test-data` name them, in the forms people train on:
+A prompt set is rows with an input (the question) and a label (the reference answer). `--train-data` and
+`--test-data` name them, in the forms people train on:
 - a JSONL or parquet file;
 - a Hugging Face `datasets` name or local dataset directory, as `name[:config][@split]`
-  (`openai/gsm8k:main@train`, `HuggingFaceH4/MATH-500@test`); the split defaults to train for
-  training data and test for eval data.
-`--input-key` / `--label-key` name the columns, a dotted path reaches into a nested column (verl's
-parquet keeps the label in `reward_model.ground_truth`), and a comma list gives candidates, the
-first a set has wins (`question,problem` reads GSM8K and MATH alike). The input is a string or a
-list of `{"role", "content"}` chat messages (verl / slime parquet). A label is used as it is: the
-math reward extracts GSM8K's "#### N" and MATH's \boxed{} itself (nanorl/math_grader.py).
-
-`PromptFormat` turns an input into token ids: `--prompt-template` wraps the user's text (the usual
-"... put your final answer in \boxed{}"), `--system-prompt` adds a system message, and the tokenizer's
-chat template renders the messages with the generation prompt (options via `--chat-template-kwargs`,
-e.g. Qwen3's `{"enable_thinking": false}`); `--no-chat-template`, or a tokenizer without one, gives
-the raw text to a base model. Rows whose prompt is empty or longer than the context are skipped and
-counted, and an error is raised when none is left. Bad files fail with the file, the line and the key.
-
-`PromptLoader` yields batches in a deterministic order: epoch e is a permutation seeded by
-(seed, e), so a run can resume at exactly the same row (`state_dict` / `load_state_dict`).
-
-Any source to a JSONL file (e.g. to train where the hub is not reachable):
+  (`openai/gsm8k:main@train`, `HuggingFaceH4/MATH-500@test`); the split defaults to train for training
+  data and test for eval data.
+`--input-key` / `--label-key` name the columns, a dotted path reaches into a nested column (verl's parquet
+keeps the label in `reward_model.ground_truth`), and a comma list gives candidates, the first a set has
+wins (`question,problem` reads GSM8K and MATH alike). The input is a string or a list of
+`{"role", "content"}` chat messages (verl / slime parquet). A label is used as it is: the math reward
+extracts GSM8K's "#### N" and MATH's \\boxed{} itself (nanorl/math_grader.py). Start at `build_prompts`
+(rows → token ids, via `PromptFormat`) and `PromptLoader` (deterministic, resumable batches). Bad files
+fail with the file, the line and the key. Any source to a JSONL file (e.g. where the hub is not reachable):
 
     python -m nanorl.data openai/gsm8k:main@train gsm8k_train.jsonl
 """
@@ -65,22 +52,27 @@ def load_rows(source: str, split: str = "train") -> list[dict]:
         with open(name, "rb") as f:
             for lineno, raw in enumerate(f, 1):
                 try:
-                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()  # a BOM is fine
+                    # a BOM is fine
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8").strip()
                     if not line:
                         continue
                     row = json.loads(line)
-                except (ValueError, RecursionError) as e:  # bad UTF-8/JSON, 4300+ digit ints, deep nesting
+                # bad UTF-8/JSON, 4300+ digit ints, deep nesting
+                except (ValueError, RecursionError) as e:
                     raise DataError(f"{name}:{lineno}: not a valid JSON line ({type(e).__name__}: "
                                     f"{str(e)[:200]})") from None
                 if not isinstance(row, dict):
                     raise DataError(f"{name}:{lineno}: expected a JSON object, got {type(row).__name__}")
                 rows.append(row)
         return rows
-    try:  # library errors (corrupt parquet, unknown dataset) become one clear DataError
+    # library errors (corrupt parquet, unknown dataset) become one clear DataError
+    try:
         if name.endswith(".parquet"):
-            import pyarrow.parquet as pq  # installed with `datasets`
+            # installed with `datasets`
+            import pyarrow.parquet as pq
             return pq.read_table(name).to_pylist()
-        import datasets  # a hub name (needs network or the local cache) or a local dataset directory
+        # a hub name (needs network or the local cache) or a local dataset directory
+        import datasets
         return list(datasets.load_dataset(name, config, split=split))
     except Exception as e:
         raise DataError(f"{source}: cannot read prompts ({type(e).__name__}: {str(e)[:300]}); expected a "
@@ -105,10 +97,19 @@ def lookup(row: dict, key: str, source: str, i: int):
 
 @dataclass
 class PromptFormat:
-    """How an input becomes the prompt's tokens (see the module docstring)."""
+    """How an input becomes the prompt's tokens.
+
+    `--prompt-template` wraps the user's text (the usual "... put your final answer in \\boxed{}"),
+    `--system-prompt` adds a system message, and the tokenizer's chat template renders the messages with
+    the generation prompt (options via `--chat-template-kwargs`, e.g. Qwen3's `{"enable_thinking":
+    false}`); `--no-chat-template`, or a tokenizer without one, gives the raw text to a base model. Rows
+    whose prompt is empty or longer than the context are skipped and counted (build_prompts), and an
+    error is raised when none is left."""
     system_prompt: str = ""
-    template: str = ""  # "{prompt}" is replaced by the user's text; other braces are literal
-    chat_template: bool = True  # use the tokenizer's chat template when it has one
+    # "{prompt}" is replaced by the user's text; other braces are literal
+    template: str = ""
+    # use the tokenizer's chat template when it has one
+    chat_template: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
 
     def messages(self, prompt, where: str) -> list[dict]:
@@ -125,7 +126,8 @@ class PromptFormat:
         users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
         if not users:
             raise DataError(f"{where}: the messages have no 'user' turn (roles: {[m['role'] for m in msgs]})")
-        if self.template:  # the instruction goes around the (last) user turn, as verl's preprocessing does
+        # the instruction goes around the (last) user turn, as verl's preprocessing does
+        if self.template:
             last = msgs[users[-1]]
             last["content"] = self.template.replace("{prompt}", last["content"])
         if self.system_prompt:
@@ -142,14 +144,16 @@ class PromptFormat:
         if self.chat_template and getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                 **self.chat_template_kwargs)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids), text  # a BatchEncoding in transformers 5
+            # a BatchEncoding in transformers 5
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids), text
         if self.chat_template_kwargs:
             raise DataError(f"--chat-template-kwargs {self.chat_template_kwargs} given, but no chat template "
                             "is used (the tokenizer has none, or --no-chat-template)")
         if len(msgs) > 2 or (len(msgs) == 2 and msgs[0]["role"] != "system"):
             raise DataError(f"{where}: {len(msgs)} chat messages need a chat template to become one prompt "
                             "(the tokenizer has none, or --no-chat-template)")
-        raw = "\n\n".join(m["content"] for m in msgs)  # a base model: [system text, blank line,] the user's text
+        # a base model: [system text, blank line,] the user's text
+        raw = "\n\n".join(m["content"] for m in msgs)
         return tokenizer(raw, add_special_tokens=False)["input_ids"], text
 
 
@@ -185,7 +189,8 @@ def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str, m
             ids, text = fmt.render(value, tokenizer, where)
         except DataError:
             raise
-        except Exception as e:  # e.g. a lone surrogate the Rust tokenizer rejects
+        # e.g. a lone surrogate the Rust tokenizer rejects
+        except Exception as e:
             raise DataError(f"{where}: the tokenizer cannot encode {input_key!r} "
                             f"({type(e).__name__}: {str(e)[:200]})") from e
         if not text.strip():
@@ -205,6 +210,9 @@ class PromptLoader:
     """Endless batches of prompts: a fresh seeded permutation each epoch, resumable exactly.
 
     `rank`/`world` give each rank a disjoint shard of every batch (rank r takes rows r, r+world, ...).
+
+    Epoch e is a permutation seeded by (seed, e), so a run can resume at exactly the same row
+    (`state_dict` / `load_state_dict`).
     """
 
     def __init__(self, prompts: list[Prompt], batch_size: int, seed: int = 0, rank: int = 0, world: int = 1):
@@ -240,7 +248,8 @@ class PromptLoader:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m nanorl.data SOURCE[:config][@split] OUT.jsonl — any source's rows to a JSONL file."""
-    ap = argparse.ArgumentParser(prog="python -m nanorl.data", description="Write a prompt set's rows to JSONL.")
+    ap = argparse.ArgumentParser(prog="python -m nanorl.data",
+                                 description="Write a prompt set's rows to JSONL.")
     ap.add_argument("source", help="a JSONL / parquet file or a datasets name[:config][@split]")
     ap.add_argument("out", help="the JSONL file to write")
     a = ap.parse_args(argv)

@@ -1,48 +1,15 @@
 """Multi-rank training: one process per device, gradients summed by accelerate's DDP (or FSDP2).
 
-    accelerate launch --num_processes 2 train.py --algo grpo                        # 2 GPUs (NCCL)
-    accelerate launch --multi_gpu --num_processes 2 train.py --algo grpo --threads 1  # 2 CPU processes (gloo)
-    torchrun --nproc_per_node 2 train.py --algo grpo                                 # same, torch's launcher
+    accelerate launch --multi_gpu --num_processes 2 train.py --algo grpo --threads 1  # 2 CPU processes
+    torchrun --nproc_per_node 2 train.py --algo grpo                                  # torch's launcher
 
-Several nodes, on node i of N (HEAD: node 0's address; --out-dir on a filesystem every node sees):
-
-    torchrun --nnodes N --node_rank i --nproc_per_node 8 --master_addr HEAD --master_port 29500 train.py ...
-    accelerate launch --num_machines N --machine_rank i --num_processes 8N --main_process_ip HEAD train.py ...
-
-(On a CPU-only machine accelerate 1.15 spawns N processes only with `--multi_gpu`: without it, it
-starts one; the flag just selects torch's launcher, and `Accelerator(cpu=True)` then picks gloo.)
-A single process needs no launcher and no accelerate config: every call here is then a no-op.
-
-What each rank does (train.py): it owns a rollout engine and a disjoint shard of every step's prompts
-(nanorl/data.py); a GRPO group never crosses ranks, so group statistics stay local. The trained
-modules — policy and, for PPO, critic — sit behind one `Trained.forward` that accelerate wraps in
-DistributedDataParallel: DDP reduces a parameter's gradient only in a backward that follows a
-forward *through the wrapper*, and nanorl's fused LM head reads `lm_head.weight` outside the HF
-model's own forward, so the wrapper must wrap the whole scoring function, not the HF model.
-
-Gradient scale. The loss of every micro-batch is divided by the token (or sequence) count of the
-whole optimizer step summed over ranks (nanorl/update.py), so the gradient of the global batch is
-the SUM of the ranks' gradients. DDP averages; `loss_scale` (= world size) turns its mean back into
-that sum, and N ranks apply exactly the update one rank would on the whole batch (tested).
-
-FSDP (`--fsdp`, `shard`): weights, gradients and Adam state are split over the ranks instead of
-replicated — for a policy whose training state does not fit on one device. Every forward still goes
-through `Trained.forward` (old logprobs and values too; the reference model has its own sharded
-`Trained`); the HF engine samples from a full copy per rank, refreshed by all-gathering the shards
-(`iter_full_tensors`) after each step, as the vLLM engine's own copy is; checkpoints are sharded:
-each rank writes and reads its own shards (nanorl/ckpt_sharded.py).
-Not with `--routing-replay` (its record/replay forwards call the HF model directly).
-
-Lockstep: every collective must be entered by every rank the same number of times, so every rank
-runs the same number of forwards and backwards whatever its share of the samples (nanorl/update.py
-micro_batches); gradients are reduced once per optimizer step (`sync_gradients_after`, DDP and FSDP);
-and a rank that raises takes the others down with its error instead of leaving them waiting
-(`fail_together`). Sharded checkpoints: nanorl/ckpt_sharded.py.
-
-Past one node: `rank` is the global rank everywhere (seeds, prompt shards, rank 0 alone logs, dumps
-and writes checkpoints), the device the local one (init); `fail_together` uses the store the process
-group was initialised with (the launcher's, at MASTER_ADDR:MASTER_PORT), so a failure on one node
-reaches the others; out_dir must be shared (check_shared_dir).
+Each rank owns a rollout engine and a disjoint shard of every step's prompts (nanorl/data.py); a GRPO
+group never crosses ranks. A single process needs no launcher and no accelerate config: every call here
+is then a no-op. Start at `init` and `make_accelerator`, then `Trained` (the one forward accelerate
+wraps), `loss_scale`, `sync_gradients_after` and `fail_together`. Key choices: the global batch's
+gradient is the SUM of the ranks' gradients; every rank runs the same number of forwards and backwards
+(lockstep); a rank that raises takes the others down. GPU and multi-node launch lines, why `Trained`
+wraps the scoring function, FSDP and lockstep: docs/from-slime-verl.md, "nanorl/distributed.py".
 
 Test: python -m pytest tests/test_multirank.py -q   (2 CPU processes over gloo; two nodes:
 tests/test_multinode.py)
@@ -75,11 +42,13 @@ def init() -> tuple[int, int, torch.device]:
     check_accelerate_env()
     state = PartialState(cpu=not torch.cuda.is_available())
     if dist.is_initialized():
-        atexit.register(shutdown)  # the last resort; a normal end calls shutdown itself (train.main)
+        # the last resort; a normal end calls shutdown itself (train.main)
+        atexit.register(shutdown)
     return state.process_index, state.num_processes, torch.device(state.device)
 
 
-_ABORTED = threading.Event()  # set by fail_together: after an abort, shutdown has nothing to do
+# set by fail_together: after an abort, shutdown has nothing to do
+_ABORTED = threading.Event()
 
 
 def shutdown() -> None:
@@ -117,7 +86,8 @@ def check_shared_dir(path: str, rank: int, world: int) -> None:
         with open(name, "w") as f:
             f.write(token)
     box = [token]
-    dist.broadcast_object_list(box, src=0)  # after rank 0's write: the token is on disk
+    # after rank 0's write: the token is on disk
+    dist.broadcast_object_list(box, src=0)
     try:
         with open(name) as f:
             seen = f.read() == box[0]
@@ -225,7 +195,8 @@ def wrap(accelerator, trained: Trained, fsdp: bool = False) -> torch.nn.Module:
     return accelerator.prepare_model(trained)
 
 
-def shard(module: torch.nn.Module, device: torch.device, compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def shard(module: torch.nn.Module, device: torch.device,
+          compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """FSDP2: shard parameters, gradients and optimizer state over the ranks (ZeRO-3), in place.
 
     Each transformer block is its own unit (its weights are all-gathered just before its forward and
@@ -243,12 +214,14 @@ def shard(module: torch.nn.Module, device: torch.device, compute_dtype: torch.dt
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     block_names = set()
-    for m in module.modules():  # HF models name their transformer-block classes in _no_split_modules
+    # HF models name their transformer-block classes in _no_split_modules
+    for m in module.modules():
         block_names |= set(getattr(m, "_no_split_modules", None) or [])
     blocks = [m for m in module.modules() if type(m).__name__ in block_names]
     if not blocks:
         raise ValueError("--fsdp: found no transformer blocks (_no_split_modules) to shard")
-    policy = fsdp_policy(compute_dtype)  # None in fp32
+    # None in fp32
+    policy = fsdp_policy(compute_dtype)
     mp = {"mp_policy": policy} if policy is not None else {}
     for block in blocks:
         fully_shard(block, mesh=mesh, **mp)
@@ -259,7 +232,8 @@ def shard(module: torch.nn.Module, device: torch.device, compute_dtype: torch.dt
 def root_gathered(module: torch.nn.Module):
     """Run a forward of the HF model that bypasses `module.forward` (vLLM's sync probe): FSDP's root
     weights (embeddings, LM head) are all-gathered for the duration; the blocks gather themselves."""
-    if not hasattr(module, "unshard"):  # not FSDP-sharded: nothing to gather
+    # not FSDP-sharded: nothing to gather
+    if not hasattr(module, "unshard"):
         yield
         return
     module.unshard()
@@ -270,7 +244,8 @@ def root_gathered(module: torch.nn.Module):
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    return getattr(module, "module", module)  # DDP keeps the module in .module; FSDP2 shards in place
+    # DDP keeps the module in .module; FSDP2 shards in place
+    return getattr(module, "module", module)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -298,7 +273,8 @@ def load_optimizer_state(trained: torch.nn.Module, optimizer, state: dict) -> No
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(unwrap(trained), optimizer, state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(unwrap(trained), optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
 
 
 def loss_scale(world: int) -> float:
@@ -314,7 +290,8 @@ def sync_gradients_after(model: torch.nn.Module, last: bool):
     of one per micro-batch, in fp32 either way (MixedPrecisionPolicy's reduce dtype). Its cost: the
     full, unsharded gradient lives between the micro-batches of a step (a 7B model in fp32: 28 GB per
     rank); a step of one micro-batch pays nothing. Every rank runs as many micro-batches (lockstep)."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 (fully_shard): every unit, recursively
+    # FSDP2 (fully_shard): every unit, recursively
+    if hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last)
         return nullcontext()
     if last or not hasattr(model, "no_sync"):
@@ -322,7 +299,8 @@ def sync_gradients_after(model: torch.nn.Module, last: bool):
     return model.no_sync()
 
 
-FAILED, SEEN = "nanorl/failed", "nanorl/failed_seen"  # keys in the process group's store
+# keys in the process group's store
+FAILED, SEEN = "nanorl/failed", "nanorl/failed_seen"
 
 
 @contextmanager
@@ -357,14 +335,19 @@ def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 
             raise
         mine = f"rank {rank} failed: {type(e).__name__}: {str(e)[:2000]}"
         try:
-            first = store.compare_set(FAILED, "", mine).decode()  # set only if no rank failed before
-            if first != mine:  # a peer failed first: ours is a consequence (e.g. "connection closed")
+            # set only if no rank failed before
+            first = store.compare_set(FAILED, "", mine).decode()
+            # a peer failed first: ours is a consequence (e.g. "connection closed")
+            if first != mine:
                 store.add(SEEN, 1)
                 raise RuntimeError(f"rank {rank} stopped because {first}") from e
-        except dist.DistError:  # the store is gone (its host exited): nobody left to tell
+        # the store is gone (its host exited): nobody left to tell
+        except dist.DistError:
             raise e from None
-        print(f"nanorl: {mine}; aborting the process group so that every rank stops", file=sys.stderr, flush=True)
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)  # private in 2.13
+        print(f"nanorl: {mine}; aborting the process group so that every rank stops", file=sys.stderr,
+              flush=True)
+        # private in 2.13
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", dist.destroy_process_group)
         _ABORTED.set()
         abort()
         end = time.monotonic() + linger_s
@@ -372,7 +355,8 @@ def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 
             while time.monotonic() < end and int(store.add(SEEN, 0)) < world - 1:
                 time.sleep(0.1)
         except dist.DistError:
-            pass  # the store went away with its host: stop waiting, the message was posted
+            # the store went away with its host: stop waiting, the message was posted
+            pass
         raise
     finally:
         done.set()
@@ -384,15 +368,18 @@ def _watch_peers(store, rank: int, done: threading.Event, poll_s: float) -> None
             if not store.check([FAILED]):
                 continue
             msg = store.get(FAILED).decode()
-        except dist.DistError:  # the store's host exited (a normal end on another rank): stop watching
+        # the store's host exited (a normal end on another rank): stop watching
+        except dist.DistError:
             return
         if done.is_set() or msg.startswith(f"rank {rank} "):
             return
         print(f"nanorl: rank {rank} stops: {msg}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         store.add(SEEN, 1)
-        time.sleep(2 * poll_s)  # the failing rank exits first: a launcher then names it the root cause
-        os._exit(1)  # the main thread may be stuck in a collective: no exception can reach it
+        # the failing rank exits first: a launcher then names it the root cause
+        time.sleep(2 * poll_s)
+        # the main thread may be stuck in a collective: no exception can reach it
+        os._exit(1)
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
@@ -422,7 +409,8 @@ def reduce_metrics(metrics: dict, world: int) -> dict:
     gathered = [None] * world
     dist.all_gather_object(gathered, sorted(metrics))
     keys = sorted(set().union(*gathered))
-    have = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)  # [K] 1: this rank logged it
+    # 1 where this rank logged the key
+    have = torch.tensor([float(k in metrics) for k in keys], dtype=torch.float64)  # [K]
     vals = torch.tensor([float(metrics.get(k, 0.0)) for k in keys], dtype=torch.float64)  # [K]
     maxes = torch.tensor([float(metrics.get(k, -math.inf)) for k in keys], dtype=torch.float64)  # [K]
     all_reduce(vals)
@@ -462,7 +450,8 @@ def iter_full_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None):
     needs not convert (it warns once per tensor per sync otherwise); the result equals the cast of
     the full fp32 tensor (a cast is elementwise). Then a copy per tensor, one at a time. Integer
     tensors are yielded as they are."""
-    state = unwrap(model).state_dict(keep_vars=True)  # references to the Parameters, not copies
+    # references to the Parameters, not copies
+    state = unwrap(model).state_dict(keep_vars=True)
     names: dict[int, list[str]] = {}
     for k, v in state.items():
         names.setdefault(id(v), []).append(k)
@@ -475,4 +464,5 @@ def iter_full_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None):
         del v
         for name in aliases:
             yield name, full
-        del full  # before the next gather
+        # before the next gather
+        del full

@@ -1,29 +1,18 @@
 """Rollout dumps: what was sampled, how it was scored, and what the trainer made of every token.
-
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^^^^^^^^^^   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ written after the update, from what these held
+Link: written after the update, from what the rollout, reward, recompute and advantage held.
 
     python train.py --dump-rollouts 10             # runs/nanorl/rollouts/step_000010.jsonl, ...
     python train.py --debug-rollout-only --dump-rollouts 1 --steps 1 --train-data my.jsonl --reward my.py:fn
     python -m nanorl.viewer runs/nanorl/rollouts/step_000010.jsonl -o view.html
 
-Debugging RL is reading rollouts. Every `--dump-rollouts N` steps rl_step writes one JSONL line per
-sample of the step (`record`): step, index, group (samples of one prompt share it), prompt and response
-text, reward (the total) and its components, status, weight version, and per response token, as
-parallel lists under "tokens": id, text (each token decoded alone), rollout_logprob (the engine's),
-trainer_logprob and entropy (π_old as the trainer computed it: the recompute pass when it ran, else
-the update's first forward — on-policy, one epoch and one mini-batch, that pass runs before the only
-optimizer step, so it is π_old exactly; on a dump step the recompute always runs, so rows that
---skip-zero-advantage leaves out of the update are scored too; nanorl/update.py old_policy_view), advantage, and loss_mask
-(after DAPO's overlong filter; 0 on environment tokens). Floats are the float32 values exactly (JSON
-round-trips them); a non-finite one is written as null, so the file is strict JSON. With
-`--debug-rollout-only` nothing after the reward runs, and the trainer's fields are null.
-
-Size: out_dir/rollouts stays under `--dump-rollouts-mb` (`write`): a dump that alone would exceed the
-budget is cut after the last sample that fits (logged), then the oldest dumps are deleted until the
-directory fits. One budget, not a file count: what fills a disk is bytes, and a step of long answers
-is 1000x the built-in task's. Several ranks: rank 0 writes the samples it holds (its shard of the
-step's prompts, 1/world of them): no collective in the dump path, one file per step.
+Start at `rollouts` (the step's hook), then `records` (one JSON line per sample: step, index, group,
+prompt and response text, reward and its components, status, weight version, and per response token,
+as parallel lists under "tokens": id, text, rollout_logprob, trainer_logprob, entropy, advantage,
+loss_mask) and `write`. Key choices: floats are the float32 values exactly and a non-finite one is null
+(strict JSON); the trainer's π_old is the recompute pass or the update's first forward, and on a dump
+step the recompute always runs, so every row has one (`rollouts`); out_dir/rollouts stays under one
+byte budget, `--dump-rollouts-mb` (`write`); several ranks: rank 0 writes the samples it holds, with
+no collective in the dump path.
 
 Test: python -m pytest tests/test_dump.py -q
 """
@@ -40,7 +29,8 @@ FIELDS = ("id", "text", "rollout_logprob", "trainer_logprob", "entropy", "advant
 
 
 def _floats(values) -> list:
-    return [v if math.isfinite(v) else None for v in values]  # NaN / inf: null, strict JSON
+    # NaN / inf: null, strict JSON
+    return [v if math.isfinite(v) else None for v in values]
 
 
 def records(samples, tokenizer, step: int, tokens: dict | None = None) -> list[dict]:
@@ -51,7 +41,8 @@ def records(samples, tokenizer, step: int, tokens: dict | None = None) -> list[d
     if unknown:
         raise ValueError(f"dump.records: unknown per-token fields {sorted(unknown)}; known: {FIELDS}")
     ids = sorted({i for s in samples for i in s.response_ids})
-    piece = dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}  # each token alone
+    # each token decoded alone
+    piece = dict(zip(ids, tokenizer.batch_decode([[i] for i in ids]))) if ids else {}
     out = []
     for row, s in enumerate(samples):
         R = s.response_length
@@ -72,8 +63,10 @@ def records(samples, tokenizer, step: int, tokens: dict | None = None) -> list[d
 
 
 def write(directory: str, step: int, recs: list[dict], max_bytes: int) -> tuple[str, int]:
-    """Write recs to directory/step_NNNNNN.jsonl within max_bytes, then delete the oldest dumps until
-    the directory's dumps fit in max_bytes. Returns (path, number of samples written)."""
+    """Write recs to directory/step_NNNNNN.jsonl within max_bytes (a dump that alone would exceed it is
+    cut after the last whole sample that fits), then delete the oldest dumps until the directory's dumps
+    fit in max_bytes: one budget in bytes, not a file count, since what fills a disk is bytes (a step
+    of long answers is 1000x the built-in task's). Returns (path, number of samples written)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"step_{step:06d}.jsonl")
     size, written = 0, 0
@@ -81,11 +74,13 @@ def write(directory: str, step: int, recs: list[dict], max_bytes: int) -> tuple[
         for r in recs:
             line = json.dumps(r, ensure_ascii=False, allow_nan=False) + "\n"
             n = len(line.encode("utf-8"))
-            if size + n > max_bytes:  # cut: every line written is a whole sample
+            # cut: every line written is a whole sample
+            if size + n > max_bytes:
                 break
             f.write(line)
             size, written = size + n, written + 1
-    old = sorted(p for p in glob.glob(os.path.join(directory, "step_*.jsonl")) if p != path)  # oldest first
+    # oldest first
+    old = sorted(p for p in glob.glob(os.path.join(directory, "step_*.jsonl")) if p != path)
     total = size + sum(os.path.getsize(p) for p in old)
     for p in old:
         if total <= max_bytes:
@@ -100,32 +95,43 @@ def read(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def due(run) -> bool:
-    """Whether this step dumps (the same answer on every rank: rl_step then runs the π_old recompute on
-    all of them, a collective under FSDP, so that every row has its trainer logprob and entropy — also
-    the rows --skip-zero-advantage keeps out of the update)."""
-    return bool(run.cfg.dump_rollouts) and (run.step + 1) % run.cfg.dump_rollouts == 0
+def due(every: int, step: int) -> bool:
+    """Whether step `step` (numbered as metrics.jsonl logs it: 1 for the first) dumps, every `every`
+    steps (0: never). The same answer on every rank: rl_step then runs the π_old recompute on all of
+    them, a collective under FSDP, so that every row has its trainer logprob and entropy — also the
+    rows --skip-zero-advantage keeps out of the update."""
+    return bool(every) and step % every == 0
 
 
-def rollouts(run, samples, batch=None) -> str | None:
-    """rl_step's hook: every cfg.dump_rollouts steps, on rank 0, dump this step's samples; batch: the
-    trained PaddedBatch (its per-token tensors), None with --debug-rollout-only. Returns the path."""
-    cfg, step = run.cfg, run.step + 1  # the step number metrics.jsonl logs this step under
-    if not due(run) or run.rank != 0 or not samples:
+def rollouts(samples, batch, tokenizer, step: int, every: int, out_dir: str, max_mb: float, rank: int = 0,
+             log=print) -> str | None:
+    """rl_step's hook: on a `due` step, on rank 0, dump this step's samples (with `records`) to
+    out_dir/rollouts within max_mb MiB (with `write`; a cut is reported through `log`). batch: the
+    trained PaddedBatch (its per-token tensors), or None (--debug-rollout-only: the trainer's fields
+    are null). step: numbered as metrics.jsonl logs it. Returns the path, or None when nothing dumps.
+
+    trainer_logprob and entropy are π_old as the trainer computed it: the recompute pass when it ran,
+    else the update's first forward — on-policy, one epoch and one mini-batch, that pass runs before
+    the only optimizer step, so it is π_old exactly (nanorl/update.py old_policy_view); advantage and
+    loss_mask are the trained ones (after DAPO's overlong filter; 0 on environment tokens)."""
+    if not due(every, step) or rank != 0 or not samples:
         return None
     tokens = None
     if batch is not None:
-        from nanorl.update import old_policy_view  # update imports the heavy model code; dump stays light
+        # update imports the heavy model code; dump stays light
+        from nanorl.update import old_policy_view
 
-        logp, ent, scored = old_policy_view(batch)  # scored 0: a row no trainer forward saw → null
-        unscored = torch.where(scored > 0, 0.0, math.nan)  # [B, T]
+        # scored 0: a row no trainer forward saw → null
+        logp, ent, scored = old_policy_view(batch)
+        # [B, T]
+        unscored = torch.where(scored > 0, 0.0, math.nan)
         tokens = {"trainer_logprob": logp + unscored, "entropy": ent + unscored,
-                  "advantage": batch.token_data["advantages"], "loss_mask": batch.response_mask}
-    recs = records(samples, run.tokenizer, step, tokens)
-    path, n = write(os.path.join(cfg.out_dir, "rollouts"), step, recs, int(cfg.dump_rollouts_mb * 2**20))
+                  "advantage": batch.tensors.advantages, "loss_mask": batch.response_mask}
+    recs = records(samples, tokenizer, step, tokens)
+    path, n = write(os.path.join(out_dir, "rollouts"), step, recs, int(max_mb * 2**20))
     if n < len(recs):
-        run.logger.print(f"step {step}: rollout dump {path} cut at {n} of {len(recs)} samples "
-                         f"(--dump-rollouts-mb {cfg.dump_rollouts_mb})")
+        log(f"step {step}: rollout dump {path} cut at {n} of {len(recs)} samples "
+            f"(--dump-rollouts-mb {max_mb})")
     return path
 
 

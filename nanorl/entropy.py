@@ -1,47 +1,15 @@
 """Per-token log-probability and entropy without materialising the [tokens, vocab] probabilities.
 
-Where it sits: rollout → reward → **logprob recompute** (old, ref and current policy) → advantage →
-loss → **backward** → optimizer step → weight sync. Every policy-gradient loss needs, for each response
-token, logprob = log softmax(x / T)[y] of the sampled token y, and many also want the entropy
-H = −Σ_j p_j log p_j of the same distribution. Done naively, `log_softmax` + `softmax` + their product
-keep several fp32 [N, V] tensors alive for backward; with V = 151936 that is the largest activation in
-LLM RL (a 0.6B model runs out of 20 GB doing this, TRL issue #3678).
-
-The math, per row x ∈ R^V with z = x / T (T = sampling temperature, applied here so the trainer scores
-tokens under the distribution the rollout sampled from), m = max_j z_j, s = Σ_j exp(z_j − m):
-    lse = m + log s                        — one pass with an online max (Milakov & Gimelshein 2018)
-    logprob = (z_y − m) − log s            (= z_y − lse; subtracting m first keeps fp32 digits)
-    H = lse − Σ_j p_j z_j = log s − d / s  with d = Σ_j exp(z_j − m)(z_j − m)
-and, on request (sum_sq=True; no gradient), Σ_j p_j² = q / s² with q = Σ_j exp(z_j − m)² kept in the
-same pass (rescaled by α² when the running max moves) — the optimal token baseline's
-||∇_z log p_y||² = 1 − 2p_y + Σ_j p_j² (nanorl/advantage.py otb). The exact gradient of
-g_lp·logprob + g_ent·H, with log p_j = z_j − lse:
-    dlogprob/dx_j = (δ_jy − p_j) / T
-    dH/dx_j       = −p_j (z_j − Σ_k p_k z_k) / T = −p_j (log p_j + H) / T
-Chosen deliberately: verl's `entropy_from_logits` computes lse − Σ p·x, which cancels catastrophically
-when logits are large and the distribution is peaked (off by ~1e-4 at |x| ≈ 1000, see the tests);
-accumulating d about the running max keeps every term small, and the backward uses log p_j + H.
-
-Two implementations of the same per-row math, chosen by `_backend`, inside one autograd.Function:
-  * Triton (CUDA tensors; on CPU the interpreter when TRITON_INTERPRET=1 was set before triton was
-    imported): one program per row, one pass over V in power-of-two blocks (masked tail) for the
-    forward; the backward recomputes softmax blockwise from the saved (m, log s). Nothing of size
-    [N, V] is allocated besides the input and its gradient.
-  * chunked torch (no triton, or CPU without the interpreter): rows in chunks so fp32 temporaries stay
-    within `_ROW_BUDGET_BYTES`; H = −Σ p log p with log p clamped far below any real value instead of
-    −inf, so 0·log 0 is 0 without extra masking passes.
-`fused_linear_logprobs_entropy` goes further, in the spirit of Liger Kernel's fused linear
-cross-entropy (Hsu et al. 2024, arXiv:2410.10989): it computes hidden @ weightᵀ for a chunk of tokens,
-runs the row kernel, drops the logits, and in backward recomputes each chunk's logits, overwrites them
-with their gradient and accumulates grad_hidden / grad_weight, so only one [chunk, V] block ever
-exists (price: one extra matmul, the recompute).
-
-Support mask (keep-sampling-mask): a row's logits outside its kept ids are set to −inf before
-normalising. The kernels treat −inf as "not in the distribution": p_j = 0, zero gradient, no NaN.
-Cost: a bool [rows, V] mask plus, in `logprobs_and_entropy`, one masked copy of the logits (autograd
-needs the original); the fused path masks each chunk's private logits in place (bool [chunk, V] only).
-A target outside the support gets logprob −inf (and no gradient): the sampler never produces one, so
-callers should treat it as a bug. Rows equal to ignore_index give logprob 0, entropy 0, zero gradient.
+Link 3 of the chain (logprob recompute of the old, reference and current policy) and its backward. For
+each response token: logprob = log softmax(x / T)[y] of the sampled token y and the entropy
+H = −Σ_j p_j log p_j, with T the sampling temperature (the trainer scores tokens under the distribution
+the rollout sampled from); done naively the fp32 [N, V] temporaries are the largest activation of LLM RL.
+Start at `fused_linear_logprobs_entropy` (hidden @ weightᵀ a chunk of tokens at a time, only one
+[chunk, V] block alive) and `logprobs_and_entropy` (from logits); both run one `autograd.Function` whose
+per-row math has two backends (`_backend`): Triton kernels and chunked torch. Key choices: one pass with
+an online max, entropy accumulated about the running max (stable for large, peaked logits), an optional
+support mask (KSM: ids outside it are −inf), Σπ² in the same pass on request. The math, the backends and
+the comparison with verl's entropy: docs/from-slime-verl.md, "nanorl/entropy.py".
 
 Test: python -m pytest tests/test_entropy.py -q   (runs the Triton kernels in the interpreter)
 """
@@ -50,7 +18,8 @@ import os
 
 import torch
 
-try:  # triton is optional: without it (or without a GPU / interpreter) the torch path is used
+# triton is optional: without it (or without a GPU / interpreter) the torch path is used
+try:
     import triton
     import triton.language as tl
     HAS_TRITON = True
@@ -60,10 +29,14 @@ except ImportError:
 
 # Kernels are wrapped for the interpreter at decoration time, so read the flag once, at import.
 TRITON_INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
-_ROW_BUDGET_BYTES = 64 << 20      # torch path: fp32 temporaries per row chunk (~4 live [rows, V])
-_LINEAR_BUDGET_BYTES = 256 << 20  # fused-linear: bytes of one chunk's logits (+ its support mask)
-_MAX_BLOCK_V = 4096               # Triton: vocabulary block per loop step (power of two)
-_FAR = -1e20                      # torch path: stands in for log p = −inf where p = 0
+# torch path: fp32 temporaries per row chunk (~4 live [rows, V])
+_ROW_BUDGET_BYTES = 64 << 20
+# fused-linear: bytes of one chunk's logits (+ its support mask)
+_LINEAR_BUDGET_BYTES = 256 << 20
+# Triton: vocabulary block per loop step (power of two)
+_MAX_BLOCK_V = 4096
+# torch path: stands in for log p = −inf where p = 0
+_FAR = -1e20
 
 # ----------------------------------------------------------------------------------------------------
 # Triton kernels (one program per row). Written without helper functions so that the same Python
@@ -73,12 +46,17 @@ if HAS_TRITON:
     @triton.jit
     def _fwd_kernel(x_ptr, stride_x, tgt_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, sq_ptr, V, inv_temp,
                     ignore_index, BLOCK_V: tl.constexpr, WITH_SQ: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)  # int64: row * stride exceeds 2**31 for N·V ≈ 6e8
+        # int64: row * stride exceeds 2**31 for N·V ≈ 6e8
+        row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_x
-        m = float("-inf")  # running max of z
-        s = 0.0            # Σ exp(z − m)
-        d = 0.0            # Σ exp(z − m)(z − m)
-        q = 0.0            # Σ exp(z − m)², for Σπ² = q / s² (OTB's path-variance proxy)
+        # running max of z
+        m = float("-inf")
+        # Σ exp(z − m)
+        s = 0.0
+        # Σ exp(z − m)(z − m)
+        d = 0.0
+        # Σ exp(z − m)², for Σπ² = q / s² (OTB's path-variance proxy)
+        q = 0.0
         for start in range(0, V, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
@@ -87,15 +65,18 @@ if HAS_TRITON:
             m_new_s = tl.where(m_new == float("-inf"), 0.0, m_new)
             m_s = tl.where(m == float("-inf"), m_new_s, m)
             alpha = tl.exp(m_s - m_new_s)
-            e = tl.exp(z - m_new_s)                                      # 0 on −inf columns
-            zc = tl.where(z == float("-inf"), 0.0, z - m_new_s)          # zero BEFORE multiplying
+            # 0 on −inf columns
+            e = tl.exp(z - m_new_s)
+            # zero BEFORE multiplying
+            zc = tl.where(z == float("-inf"), 0.0, z - m_new_s)
             d = alpha * (d + s * (m_s - m_new_s)) + tl.sum(e * zc, 0)
             if WITH_SQ:
                 q = alpha * alpha * q + tl.sum(e * e, 0)
             s = alpha * s + tl.sum(e, 0)
             m = m_new
         m_fin = tl.where(m == float("-inf"), 0.0, m)
-        ls = tl.where(s > 0.0, tl.log(s), 0.0)   # lse = m + ls; a dead (all −inf) row keeps m = ls = 0
+        # lse = m + ls; a dead (all −inf) row keeps m = ls = 0
+        ls = tl.where(s > 0.0, tl.log(s), 0.0)
         ent = tl.where(s > 0.0, ls - d / s, 0.0)
         tgt = tl.load(tgt_ptr + row)
         ignored = tgt == ignore_index
@@ -128,7 +109,8 @@ if HAS_TRITON:
             in_row = cols < V
             z = tl.load(x_row + cols, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temp
             live = z != float("-inf")
-            logp = tl.where(live, (z - m) - ls, 0.0)                     # zero BEFORE multiplying
+            # zero BEFORE multiplying
+            logp = tl.where(live, (z - m) - ls, 0.0)
             p = tl.where(live, tl.exp(logp), 0.0)
             grad = g_lp * (tl.where(cols == tgt, 1.0, 0.0) - p) - g_ent * p * (logp + ent)
             grad = tl.where(live & active, grad * inv_temp, 0.0)
@@ -166,23 +148,29 @@ def _row_chunks(N, V):
 
 
 def _z(x_chunk, inv_temp):
-    z = x_chunk.float()                                                  # no copy when already fp32
+    # no copy when already fp32
+    z = x_chunk.float()
     return z * inv_temp if inv_temp != 1.0 else z
 
 
 def _torch_forward(x, targets, inv_temp, ignore_index, want_sq=False):
     N, V = x.shape
     lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
-    norm = torch.empty(2, N, device=x.device, dtype=torch.float32)    # rows: m, ls (lse = m + ls)
-    sq = torch.empty(N if want_sq else 0, device=x.device, dtype=torch.float32)  # Σπ² (OTB)
+    # rows: m, ls (lse = m + ls)
+    norm = torch.empty(2, N, device=x.device, dtype=torch.float32)
+    # Σπ² (OTB)
+    sq = torch.empty(N if want_sq else 0, device=x.device, dtype=torch.float32)
     for a, b in _row_chunks(N, V):
         z = _z(x[a:b], inv_temp)                                         # [n, V]
         m = z.amax(1)                                                    # [n]
-        m = torch.where(torch.isneginf(m), 0.0, m)                       # guard (−inf) − (−inf)
+        # guard (−inf) − (−inf)
+        m = torch.where(torch.isneginf(m), 0.0, m)
         logp = z - m[:, None]                                            # [n, V]
-        p = logp.exp()                                                   # 0 on −inf columns
+        # 0 on −inf columns
+        p = logp.exp()
         s = p.sum(1)                                                     # [n], 0 for a dead row
-        ls = torch.where(s > 0, s.log(), 0.0)                            # lse = m + ls
+        # lse = m + ls
+        ls = torch.where(s > 0, s.log(), 0.0)
         p.div_(torch.where(s > 0, s, 1.0)[:, None])
         if want_sq:
             sq[a:b] = torch.where(targets[a:b] == ignore_index, 0.0, (p * p).sum(1))
@@ -211,7 +199,8 @@ def _torch_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, 
         grad = logp.clamp_(min=_FAR).mul_(-ge[:, None]).add_((-gl - ge * ent[a:b])[:, None]).mul_(p)
         t_safe = torch.where(active, t, 0)[:, None]
         live_t = z.gather(1, t_safe).squeeze(1) != float("-inf")
-        grad.scatter_add_(1, t_safe, torch.where(live_t, gl, 0.0)[:, None])  # the δ_jy term
+        # the δ_jy term
+        grad.scatter_add_(1, t_safe, torch.where(live_t, gl, 0.0)[:, None])
         out[a:b] = grad
     return out
 
@@ -293,7 +282,8 @@ def _check(logits_shape, targets, temperature, support, ignore_index):
 def _support_keep(support, V):
     """support [n, K] long (-1 pad) -> bool [n, V], True where kept; an all -1 row keeps everything."""
     n = support.shape[0]
-    ids = torch.where(support < 0, V, support).long()                   # pads go to a spare column V
+    # pads go to a spare column V
+    ids = torch.where(support < 0, V, support).long()
     keep = torch.zeros(n, V + 1, dtype=torch.bool, device=support.device)
     keep.scatter_(1, ids, True)
     keep = keep[:, :V]
@@ -310,7 +300,8 @@ def naive_logprobs_entropy(logits, targets, temperature=1.0, support=None, ignor
         z = z.masked_fill(~_support_keep(support, z.shape[1]), float("-inf"))
     logp = torch.log_softmax(z, dim=-1)                                 # [N, V]
     live = z != float("-inf")
-    logp_safe = torch.where(live, logp, 0.0)                            # zero BEFORE multiplying
+    # zero BEFORE multiplying
+    logp_safe = torch.where(live, logp, 0.0)
     ent = -(logp_safe.exp() * live * logp_safe).sum(-1)                 # [N]
     ignored = targets == ignore_index
     lp = logp.gather(1, torch.where(ignored, 0, targets).long()[:, None]).squeeze(1)
@@ -334,7 +325,8 @@ def logprobs_and_entropy(logits, targets, temperature=1.0, support=None, ignore_
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {list(logits.shape)}")
     _check(logits.shape, targets, temperature, support, ignore_index)
-    if support is not None:  # out of place: autograd keeps the original; costs one [N, V] copy
+    # out of place: autograd keeps the original; costs one [N, V] copy
+    if support is not None:
         logits = logits.masked_fill(~_support_keep(support, logits.shape[1]), float("-inf"))
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
@@ -382,7 +374,8 @@ def _chunk_logits(hidden, weight, bias, support, a, b):
     logits = _mm(hidden[a:b], weight.T)                                  # [n, V]
     if bias is not None:
         logits += bias
-    if support is not None:  # in place: this buffer is private to the chunk
+    # in place: this buffer is private to the chunk
+    if support is not None:
         logits.masked_fill_(~_support_keep(support[a:b], logits.shape[1]), float("-inf"))
     return logits
 
@@ -390,10 +383,12 @@ def _chunk_logits(hidden, weight, bias, support, a, b):
 class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, support, inv_temp, ignore_index, chunk, backend, want_sq):
-        N, w = hidden.shape[0], weight.to(hidden.dtype)  # fp32 masters: a compute copy, not saved
+        # fp32 masters: a compute copy, not saved
+        N, w = hidden.shape[0], weight.to(hidden.dtype)
         lp, ent = (torch.empty(N, device=hidden.device, dtype=torch.float32) for _ in range(2))
         norm = torch.empty(2, N, device=hidden.device, dtype=torch.float32)
-        sq = torch.empty(N if want_sq else 0, device=hidden.device, dtype=torch.float32)  # Σπ², no grad
+        # Σπ², no grad
+        sq = torch.empty(N if want_sq else 0, device=hidden.device, dtype=torch.float32)
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
             logits = _chunk_logits(hidden, w, bias, support, a, b)
@@ -412,30 +407,36 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         inv_temp, ignore_index, chunk, backend = ctx.args
         g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        w = weight.to(hidden.dtype)  # the compute copy again (fp32 masters), or weight itself
+        # the compute copy again (fp32 masters), or weight itself
+        w = weight.to(hidden.dtype)
         grad_h = torch.empty_like(hidden) if need_h else None
         # ∂W accumulates over chunks in fp32 whatever the compute dtype: summed in bf16, each chunk's
         # addition rounds the running sum (~1% relative noise on a tied embedding's gradient).
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(weight.shape[0], device=weight.device) if need_b else None  # fp32
+        # fp32
+        grad_b = torch.zeros(weight.shape[0], device=weight.device) if need_b else None
         for a in range(0, hidden.shape[0], chunk):
             b = min(a + chunk, hidden.shape[0])
-            logits = _chunk_logits(hidden, w, bias, support, a, b)      # recompute, then
+            # recompute, then
+            logits = _chunk_logits(hidden, w, bias, support, a, b)
             _rows_backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b],
-                           inv_temp, ignore_index, logits, backend)      # overwrite with its grad
+                           # overwrite with its grad
+                           inv_temp, ignore_index, logits, backend)
             if need_h:
                 grad_h[a:b] = _mm(logits, w)
             if need_w:
                 _addmm_(grad_w, logits.T, hidden[a:b])
             if need_b:
                 grad_b += logits.float().sum(0)
-        grad_w = grad_w.to(weight.dtype) if need_w else None  # fp32 masters: no rounding at all
+        # fp32 masters: no rounding at all
+        grad_w = grad_w.to(weight.dtype) if need_w else None
         grad_b = grad_b.to(bias.dtype) if need_b else None
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def fused_linear_logprobs_entropy(hidden, weight, targets, temperature=1.0, support=None,
-                                  ignore_index=-100, chunk_size=None, *, bias=None, backend=None, sum_sq=False):
+                                  ignore_index=-100, chunk_size=None, *, bias=None, backend=None,
+                                  sum_sq=False):
     """logprobs_and_entropy(hidden @ weightᵀ + bias, ...) without ever holding the [N, V] logits.
 
     hidden [N, H], weight [V, H] (the LM head: hidden's dtype, or fp32 master weights with bf16/fp16

@@ -1,49 +1,16 @@
 """Environments and the multi-turn rollout driver: episodes of (model tokens, environment tokens).
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^   ^^^^^^  (an environment acts between the model's turns and scores the episode)
-
-An agent episode alternates two writers on ONE token sequence: the policy writes a turn (a tool call,
-an answer), the environment answers (the tool's output), the policy continues, until the environment
-says done or a cap is hit. `EpisodeRunner` drives a batch of episodes over any rollout engine (HF or
-vLLM: only `engine.generate` is called) and returns one `Sample` per episode, so advantages, losses,
-batching and checkpoints never learn that an environment was involved.
-
-Token-in/token-out (TITO). Turn k+1's prompt is turn k's prompt + the ids the engine sampled + the
-environment's tokens, never a re-encoding of the decoded conversation: re-tokenising text changes
-ids (merged BPE pieces, a newline dropped at a turn boundary), and the trainer would then recompute
-log-probabilities of tokens the policy never sampled. An environment message is framed by the
-chat template's own turn delimiters and encoded ONCE, alone (`ChatTurns`); the frame is read off
-the template by rendering placeholder messages, so any ChatML-like template works unchanged.
-
-The Sample of an episode: prompt_ids = the first prompt; response_ids = turn 1 + env 1 + turn 2 + ...
-(it always ends with a model turn); loss_mask 1 on model tokens, 0 on environment tokens (context
-the policy sees but never produced); rollout_logprobs the engine's for model tokens, 0 (unused) for
-environment tokens. metadata["env"]: the end reason, the model turns' spans, per-turn rewards,
-the number of tool calls. Rewards: every `step` returns one; the episode's reward is their sum
-(floats, or dicts summed per component). When an environment rewards turns before the last,
-`turn_reward_tensor` places each on its turn's last token, for the estimators that read token
-rewards (GAE, REINFORCE++, ReMax); outcome estimators read the sum (nanorl/advantage.py).
-GRPO groups are the n episodes started from the same prompt (group_id = prompt index).
-
-How an episode ends (metadata["env"]["end"], logged per step as env/end/<reason>):
-  done         the environment said so                                  status completed
-  truncated    a turn ran out of max_new_tokens without a stop token    status truncated
-  token_cap    the episode's response reached max_tokens                status truncated
-  turn_cap     max_turns model turns and the environment not done       status truncated
-  env_error    reset/step raised (the first traceback is logged)        status aborted, counted
-  tool_timeout a tool call passed its time limit (its process killed)   status aborted, counted
-  aborted      the engine aborted the request                           status aborted
-None of them raises: the step trains on every episode (a failed one keeps the rewards it had).
-
-Tools. An environment runs untrusted or slow code through `self.call(fn, *args)`: with a timeout
-> 0 the call runs in a forked worker process that is killed when it hangs (a thread could not be
-stopped); with timeout 0 it runs in-process (trusted, fast built-ins). `fn` must be a module-level
-function (the worker gets it by name). Tool calls of one turn run one after another, each bounded.
-
-Limits: the HF engine re-runs the prefill of the whole context every turn (vLLM's prefix cache
-reuses it); MoE routing of earlier turns comes from the last turn's prefill (R3 records what that
-call routed, not what each earlier turn's decode routed).
+Link 1 of the chain (rollout) as episodes, and link 2 (reward): an environment acts between the model's
+turns and scores the episode. An agent episode alternates two writers on ONE token sequence: the policy
+writes a turn (a tool call, an answer), the environment answers (the tool's output), the policy
+continues, until the environment says done or a cap is hit. Start at `EpisodeRunner`: it drives a batch
+of episodes over any rollout engine (HF or vLLM: only `engine.generate` is called) and returns one
+`Sample` per episode, so advantages, losses, batching and checkpoints never learn that an environment was
+involved; `Env` is what an environment implements. Key choices: token-in/token-out (turn k+1's prompt is
+turn k's prompt + the sampled ids + the environment's tokens, never a re-encoding: `ChatTurns`), no end
+reason raises (the step trains on every episode), tools run bounded in a forked worker (`ToolRunner`).
+The Sample of an episode and its end reasons: `EpisodeRunner`'s docstring; tools: `ToolRunner`; limits:
+docs/from-slime-verl.md, "nanorl/env.py".
 
 Test: python -m pytest tests/test_env.py -q
 """
@@ -70,24 +37,32 @@ ENDS = {"done": "completed", "truncated": "truncated", "token_cap": "truncated",
 @dataclass
 class Action:
     """One model turn as the environment sees it."""
-    ids: list[int]  # the sampled ids, its stop token included
-    text: str       # the same ids decoded, special tokens skipped (what a parser reads)
-    turn: int       # 0-based index of this model turn
+    # the sampled ids, its stop token included
+    ids: list[int]
+    # the same ids decoded, special tokens skipped (what a parser reads)
+    text: str
+    # 0-based index of this model turn
+    turn: int
 
 
 class Step(NamedTuple):
     """What `Env.step` returns (a plain 4-tuple works too)."""
-    observation: str | list[int] | None  # text: framed by the chat template and encoded once; ids: used
-    reward: float | dict = 0.0           # as given; None only with done
+    # text: framed by the chat template and encoded once; ids: used as given; None only with done
+    observation: str | list[int] | None
+    reward: float | dict = 0.0
     done: bool = False
-    info: dict = {}                      # "tool_calls": n is counted; the rest is kept in metadata
+    # "tool_calls": n is counted; the rest is kept in metadata
+    info: dict = {}
 
 
 class Env:
     """One episode's environment; a new instance per episode (so state never leaks between them)."""
-    role = "tool"        # chat role of the observations (the template frames them as this role)
-    tool_timeout = 10.0  # default seconds per tool call (-1 in the config picks this); 0 = in-process
-    tools: "ToolRunner"  # set by the driver before reset
+    # chat role of the observations (the template frames them as this role)
+    role = "tool"
+    # default seconds per tool call (-1 in the config picks this); 0 = in-process
+    tool_timeout = 10.0
+    # set by the driver before reset
+    tools: "ToolRunner"
 
     def reset(self, prompt) -> str | list[int] | None:
         """prompt: a nanorl.data.Prompt (ids, text, label). → None to start from the prompt as the data
@@ -98,7 +73,7 @@ class Env:
         raise NotImplementedError
 
     def call(self, fn, *args):
-        """fn(*args) under the run's tool limits (see the module docstring); raises ToolTimeout."""
+        """fn(*args) under the run's tool limits (ToolRunner's docstring); raises ToolTimeout."""
         return self.tools(fn, *args)
 
 
@@ -108,7 +83,13 @@ class ToolTimeout(RuntimeError):
 
 
 class ToolRunner:
-    """Runs tool functions: in-process (timeout 0) or in one forked worker with a per-call timeout."""
+    """Runs tool functions: in-process (timeout 0) or in one forked worker with a per-call timeout.
+
+    An environment runs untrusted or slow code through `self.call(fn, *args)`: with a timeout > 0 the call
+    runs in a forked worker process that is killed when it hangs (a thread could not be stopped); with
+    timeout 0 it runs in-process (trusted, fast built-ins). `fn` must be a module-level function (the worker
+    gets it by name). Tool calls of one turn run one after another, each bounded.
+    """
 
     def __init__(self, timeout: float = 0.0):
         if timeout < 0:
@@ -118,13 +99,16 @@ class ToolRunner:
     def __call__(self, fn, *args):
         if self.timeout == 0:
             return fn(*args)
-        if self._pool is None:  # fork: the worker inherits every imported module, so fn resolves by name
+        # fork: the worker inherits every imported module, so fn resolves by name
+        if self._pool is None:
             self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
         future = self._pool.submit(fn, *args)
         try:
-            return future.result(timeout=self.timeout)  # an exception inside fn is re-raised here
+            # an exception inside fn is re-raised here
+            return future.result(timeout=self.timeout)
         except FutureTimeout:
-            self.close()  # a hung worker never returns: kill it, the next call forks a fresh one
+            # a hung worker never returns: kill it, the next call forks a fresh one
+            self.close()
             raise ToolTimeout(f"tool {getattr(fn, '__name__', fn)!r} ran past {self.timeout:g} s") from None
         except BrokenProcessPool as e:
             self.close()
@@ -139,7 +123,8 @@ class ToolRunner:
 
 
 # ----------------------------------------------------------------------------- environment tokens
-U, A, M = "\ue010", "\ue011", "\ue012"  # private-use placeholders: never in real text
+# private-use placeholders: never in real text
+U, A, M = "\ue010", "\ue011", "\ue012"
 
 
 class ChatTurns:
@@ -164,18 +149,20 @@ class ChatTurns:
                 raise ValueError("ChatTurns: the tokenizer has no chat template; the environment must return "
                                  "its observations as token ids")
             full = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": U}, {"role": "assistant", "content": A}, {"role": role, "content": M}],
+                [{"role": "user", "content": U}, {"role": "assistant", "content": A},
+                 {"role": role, "content": M}],
                 tokenize=False, add_generation_prompt=True, **self.kwargs)
             if full.count(A) != 1 or full.count(M) != 1 or full.index(A) > full.index(M):
-                raise ValueError(f"ChatTurns: the chat template does not render an assistant turn followed by a "
-                                 f"{role!r} message: no token-in/token-out frame for it")
+                raise ValueError("ChatTurns: the chat template does not render an assistant turn followed "
+                                 f"by a {role!r} message: no token-in/token-out frame for it")
             self._frames[role] = tuple(full[full.index(A) + 1:].split(M))
         return self._frames[role]
 
     def encode(self, observation: str, role: str, stop_id: int | None) -> list[int]:
         between, post = self.frame(role)
         stop = self.tokenizer.convert_ids_to_tokens(stop_id) if stop_id is not None else None
-        lead = between[len(stop):] if stop and between.startswith(stop) else between  # the model wrote its stop
+        # the model wrote its stop
+        lead = between[len(stop):] if stop and between.startswith(stop) else between
         return list(self.tokenizer(lead + observation + post, add_special_tokens=False)["input_ids"])
 
 
@@ -185,12 +172,16 @@ class _Episode:
     env: Env
     prompt_ids: list[int]
     group: int
-    ids: list[int] = field(default_factory=list)      # response: model and environment tokens
+    # response: model and environment tokens
+    ids: list[int] = field(default_factory=list)
     logps: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
-    support: list = field(default_factory=list)       # per token: a [K] row of kept ids, or None (unrestricted)
-    spans: list = field(default_factory=list)         # (start, end) of each model turn in ids
-    rewards: list = field(default_factory=list)       # one per model turn
+    # per token: a [K] row of kept ids, or None (unrestricted)
+    support: list = field(default_factory=list)
+    # (start, end) of each model turn in ids
+    spans: list = field(default_factory=list)
+    # one per model turn
+    rewards: list = field(default_factory=list)
     tool_calls: int = 0
     end: str | None = None
     version: int | None = None
@@ -206,18 +197,49 @@ class EpisodeRunner:
     format); template_kwargs: chat-template options (ChatTurns); log: where the first traceback of
     an environment fault goes. `generate(prompts, n, sampling)` takes nanorl.data Prompts (the
     environment needs the row, not only its ids) and returns scored Samples.
+
+    Token-in/token-out (TITO). Turn k+1's prompt is turn k's prompt + the ids the engine sampled + the
+    environment's tokens, never a re-encoding of the decoded conversation: re-tokenising text changes ids
+    (merged BPE pieces, a newline dropped at a turn boundary), and the trainer would then recompute
+    log-probabilities of tokens the policy never sampled. An environment message is framed by the chat
+    template's own turn delimiters and encoded ONCE, alone (`ChatTurns`); the frame is read off the template
+    by rendering placeholder messages, so any ChatML-like template works unchanged.
+
+    The Sample of an episode: prompt_ids = the first prompt; response_ids = turn 1 + env 1 + turn 2 + ... (it
+    always ends with a model turn); loss_mask 1 on model tokens, 0 on environment tokens (context the policy
+    sees but never produced); rollout_logprobs the engine's for model tokens, 0 (unused) for environment
+    tokens. metadata["env"]: the end reason, the model turns' spans, per-turn rewards, the number of tool
+    calls. Rewards: every `step` returns one; the episode's reward is their sum (floats, or dicts summed per
+    component). When an environment rewards turns before the last, `turn_reward_tensor` places each on its
+    turn's last token, for the estimators that read token rewards (GAE, REINFORCE++, ReMax); outcome
+    estimators read the sum (nanorl/advantage.py). GRPO groups are the n episodes started from the same
+    prompt (group_id = prompt index).
+
+    How an episode ends (metadata["env"]["end"], logged per step as env/end/<reason>):
+      done         the environment said so                                  status completed
+      truncated    a turn ran out of max_new_tokens without a stop token    status truncated
+      token_cap    the episode's response reached max_tokens                status truncated
+      turn_cap     max_turns model turns and the environment not done       status truncated
+      env_error    reset/step raised (the first traceback is logged)        status aborted, counted
+      tool_timeout a tool call passed its time limit (its process killed)   status aborted, counted
+      aborted      the engine aborted the request                           status aborted
+    None of them raises: the step trains on every episode (a failed one keeps the rewards it had).
     """
 
     def __init__(self, engine, make_env, tokenizer, *, max_turns: int = 4, max_tokens: int = 256,
-                 tool_timeout: float | None = None, render=None, template_kwargs: dict | None = None, log=print):
+                 tool_timeout: float | None = None, render=None, template_kwargs: dict | None = None,
+                 log=print):
         if max_turns < 1 or max_tokens < 1:
-            raise ValueError(f"EpisodeRunner: max_turns and max_tokens must be >= 1, got {max_turns}, {max_tokens}")
-        self.engine, self.make_env, self.tokenizer, self.render, self.log = engine, make_env, tokenizer, render, log
+            raise ValueError(f"EpisodeRunner: max_turns and max_tokens must be >= 1, got {max_turns}, "
+                             f"{max_tokens}")
+        self.engine, self.make_env, self.tokenizer = engine, make_env, tokenizer
+        self.render, self.log = render, log
         self.max_turns, self.max_tokens = max_turns, max_tokens
         if tool_timeout is None:
             tool_timeout = getattr(make_env, "tool_timeout", Env.tool_timeout)
         self.tools, self.turns = ToolRunner(tool_timeout), ChatTurns(tokenizer, template_kwargs)
-        self.faults = Counter()  # env_error / tool_timeout over the whole run
+        # env_error / tool_timeout over the whole run
+        self.faults = Counter()
         self._logged = False
 
     def generate(self, prompts, n: int, sampling) -> list[Sample]:
@@ -233,7 +255,8 @@ class EpisodeRunner:
                     self._env_turn(e, turn)
         samples = [self._sample(e) for e in eps]
         names = list(dict.fromkeys(k for s in samples if isinstance(s.reward, dict) for k in s.reward))
-        for s in samples if names else []:  # one reward kind per batch (collate): a float becomes zeros
+        # one reward kind per batch (collate): a float becomes zeros
+        for s in samples if names else []:
             s.reward = s.reward if isinstance(s.reward, dict) else dict.fromkeys(names, 0.0)
         return samples
 
@@ -253,14 +276,16 @@ class EpisodeRunner:
                 e.prompt_ids = list(self.render(first))
             elif first is not None:
                 e.prompt_ids = _ids(first, "reset")
-        except Exception as err:  # environment code: a fault ends this episode, never the step
+        # environment code: a fault ends this episode, never the step
+        except Exception as err:
             self._fault(e, err)
         return e
 
     def _model_turn(self, live: list[_Episode], sampling, turn: int) -> None:
         """One engine call per distinct token budget (the caps shorten the last turns' budgets)."""
         budgets: dict[int, list[_Episode]] = {}
-        context = getattr(self.engine, "max_model_len", None)  # vLLM refuses a request that cannot fit
+        # vLLM refuses a request that cannot fit
+        context = getattr(self.engine, "max_model_len", None)
         for e in live:
             budget = min(sampling.max_new_tokens, self.max_tokens - len(e.ids))
             if context is not None:
@@ -270,7 +295,8 @@ class EpisodeRunner:
                 continue
             budgets.setdefault(budget, []).append(e)
         for budget, group in budgets.items():
-            seed = None if sampling.seed is None else sampling.seed + 7919 * turn + budget  # a fresh draw per turn
+            # a fresh draw per turn
+            seed = None if sampling.seed is None else sampling.seed + 7919 * turn + budget
             sp = replace(sampling, max_new_tokens=budget, seed=seed)
             out = self.engine.generate([e.prompt_ids + e.ids for e in group], 1, sp)
             if len(out) != len(group):
@@ -287,20 +313,23 @@ class EpisodeRunner:
                 e.support += [None] * r if rows is None else [row for row in rows]
                 e.version = s.weight_version if e.version is None else min(e.version, s.weight_version)
                 e.experts = s.routed_experts if s.routed_experts is not None else e.experts
-                if s.status == "truncated":  # no stop token: cut by a cap or by max_new_tokens
+                # no stop token: cut by a cap or by max_new_tokens
+                if s.status == "truncated":
                     e.end = "token_cap" if budget < sampling.max_new_tokens else "truncated"
                 elif s.status == "aborted":
                     e.end = "aborted"
 
     def _env_turn(self, e: _Episode, turn: int) -> None:
         start, end = e.spans[-1]
-        action = Action(ids=e.ids[start:end], text=self.tokenizer.decode(e.ids[start:end], skip_special_tokens=True),
+        action = Action(ids=e.ids[start:end],
+                        text=self.tokenizer.decode(e.ids[start:end], skip_special_tokens=True),
                         turn=turn)
         try:
             obs, reward, done, info = _checked_step(e.env.step(action))
             ids = None if done else (_ids(obs, "step") if isinstance(obs, list) else
                                      self.turns.encode(obs, e.env.role, e.ids[-1] if e.ids else None))
-        except Exception as err:  # a tool that raised, a ToolTimeout, an environment bug
+        # a tool that raised, a ToolTimeout, an environment bug
+        except Exception as err:
             return self._fault(e, err)
         e.rewards.append(reward)
         e.tool_calls += int(info.get("tool_calls", 0))
@@ -308,9 +337,11 @@ class EpisodeRunner:
             e.end = "done"
         elif turn + 1 == self.max_turns:
             e.end = "turn_cap"
-        elif len(e.ids) + len(ids) + 1 > self.max_tokens:  # no room left for a model token after it
+        # no room left for a model token after it
+        elif len(e.ids) + len(ids) + 1 > self.max_tokens:
             e.end = "token_cap"
-        else:  # the environment's tokens: seen by the policy, never trained on
+        # the environment's tokens: seen by the policy, never trained on
+        else:
             e.ids += ids
             e.logps += [0.0] * len(ids)
             e.mask += [0] * len(ids)
@@ -319,18 +350,22 @@ class EpisodeRunner:
     def _fault(self, e: _Episode, err: Exception) -> None:
         e.end = "tool_timeout" if isinstance(err, ToolTimeout) else "env_error"
         self.faults[e.end] += 1
-        if not self._logged:  # the first traceback tells the user what is wrong; then just count
+        # the first traceback tells the user what is wrong; then just count
+        if not self._logged:
             self._logged = True
             self.log(f"environment fault ({e.end}: {type(err).__name__}); the episode ends there, later "
-                     f"faults are counted in env_faults/. First error:\n{''.join(traceback.format_exception(err))}")
+                     "faults are counted in env_faults/. First "
+                     f"error:\n{''.join(traceback.format_exception(err))}")
 
     def _sample(self, e: _Episode) -> Sample:
-        rewards = e.rewards + [0.0] * (len(e.spans) - len(e.rewards))  # a turn without a step earned 0
+        # a turn without a step earned 0
+        rewards = e.rewards + [0.0] * (len(e.spans) - len(e.rewards))
         total = 0.0
         for r in rewards:
             total = _add(total, r)
         s = Sample(prompt_ids=e.prompt_ids, response_ids=e.ids, rollout_logprobs=e.logps, loss_mask=e.mask,
-                   reward=total, status=ENDS[e.end or "turn_cap"], weight_version=e.version or 0, group_id=e.group,
+                   reward=total, status=ENDS[e.end or "turn_cap"], weight_version=e.version or 0,
+                   group_id=e.group,
                    routed_experts=e.experts, sampling_support=_support(e.support),
                    metadata={"env": {"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
                                      "turn_rewards": rewards, "tool_calls": e.tool_calls}})
@@ -338,7 +373,8 @@ class EpisodeRunner:
 
 
 def _ids(x, where: str) -> list[int]:
-    if not isinstance(x, list) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) for i in x):
+    if not isinstance(x, list) or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool)
+                                          for i in x):
         raise TypeError(f"{where} must return a string, a list of token ids or None, got {str(x)[:80]!r}")
     return [int(i) for i in x]
 
@@ -351,7 +387,8 @@ def _checked_step(out) -> tuple:
         raise TypeError(f"Env.step: done must be a bool and info a dict, got {done!r}, {type(info).__name__}")
     if not done and not isinstance(obs, (str, list)):
         raise TypeError(f"Env.step: an episode that goes on needs an observation (text or ids), got {obs!r}")
-    _add(0.0, reward)  # type check
+    # type check
+    _add(0.0, reward)
     return obs, reward, done, info
 
 
@@ -363,7 +400,8 @@ def _add(a, b):
             raise TypeError(f"a reward must be a number or a dict of numbers, got {x!r}")
     if not isinstance(a, dict) and not isinstance(b, dict):
         return float(a) + float(b)
-    if any(not isinstance(x, dict) and x != 0 for x in (a, b)):  # 0: a turn that earned nothing
+    # 0: a turn that earned nothing
+    if any(not isinstance(x, dict) and x != 0 for x in (a, b)):
         raise TypeError(f"an episode's rewards mix numbers and dicts: {a!r}, {b!r}; use one kind")
     a, b = (x if isinstance(x, dict) else {} for x in (a, b))
     return {k: float(a.get(k, 0.0)) + float(b.get(k, 0.0)) for k in dict.fromkeys([*a, *b])}
@@ -386,7 +424,8 @@ def turn_reward_tensor(samples: list[Sample], T: int) -> torch.Tensor | None:
     """[B, T] rewards on each model turn's last trained token (loss mask 1; else the episode's last
     one); None when every episode is rewarded on its last turn only — then the usual placement of
     the total on the last valid token is the same thing, and the trainer passes scores."""
-    if not any(any(_total(r) != 0 for r in s.metadata.get("env", {}).get("turn_rewards", [])[:-1]) for s in samples):
+    if not any(any(_total(r) != 0 for r in s.metadata.get("env", {}).get("turn_rewards", [])[:-1])
+               for s in samples):
         return None
     out = torch.zeros(len(samples), T)
     for b, s in enumerate(samples):

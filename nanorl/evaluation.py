@@ -1,24 +1,15 @@
-"""Evaluation: held-out accuracy on one or more eval sets, sharded over ranks (beside the chain).
+"""Evaluation: held-out accuracy on one or more eval sets, sharded over ranks. Link: beside the chain
+(the same engine and reward, on prompts never trained on, no update).
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^   ^^^^^^  (the same engine and reward, on prompts never trained on, no update)
-
-`--test-data gsm8k=gsm8k_test.jsonl,HuggingFaceH4/MATH-500@test` names several eval sets (a set
-without `name=` is named after its file or dataset). For each set, every `eval_every` steps:
-- `eval/<name>/accuracy`: greedy decoding, the share of prompts answered correctly;
-- `eval/<name>/pass@k`: k samples per prompt at `eval_temperature`, the share with one correct;
-- `eval/<name>/response_length_mean`: mean greedy response length in tokens;
-and `eval/accuracy`, `eval/pass@k` pooled over the prompts of all sets (the run's headline number),
-and `perf/time/eval`, the slowest rank's seconds.
-Eval responses may be longer than training's (`--eval-max-new-tokens`). With `--env` every eval
-sample is an episode of the multi-turn driver, scored by its environment (nanorl/env.py), and
-`eval/<name>/tool_use_rate` (`eval/tool_use_rate` pooled) is the share of greedy episodes that
-called a tool.
-
-With N ranks every rank scores its own slice of every set (prompts r, r+N, ...) with its own engine,
-and the counts are summed over ranks: the wall time falls with N, no rank waits in a collective while
-another evaluates, and the greedy numbers equal one rank's exactly (the sampled ones are another
-draw). Evaluation runs under `isolated_rng`, so it never shifts training's random stream.
+Start at `evaluate(sets, engine, sampling, seed, ...)`; `load_eval_sets` reads `--test-data`
+("gsm8k=gsm8k_test.jsonl,HuggingFaceH4/MATH-500@test"; a set without `name=` is named after its source).
+Per set: `eval/<name>/accuracy` (greedy), `eval/<name>/pass@k` (k samples at the eval temperature: the
+share with one correct), `eval/<name>/response_length_mean`; `eval/accuracy` and `eval/pass@k` pooled over
+all sets' prompts (the headline); `perf/time/eval`, the slowest rank's. With `--env` each sample is an
+episode scored by its environment (nanorl/env.py), plus `tool_use_rate`. Key choices: each rank scores
+its slice of every set (prompts r, r+N, ...) and the counts are summed, so no rank waits while another
+evaluates and the greedy numbers equal one rank's; it runs under `checkpoint.isolated_rng`, so it never
+shifts training's random stream.
 
     python -m pytest tests/test_eval.py -q
 """
@@ -34,13 +25,14 @@ import torch.distributed as dist
 from nanorl import checkpoint, distributed
 from nanorl.data import PromptFormat, build_prompts, load_rows, parse_source
 from nanorl.rewards import correct, score_samples
-from nanorl.rollout import SamplingConfig, stop_token_ids
+from nanorl.rollout import SamplingConfig
 
 
 @dataclass
 class EvalSet:
+    """One eval set: its name in the metric names, and its prompts ([Prompt], nanorl/data.py)."""
     name: str
-    prompts: list  # [Prompt]
+    prompts: list
 
 
 def set_name(source: str) -> str:
@@ -67,52 +59,93 @@ def load_eval_sets(spec: str, tokenizer, input_key: str, label_key: str, max_pro
     return sets
 
 
-def evaluate(run) -> dict:
-    """Every eval set's metrics (see the module docstring); {} when there is none. All ranks call it."""
-    if not run.eval_sets:
+@dataclass(frozen=True)
+class EvalSampling:
+    """How every eval prompt is sampled: once greedily (accuracy, response length), then `pass_k` times
+    at `temperature` with top_k / top_p (pass@k); both up to max_new_tokens, ending at stop_token_ids."""
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    pass_k: int
+    temperature: float
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg, stop_token_ids: tuple[int, ...]) -> EvalSampling:
+        """A run's eval sampling: --eval-max-new-tokens and --eval-temperature, 0 meaning training's
+        value; training's top_k and top_p. stop_token_ids: nanorl/rollout.py stop_token_ids(model, tok)."""
+        return cls(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
+                   stop_token_ids=tuple(stop_token_ids), pass_k=cfg.pass_k,
+                   temperature=cfg.eval_temperature or cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
+
+def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rewards=None, tokenizer=None,
+             episodes=None, rank: int = 0, world: int = 1) -> dict:
+    """Every eval set's metrics (see the module docstring); {} when there is none. All `world` ranks
+    call it, each scoring its slice. engine: the rollout engine (generate; its generator is seeded with
+    seed + rank for the call, then every stream is put back). rewards, tokenizer: score the engine's
+    samples (nanorl/rewards.py score_samples); episodes: --env's multi-turn driver (nanorl/env.py)
+    instead, whose environment scores them."""
+    if not sets:
         return {}
+    if episodes is None and (rewards is None or tokenizer is None):
+        raise ValueError("evaluate: needs rewards and tokenizer to score the engine's samples (or episodes)")
     start = time.perf_counter()
-    with checkpoint.isolated_rng(run, seed=run.cfg.seed + run.rank):  # never shifts training's stream
-        counts = torch.stack([_score_slice(run, s.prompts[run.rank::run.world]) for s in run.eval_sets])
-    distributed.all_reduce(counts)  # [S, 5] summed over ranks
-    k, out, env = run.cfg.pass_k, {}, getattr(run, "episodes", None) is not None
-    for s, (n, greedy, passed, length, tools) in zip(run.eval_sets, counts.tolist()):
+    scorer = _Scorer(engine, rewards, tokenizer, episodes)
+    # never shifts training's stream
+    with checkpoint.isolated_rng(engine, seed=seed + rank):
+        counts = torch.stack([_score_slice(scorer, sampling, s.prompts[rank::world]) for s in sets])
+    # [S, 5] summed over ranks
+    distributed.all_reduce(counts)
+    k, out, env = sampling.pass_k, {}, episodes is not None
+    for s, (n, greedy, passed, length, tools) in zip(sets, counts.tolist()):
         out.update({f"eval/{s.name}/accuracy": greedy / n, f"eval/{s.name}/pass@{k}": passed / n,
                     f"eval/{s.name}/response_length_mean": length / n})
-        if env:  # --env: the share of greedy episodes that called a tool
+        # --env: the share of greedy episodes that called a tool
+        if env:
             out[f"eval/{s.name}/tool_use_rate"] = tools / n
     n, greedy, passed, _, tools = counts.sum(0).tolist()
     if env:
         out["eval/tool_use_rate"] = tools / n
     seconds = distributed.all_reduce(torch.tensor([time.perf_counter() - start]), dist.ReduceOp.MAX)
-    return {"eval/accuracy": greedy / n, f"eval/pass@{k}": passed / n, **out, "perf/time/eval": float(seconds)}
+    pooled = {"eval/accuracy": greedy / n, f"eval/pass@{k}": passed / n}
+    return {**pooled, **out, "perf/time/eval": float(seconds)}
 
 
-def _scored(run, prompts, n: int, sampling: SamplingConfig) -> list:
-    """n scored samples per prompt: the engine's, scored by the reward; with --env the episodes of the
-    multi-turn driver, which the environment scored (nanorl/env.py)."""
-    if getattr(run, "episodes", None) is not None:
-        return run.episodes.generate(prompts, n, sampling)
-    samples = run.engine.generate([p.ids for p in prompts], n, sampling)
-    for s, r in zip(samples, score_samples(run.rewards, run.tokenizer, prompts, samples)):
-        s.reward = r
-    return samples
+@dataclass
+class _Scorer:
+    engine: object
+    rewards: object
+    tokenizer: object
+    episodes: object
+
+    def scored(self, prompts, n: int, sampling: SamplingConfig) -> list:
+        """n scored samples per prompt: the engine's, scored by the reward; with --env the episodes of
+        the multi-turn driver, which the environment scored (nanorl/env.py)."""
+        if self.episodes is not None:
+            return self.episodes.generate(prompts, n, sampling)
+        samples = self.engine.generate([p.ids for p in prompts], n, sampling)
+        for s, r in zip(samples, score_samples(self.rewards, self.tokenizer, prompts, samples)):
+            s.reward = r
+        return samples
 
 
-def _score_slice(run, prompts) -> torch.Tensor:
+def _score_slice(scorer: _Scorer, sampling: EvalSampling, prompts) -> torch.Tensor:
     """[prompts, greedy correct, pass@k hits, greedy response tokens, greedy episodes that called a
     tool] of this rank's slice."""
-    if not prompts:  # more ranks than prompts: this rank adds nothing (no collective inside)
+    # more ranks than prompts: this rank adds nothing (no collective inside)
+    if not prompts:
         return torch.zeros(5, dtype=torch.float64)
-    cfg, stop = run.cfg, stop_token_ids(run.model, run.tokenizer)
-    max_new = cfg.eval_max_new_tokens or cfg.max_new_tokens
-    greedy = _scored(run, prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new, stop_token_ids=stop))
+    stop, max_new, k = sampling.stop_token_ids, sampling.max_new_tokens, sampling.pass_k
+    greedy = scorer.scored(prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new,
+                                                      stop_token_ids=stop))
     right = [correct(s.reward) >= 1.0 for s in greedy]
-    sampled = _scored(run, prompts, cfg.pass_k, SamplingConfig(
-        temperature=cfg.eval_temperature or cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+    sampled = scorer.scored(prompts, k, SamplingConfig(
+        temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         max_new_tokens=max_new, stop_token_ids=stop))
-    hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled])
-    hits = hits.view(len(prompts), cfg.pass_k)  # [prompts, k]
+    # [prompts, k]
+    hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled]).view(len(prompts), k)
     length = sum(s.response_length for s in greedy)
     tools = sum(s.metadata.get("env", {}).get("tool_calls", 0) > 0 for s in greedy)
-    return torch.tensor([len(prompts), sum(right), float(hits.any(1).sum()), length, tools], dtype=torch.float64)
+    counts = [len(prompts), sum(right), float(hits.any(1).sum()), length, tools]
+    return torch.tensor(counts, dtype=torch.float64)

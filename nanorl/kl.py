@@ -1,46 +1,15 @@
 """KL divergence to a reference policy: per-token estimators, the reward penalty, β controllers.
 
-The problem. RL fine-tuning pushes the policy π_θ toward high reward; left alone it drifts into
-degenerate text that games the reward. The classic brake is a KL penalty to a frozen reference
-π_ref (the SFT model): maximise E[R] − β·KL(π_θ ‖ π_ref). The exact KL sums over the whole
-vocabulary at every position; we only hold the log-probability of the SAMPLED token under each
-model, so we use single-sample Monte-Carlo estimators (J. Schulman, "Approximating KL
-divergence", 2020, http://joschu.net/blog/kl-approx.html). With lr = log π_θ(y) − log π_ref(y)
-for y ~ π_θ:
-
-    k1  = lr                     unbiased, high variance, can be negative
-    k2  = ½·lr²                  biased value, but ∇E_θ[k2] = ∇KL(π_θ‖π_ref) exactly
-    k3  = exp(−lr) − 1 + lr      unbiased AND ≥ 0, low variance ("low_var_kl" in verl/slime)
-    abs = |lr|                   a heuristic, neither
-
-The value and the gradient tell different stories. Used as a LOSS, k1's expected gradient is
-zero and k3's expected gradient is ∇KL(π_ref‖π_θ) (the reverse direction); only k2 yields the
-gradient of KL(π_θ‖π_ref). The straight-through "+" variants ("k1+", "k3+", ...) therefore
-report the named estimator's value but carry k2's gradient: out = k2 − sg(k2) + sg(k). (verl's
-"k3+"; Tang & Munos 2025, "On a few pitfalls in KL divergence gradient estimation for RL".)
-
-Clamps: verl vs slime differ. verl clamps lr to ±20 before exp in k3 and the k3 value to
-[−10, 10] for both "k3" and "low_var_kl"; slime clamps nothing in "k3" and clamps only
-"low_var_kl" (to ±10, after the importance weight). We follow verl, and treat "low_var_kl" as
-a pure alias of "k3": clamping lr before exp is this project's rule (no inf from exp), and one
-token whose reference probability is 1e-30 would otherwise contribute e^69 and own the loss.
-The price: a clamped k3 token has zero gradient (use "k3+" whose gradient is never clamped).
-
-Off-policy samples. Tokens come from the rollout/old policy π_old, not π_θ, once the policy has
-taken a step in a multi-epoch PPO loop. DeepSeek-V3.2 (2025) weights the estimator by the
-importance ratio w = π_θ/π_old: E_old[w·k] = E_θ[k], so the value is unbiased for k1/k3. The
-weight must NOT be detached for the gradient to be unbiased too: ∇(w·k3) = w·lr·∇log π_θ, whose
-π_old-expectation is ∇KL(π_θ‖π_ref). Equivalently, a DETACHED weight with "k3+" gives
-E_old[w·∇k2] = ∇KL as well. `importance_weighted_kl` defaults to the first combination.
-
-Where it sits in the chain: rollout → reward → logprob recompute (policy, old, REFERENCE) →
-[KL: either folded into the reward before the advantage (`kl_penalized_rewards`, InstructGPT /
-REINFORCE++; an outcome estimator such as GRPO then scores Σ_t of it, verl's convention), or added
-to the loss (per-token values passed to losses.total_loss(kl=...), which aggregates them exactly like
-the policy loss, GRPO)] → advantage → loss → backward → step. β is either fixed or adapted to hit a
-target KL (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences"):
-β ← β·(1 + clip(KL/target − 1, −0.2, 0.2)·n_steps/horizon); the trainer feeds it the per-token KL
-it logs as `kl_ref`, in either placement.
+RL fine-tuning pushes π_θ toward high reward; left alone it drifts into degenerate text that games the
+reward. The brake: a KL penalty to a frozen reference π_ref, maximise E[R] − β·KL(π_θ ‖ π_ref), estimated
+from the sampled token's logprobs only (lr = log π_θ(y) − log π_ref(y)): k1 = lr, k2 = ½·lr²,
+k3 = exp(−lr) − 1 + lr, abs = |lr|, and straight-through "+" variants that report k's value with k2's
+gradient. Placement: folded into the reward before the advantage (`kl_penalized_rewards`) or added to
+the loss (per-token values for losses.total_loss(kl=...)); β fixed (`FixedKLController`) or adapted to a
+target KL (`AdaptiveKLController`). Start at `kl_estimator`, then `importance_weighted_kl` (off-policy
+tokens). Key choices: lr clamped to ±20 before exp, "low_var_kl" an alias of "k3". The estimators' value
+vs gradient, clamps (verl vs slime), off-policy weighting and the β rule: docs/from-slime-verl.md,
+"nanorl/kl.py".
 
 Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_kl.py -q
 """
@@ -50,8 +19,10 @@ import math
 
 import torch
 
-LOG_RATIO_CLAMP = 20.0  # |log-ratio| clamp before any exp (project rule; verl uses the same value)
-K3_CLAMP = 10.0  # verl's clamp on the k3 value; k3 >= 0 so only the upper side ever binds
+# |log-ratio| clamp before any exp (project rule; verl uses the same value)
+LOG_RATIO_CLAMP = 20.0
+# verl's clamp on the k3 value; k3 >= 0 so only the upper side ever binds
+K3_CLAMP = 10.0
 
 _ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 KL_KINDS = ("k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl",
@@ -83,7 +54,8 @@ def _forward_value(log_ratio: torch.Tensor, base: str, k3_clamp: float | None) -
         return log_ratio.abs()
     # k3: with u = log(π_ref/π_θ) = -lr, k3 = e^u - 1 - u  (>= 0 since e^u >= 1 + u)
     u = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    k3 = torch.expm1(u) - u  # expm1: exact near u = 0, where most tokens live
+    # expm1: exact near u = 0, where most tokens live
+    k3 = torch.expm1(u) - u
     return k3 if k3_clamp is None else k3.clamp(-k3_clamp, k3_clamp)
 
 
@@ -108,12 +80,14 @@ def kl_estimator(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3",
     if not straight_through or base == "k2":
         return value
     k2 = _k2(log_ratio)  # [B, T]
-    return k2 - k2.detach() + value.detach()  # forward: value; backward: ∇k2
+    # forward: value; backward: ∇k2
+    return k2 - k2.detach() + value.detach()
 
 
 def importance_weighted_kl(logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor,
                            kind: str = "k3", detach_weight: bool = False,
-                           k3_clamp: float | None = K3_CLAMP, mask: torch.Tensor | None = None) -> torch.Tensor:
+                           k3_clamp: float | None = K3_CLAMP,
+                           mask: torch.Tensor | None = None) -> torch.Tensor:
     """KL estimator for tokens sampled from π_old, weighted by w = π_θ/π_old (DeepSeek-V3.2).
 
     logp, ref_logp, old_logp: [B, T] (old_logp = log-prob under the policy that sampled the
@@ -193,7 +167,8 @@ class AdaptiveKLController:
 
     def update(self, current_kl: float, n_steps: int) -> float:
         current_kl = float(current_kl)
-        if not math.isfinite(current_kl):  # a NaN here would silently poison β for the rest of the run
+        # a NaN here would silently poison β for the rest of the run
+        if not math.isfinite(current_kl):
             raise ValueError(f"AdaptiveKLController.update: current_kl is not finite ({current_kl})")
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.beta *= 1.0 + error * n_steps / self.horizon

@@ -125,7 +125,8 @@ def plot(jsonl_path: str, png_path: str):
     if not keys:
         raise ValueError(f"{jsonl_path}: none of {CURVES} is in the file")
     cols = 4
-    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)),
+    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols,
+                             figsize=(4 * cols, 3 * ((len(keys) + cols - 1) // cols)),
                              squeeze=False)
     for ax, k in zip(axes.flat, keys):
         pts = [(r["step"], r[k]) for r in rows if k in r]
@@ -140,7 +141,8 @@ def plot(jsonl_path: str, png_path: str):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m nanorl.logger", description="A run's metrics.jsonl → curves PNG.")
+    ap = argparse.ArgumentParser(prog="python -m nanorl.logger",
+                                 description="A run's metrics.jsonl → curves PNG.")
     ap.add_argument("metrics", help="a metrics.jsonl written by train.py")
     ap.add_argument("out", help="the PNG file to write")
     a = ap.parse_args(argv)

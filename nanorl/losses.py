@@ -1,64 +1,16 @@
-"""Policy-gradient losses, the value loss, and how a [B, T] loss becomes a scalar.
+"""Policy-gradient losses, the value loss, and how a [B, T] loss becomes a scalar: link 5 of the chain.
 
-    rollout → reward → logprob recompute → advantage → **loss** → backward → optimizer step → weight sync
-
-The problem. The advantage A_t says how much better token y_t was than expected; the loss turns
-it into a gradient on log π_θ(y_t). Samples were drawn by an older policy (a few optimizer steps
-ago, and by a different engine: vLLM in bf16, not the trainer), so most losses compare the current
-policy with that one through the per-token ratio r_t = π_θ/π_old, computed as
-exp(clamp(logp − old_logp, −20, 20)) (clamp before exp: no inf, ever).
-
-Surrogates (each returns a per-token loss matrix [B, T] to minimise; registry POLICY_LOSSES):
-- ppo   (Schulman 2017): max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high)). Separate ε_low/ε_high is
-        DAPO's clip-higher (Yu 2025: 0.2/0.28). Dual-clip (Ye 2020, arXiv 1912.09729): for A < 0
-        the loss is also capped at −c·A (c > 1). verl turns it on (c = 3); slime leaves it off.
-        We default LossConfig.dual_clip = 3.0: it never binds near on-policy (r ≈ 1) and is the
-        safety net stale or mismatched samples need; ppo_clip_loss keeps dual_clip=None.
-- gspo  (Zheng 2025, Qwen3): one ratio per sequence, s_i = exp(mean_t(logp − old_logp)), clipped
-        like PPO (ε ~3e-4/4e-4), in the GSPO-token form: log s_it = sg(log s_i) + logp_t − sg(logp_t),
-        so per-token advantages are allowed. Aggregate with seq-mean-token-mean to match the paper.
-- cispo (MiniMax-M1 2025): −sg(clip(r, 1−ε_low, 1+ε_high))·A·logp: every token keeps a gradient.
-- gmpo  (Zhao 2025): per sequence −A·exp(mean_t clip(log r_t)), the clip token-wise in log space
-        with PPO's pessimism (ε = 0.4); seq-mean-token-mean; A is the sequence's mean advantage.
-- dppo_tv / dppo_kl (Qi et al. 2026, arXiv 2602.04879, as in the authors' verl code):
-        −A·sg(min(r, C))·logp·M_t, M_t a divergence trust region on p = π_θ(y_t), q = π_old(y_t):
-        TV: A > 0 keeps iff p − q ≤ δ_high, A ≤ 0 iff p − q ≥ −δ_low; binary KL
-        D = q·log(q/p) + (1−q)·log((1−q)/(1−p)): A > 0 drops iff D > δ_high and p > q, A ≤ 0 iff
-        D > δ_low and p < q. δ: TV 0.15, KL 0.05, C = 10; clip_low/clip_high are read as δ.
-- sapo  (Gao et al. 2025, Qwen, arXiv 2511.20347, as verl): −A·f(r), f(r) = σ(τ(r − 1))·4/τ, τ_pos
-        for A > 0, τ_neg for A ≤ 0 (1.0 / 1.05): a smooth gate instead of a hard clip, f'(1) = 1 so
-        on-policy it is REINFORCE. verl forces seq-mean-token-mean inside; here the preset sets it.
-- reinforce / gpg: −A·logp, no ratio (vanilla REINFORCE; GPG, Chu et al. 2025, uses exactly this
-        loss, verl registers both). Off-policy it needs an IS correction (nanorl/offpolicy.py).
-- dro   (Richemond et al. 2024, arXiv 2405.19107, as verl): −(A·logp − ½β·(logp − old_logp)²).
-- kl_cov / clip_cov (Cui et al. 2025, "The Entropy Mechanism of RL", arXiv 2505.22617, as verl):
-        tokens with the largest centred covariance c_t = (A_t − Ā)(logp_t − mean logp) drive entropy
-        collapse. kl_cov adds κ·|log r| to −A·r on the k = max(1, ⌊ρ·N⌋) largest; clip_cov takes PPO's
-        clipped loss and detaches k tokens drawn at random among lb < c_t < ub (1, 5), ρ = 2e-4.
-        Choice: verl selects per micro-batch from the current logp (and skips tokens PPO already
-        clipped); nanorl selects once per optimizer step over the whole step (`cov_selection` on
-        π_old, = π_θ at the first pass; trainer: nanorl/update.py) with a seeded generator, so the
-        step does not depend on micro-batching; a selected token PPO clips simply has no gradient.
-Token selection (Wang et al. 2025, "Beyond the 80/20 Rule", arXiv 2506.01939): train only on the top
-⌈q·N⌉ entropy tokens of the step (`top_entropy_mask`, q = 0.2); the trainer applies it as the loss
-mask of the step, denominators included, as the authors' fork replaces its response mask.
-
-User losses (--policy-loss file.py:fn, docs/extending.md): LossConfig.policy may be a function; it
-gets the tensors above and, by name, LossConfig fields and the rows' metadata (`user_policy_loss`).
-
-Off-policy corrections (TIS, MIS/ICEPOP, OPSM: nanorl/offpolicy.py) reach total_loss as a detached
-[B, T] `weights` matrix on the policy loss; denominators are NOT changed (DeepSeek's formula).
-
-Aggregation ([B, T] → scalar). token-mean: Σ l / N_tokens (DAPO). token-sum: Σ l (verl's token-sum;
-the gradient grows with the batch). seq-mean-token-mean: mean over sequences of each sequence's token
-mean (GRPO paper). seq-mean-token-sum: mean over sequences of token sums. seq-mean-token-sum-norm:
-Σ l / (N_seqs · L) with a constant L (Dr. GRPO, Liu 2025; verl 0.9.1 does the same: seq-mean, then
-÷ loss_scale_factor). N counts only sequences with at least one valid token. Gradient accumulation: a
-micro-batch's own means are NOT the full batch's mean (TRL #3021). Pass num_tokens / num_seqs
-of the whole optimizer step (all micro-batches, all ranks: `global_denominators`) and a constant
-norm_len, and the micro-batch losses SUM to the full-batch loss exactly, for every mode.
-
-Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_losses.py -q
+The advantage A_t says how much better token y_t was than expected; the loss turns it into a gradient
+on log π_θ(y_t). Samples come from an older policy (and another engine), so most losses compare the two
+through the per-token ratio r_t = π_θ/π_old = exp(clamp(logp − old_logp, −20, 20)), clamped before the
+exp (no inf, ever). Each surrogate returns a per-token loss [B, T] to minimise and is registered with
+`register_policy_loss` with what it needs before the update (nanorl/plan.py). Start at
+`ppo_clip_loss`, `aggregate`, then `total_loss`, which assembles policy, KL, entropy and value terms.
+Key choices: every aggregation mode takes the whole optimizer step's denominators, so micro-batch
+losses sum to the full-batch loss exactly (TRL #3021); dual-clip on by default (c = 3, as verl);
+KL-Cov / Clip-Cov select tokens once per optimizer step. The papers, the formulas and where verl and
+slime differ: docs/from-slime-verl.md. Imports torch and the standard library only.
+Test: python -m pytest tests/test_losses.py -q
 """
 from __future__ import annotations
 
@@ -69,7 +21,8 @@ from typing import Callable
 import torch
 
 LOG_RATIO_CLAMP = 20.0
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+             "seq-mean-token-sum-norm")
 
 
 # ----------------------------------------------------------------------------- masked helpers
@@ -190,7 +143,8 @@ def _dppo(logp, old_logp, adv, mask, delta_low, delta_high, ratio_cap, divergenc
         keep_pos, keep_neg = (d <= delta_high) | (p <= q), (d <= delta_low) | (p >= q)
     keep = torch.where(adv > 0, keep_pos, keep_neg) & valid  # [B, T] inside the trust region
     weight = ratio.clamp(max=ratio_cap).detach()  # truncated IS weight
-    stats = {"clip": valid & ~keep, "clip_high": valid & ~keep & (adv > 0), "clip_low": valid & ~keep & (adv <= 0)}
+    clipped = valid & ~keep  # [B, T]
+    stats = {"clip": clipped, "clip_high": clipped & (adv > 0), "clip_low": clipped & (adv <= 0)}
     return -adv * weight * logp * keep.float(), stats
 
 
@@ -326,20 +280,20 @@ def aggregate(loss_mat, mask, mode="token-mean", num_tokens=None, num_seqs=None,
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {', '.join(AGG_MODES)}")
     valid = mask > 0
-    l = _clean(loss_mat, valid)  # [B, T]
-    n_tok = valid.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=l.device)
-    n_seq = valid.any(-1).sum() if num_seqs is None else torch.as_tensor(num_seqs, device=l.device)
+    x = _clean(loss_mat, valid)  # [B, T]
+    n_tok = valid.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=x.device)
+    n_seq = valid.any(-1).sum() if num_seqs is None else torch.as_tensor(num_seqs, device=x.device)
     n_tok, n_seq = n_tok.float().clamp(min=1), n_seq.float().clamp(min=1)
     if mode == "token-mean":
-        return l.sum() / n_tok
+        return x.sum() / n_tok
     if mode == "token-sum":
-        return l.sum()
+        return x.sum()
     if mode == "seq-mean-token-sum":
-        return l.sum() / n_seq
+        return x.sum() / n_seq
     if mode == "seq-mean-token-mean":
-        return (l.sum(-1) / valid.sum(-1).clamp(min=1)).sum() / n_seq
+        return (x.sum(-1) / valid.sum(-1).clamp(min=1)).sum() / n_seq
     length = mask.shape[-1] if norm_len is None else norm_len
-    return l.sum() / (n_seq * length)
+    return x.sum() / (n_seq * length)
 
 
 # ----------------------------------------------------------------------------- assembly
@@ -367,21 +321,54 @@ def _by_name(fn: Callable, low: str, high: str, **extra: str) -> Callable:
                                               **{k: getattr(c, v) for k, v in extra.items()})
 
 
-POLICY_LOSSES: dict[str, Callable] = {  # name -> fn(logp, old_logp, adv, mask, cfg, selected) -> (loss [B, T], stats)
-    "ppo": _by_name(ppo_clip_loss, "clip_low", "clip_high", dual_clip="dual_clip"),
-    "gspo": _by_name(gspo_loss, "clip_low", "clip_high"),
-    "cispo": _by_name(cispo_loss, "clip_low", "clip_high"),
-    "gmpo": _by_name(gmpo_loss, "clip_low", "clip_high"),
-    "dppo_tv": _by_name(dppo_tv_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"),
-    "dppo_kl": _by_name(dppo_kl_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"),
-    "sapo": lambda lp, old, adv, m, c, sel: sapo_loss(lp, old, adv, m, *c.sapo_tau),
-    "reinforce": lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m),
-    "gpg": lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m),
-    "dro": lambda lp, old, adv, m, c, sel: dro_loss(lp, old, adv, m, c.dro_beta),
-    "kl_cov": lambda lp, old, adv, m, c, sel: kl_cov_loss(lp, old, adv, m, sel, c.cov_kl_coef),
-    "clip_cov": lambda lp, old, adv, m, c, sel: clip_cov_loss(lp, old, adv, m, sel, c.clip_low, c.clip_high),
-}
-COV_LOSSES = ("kl_cov", "clip_cov")  # the losses that take a token selection
+# ----------------------------------------------------------------------------- the registry
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered policy loss. fn(logp, old_logp, adv, mask, cfg, selected) -> (loss [B, T], stats).
+    needs: the step quantities it reads that are computed before the update ("old_logprobs": π_old
+    recompute even on-policy, because `select` reads it); the plan (nanorl/plan.py) computes exactly
+    those. select(logp, adv, mask, cfg, generator) -> [B, T] bool: the tokens it acts on, chosen once
+    per optimizer step over the whole step, so micro-batching changes nothing (None: no selection)."""
+    fn: Callable
+    needs: frozenset = frozenset()
+    select: Callable | None = None
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(name: str, needs=(), select: Callable | None = None):
+    """Decorator: add a policy loss (the fn signature of PolicyLoss) under `name`, registered once."""
+    def add(fn: Callable) -> Callable:
+        if name in POLICY_LOSSES and POLICY_LOSSES[name].fn is not fn:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = PolicyLoss(fn, frozenset(needs), select)
+        return fn
+    return add
+
+
+def _cov_select(mode: str) -> Callable:
+    return lambda logp, adv, mask, c, generator: cov_selection(logp, adv, mask, c.cov_ratio, mode,
+                                                               generator=generator)
+
+
+register_policy_loss("ppo")(_by_name(ppo_clip_loss, "clip_low", "clip_high", dual_clip="dual_clip"))
+register_policy_loss("gspo")(_by_name(gspo_loss, "clip_low", "clip_high"))
+register_policy_loss("cispo")(_by_name(cispo_loss, "clip_low", "clip_high"))
+register_policy_loss("gmpo")(_by_name(gmpo_loss, "clip_low", "clip_high"))
+register_policy_loss("dppo_tv")(_by_name(dppo_tv_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"))
+register_policy_loss("dppo_kl")(_by_name(dppo_kl_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"))
+register_policy_loss("sapo")(lambda lp, old, adv, m, c, sel: sapo_loss(lp, old, adv, m, *c.sapo_tau))
+register_policy_loss("reinforce")(lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m))
+register_policy_loss("gpg")(lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m))
+register_policy_loss("dro")(lambda lp, old, adv, m, c, sel: dro_loss(lp, old, adv, m, c.dro_beta))
+# KL-Cov / Clip-Cov select their tokens from π_old before the update: they need the recompute
+register_policy_loss("kl_cov", needs={"old_logprobs"}, select=_cov_select("kl_cov"))(
+    lambda lp, old, adv, m, c, sel: kl_cov_loss(lp, old, adv, m, sel, c.cov_kl_coef))
+register_policy_loss("clip_cov", needs={"old_logprobs"}, select=_cov_select("clip_cov"))(
+    lambda lp, old, adv, m, c, sel: clip_cov_loss(lp, old, adv, m, sel, c.clip_low, c.clip_high))
+# the losses that take a token selection (their knobs cov_ratio / cov_kl_coef: nanorl/config.py)
+COV_LOSSES = tuple(name for name, loss in POLICY_LOSSES.items() if loss.select is not None)
 
 # A user policy loss (--policy-loss file.py:fn, nanorl/plugins.py) is called as
 # fn(logp, old_logp, advantages, mask, **named) with, by name from its signature, any LossConfig field
@@ -433,19 +420,20 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
     _check(mask, logp=logp, old_logp=old_logp, advantages=advantages, entropy=entropy, kl=kl,
            rollout_logp=rollout_logp, values=values, old_values=old_values, returns=returns, weights=weights,
            selected=selected)
-    if selected is not None and cfg.policy not in COV_LOSSES:
+    entry = None if user else POLICY_LOSSES[cfg.policy]
+    if selected is not None and (entry is None or entry.select is None):
         raise ValueError(f"total_loss: `selected` is for {' / '.join(COV_LOSSES)}, not {cfg.policy!r}")
     valid = mask > 0
     agg = lambda x: aggregate(x, mask, cfg.agg_mode, num_tokens, num_seqs, cfg.norm_len)  # noqa: E731
     zero = torch.zeros((), device=logp.device)
-    if cfg.policy in COV_LOSSES and selected is None:
-        selected = cov_selection(logp, advantages, mask, cfg.cov_ratio, cfg.policy,
-                                 generator=torch.Generator().manual_seed(0))
+    if entry is not None and entry.select is not None and selected is None:
+        selected = entry.select(logp, advantages, mask, cfg, torch.Generator().manual_seed(0))
 
     if user:
-        pg_mat, stats = user_policy_loss(cfg.policy, logp, old_logp, advantages, mask, cfg, metadata)  # [B, T]
+        # [B, T]
+        pg_mat, stats = user_policy_loss(cfg.policy, logp, old_logp, advantages, mask, cfg, metadata)
     else:
-        pg_mat, stats = POLICY_LOSSES[cfg.policy](logp, old_logp, advantages, mask, cfg, selected)  # [B, T]
+        pg_mat, stats = entry.fn(logp, old_logp, advantages, mask, cfg, selected)  # [B, T]
     if weights is not None:  # off-policy corrections, detached, on the policy loss only
         pg_mat = pg_mat * _clean(weights.detach(), valid)
     pg_loss = agg(pg_mat)

@@ -1,34 +1,13 @@
-"""Math grading: is the final answer of a response the label's answer? (inside the reward link)
+"""Math grading: is the final answer of a response the label's answer? (inside link 2, the reward)
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-              ^^^^^^
-
-Grading a math response is two jobs, and nanorl does only the first itself:
-
-1. Extraction: which span of the response is its final answer (nanorl's code: math-verify has no
-   rule for GSM8K's "####", and it merges every \\boxed{} of a response into one set, so a response
-   that boxes a wrong answer and then the right one would be graded as the set of both):
-   - the last \\boxed{...} or \\fbox{...}, nested braces allowed (MATH's convention; verl's
-     `last_boxed_only_string`): a later box is a correction of an earlier one;
-   - else the text after the last "####" on its line (GSM8K);
-   - else what follows the last "answer is" / "answer:" up to the end of that sentence;
-   - else no marked answer: math-verify looks for one in the response's last `TAIL_CHARS`
-     characters (the final answer sits at the end; the whole of a 100k-character response would
-     only cost time).
-   A label goes through the same extraction, so a GSM8K label (the worked solution, then
-   "#### 72") and a MATH solution (... \\boxed{\\frac{1}{2}}) reduce to their answers, and a plain
-   label ("72", "\\frac{1}{2}") is taken as it is.
-2. Equivalence: `math-verify` (Hugging Face's parser and verifier, the one open-r1 and TRL's math
-   recipes use) parses both spans to SymPy and compares them: 1/2 = 0.5 = \\frac12 = \\dfrac{1}{2},
-   1,000 = 1000, x=5 vs 5, 10\\% vs 10, \\left(3,\\frac{\\pi}{2}\\right) = (3,\\frac{\\pi}{2}),
-   intervals, sets, units in \\text{}. It is not symmetric (an equation label "x=5" accepts "5",
-   not the reverse), so the label is always the gold side.
-
-Time is bounded three ways: a span longer than `MAX_ANSWER_CHARS` is wrong without parsing (no final
-answer is that long, and parse time grows with it); math-verify's own alarms stop a parse or a
-comparison after `VERIFY_TIMEOUT_S` (they need the main thread, so elsewhere they are off); and the
-trainer runs the math rewards in worker processes with a per-call timeout by default
-(`--reward-timeout`, nanorl/rewards.py), which also stops what an alarm cannot interrupt.
+Two jobs, and nanorl does only the first itself. 1. Extraction (`extract_answer`): the last \\boxed{...}
+or \\fbox{...}, else the text after the last "####" (GSM8K), else after the last "answer is" /
+"answer:", else math-verify looks in the last `TAIL_CHARS` characters; a label goes through the same
+extraction, so a GSM8K or MATH solution reduces to its answer. 2. Equivalence: `math-verify` (Hugging
+Face's parser and verifier) parses both spans to SymPy and compares them, the label always the gold
+side. Start at `grade`. Key choices: nanorl's own extraction (math-verify has no "####" rule and merges
+every box of a response), time bounded three ways (`MAX_ANSWER_CHARS`, `VERIFY_TIMEOUT_S`, worker
+processes). The rules in full and why: docs/from-slime-verl.md, "nanorl/math_grader.py".
 
     python -c "from nanorl.math_grader import grade; print(grade('so \\\\boxed{\\\\frac12}', '#### 0.5'))"
 """
@@ -38,9 +17,12 @@ import logging
 import re
 import threading
 
-MAX_ANSWER_CHARS = 512  # longest answer span worth parsing (MATH-500's longest answer is ~60)
-TAIL_CHARS = 300  # an unmarked answer is searched for in this many final characters
-VERIFY_TIMEOUT_S = 2  # math-verify's alarm for one parse / one comparison (whole seconds)
+# longest answer span worth parsing (MATH-500's longest answer is ~60)
+MAX_ANSWER_CHARS = 512
+# an unmarked answer is searched for in this many final characters
+TAIL_CHARS = 300
+# math-verify's alarm for one parse / one comparison (whole seconds)
+VERIFY_TIMEOUT_S = 2
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?", re.IGNORECASE)
@@ -48,16 +30,19 @@ _ANSWER_IS = re.compile(r"answer\s*(?:is|:)\s*:?", re.IGNORECASE)
 
 def last_boxed(text: str) -> str | None:
     """The contents of the last \\boxed{...} / \\fbox{...} (nested braces); None if none is closed."""
-    starts = [m.end() for m in _BOX.finditer(text)]  # just after each box's "{"
+    # just after each box's "{"
+    starts = [m.end() for m in _BOX.finditer(text)]
     if not starts:
         return None
-    close, stack = {}, []  # one pass pairs every brace: linear even for 20k unclosed boxes
+    # one pass pairs every brace: linear even for 20k unclosed boxes
+    close, stack = {}, []
     for j in range(starts[0] - 1, len(text)):
         if text[j] == "{":
             stack.append(j)
         elif text[j] == "}" and stack:
             close[stack.pop()] = j
-    for start in reversed(starts):  # an unclosed last box: fall back to the one before it
+    # an unclosed last box: fall back to the one before it
+    for start in reversed(starts):
         if start - 1 in close:
             return text[start:close[start - 1]]
     return None
@@ -75,7 +60,8 @@ def extract_answer(text: str) -> str | None:
     marks = list(_ANSWER_IS.finditer(text))
     if marks:
         rest = text[marks[-1].end():].split("\n", 1)[0]
-        return re.split(r"\.(?:\s|$)", rest, maxsplit=1)[0].strip().strip("$ ")  # "... is $72$. So" -> 72
+        # "... is $72$. So" -> 72
+        return re.split(r"\.(?:\s|$)", rest, maxsplit=1)[0].strip().strip("$ ")
     return None
 
 
@@ -85,7 +71,8 @@ def _math_verify():
     except ImportError as e:
         raise ImportError("the math reward needs math-verify: pip install 'math-verify==0.9.0' "
                           "(it is in requirements.txt)") from e
-    for name in ("math_verify", "latex2sympy2_extended"):  # each timeout would print the whole input
+    # each timeout would print the whole input
+    for name in ("math_verify", "latex2sympy2_extended"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
     return math_verify
 
@@ -106,7 +93,8 @@ def grade(response: str, label: str) -> bool:
     pred_span = extract_answer(response)
     marked = pred_span is not None
     pred_span = response[-TAIL_CHARS:] if pred_span is None else pred_span
-    if not gold_span or not pred_span or len(gold_span) > MAX_ANSWER_CHARS or (marked and len(pred_span) > MAX_ANSWER_CHARS):
+    if not gold_span or not pred_span or len(gold_span) > MAX_ANSWER_CHARS or (marked and len(pred_span) >
+                                                                               MAX_ANSWER_CHARS):
         return False
     gold, pred = _parse(gold_span, marked=True), _parse(pred_span, marked)
     if not gold or not pred:

@@ -1,14 +1,12 @@
 """Metric names: every scalar a step logs lives in one namespace, named here and nowhere else.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^^^^^^^^^^   (rollout/)          ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ (train/)  ^^^^ (sync/)
-
-The layout RL engineers read (slime's): `rollout/` what was sampled and scored, `train/` what the
-update did, `eval/` held-out (nanorl/evaluation.py names its own), `perf/` time, throughput and
-memory, `sync/` the engine's weight-sync check, `routing/` MoE routing replay. Each module keeps
-its short, readable local names (`pg_clipfrac`, `reward_mean`, `time/generate`); `rl_step` hands
-the step's dict to `namespaced` once, so the rule lives in one place and the same names reach
-metrics.jsonl, the console, TensorBoard and W&B. docs/tour.md's table gives each name's meaning.
+The layout RL engineers read (slime's): `rollout/` what was sampled and scored (links 1-2 of the chain),
+`train/` what the update did (links 3-7), `eval/` held-out (nanorl/evaluation.py names its own), `perf/`
+time, throughput and memory, `sync/` the engine's weight-sync check (link 8), `routing/` MoE routing
+replay. Each module keeps its short, readable local names (`pg_clipfrac`, `reward_mean`, `time/step`);
+`rl_step` hands the step's dict to `namespaced` once, so the rule lives in one place and the same names
+reach metrics.jsonl, the console, TensorBoard and W&B. Start at `name`. docs/tour.md's table gives each
+name's meaning.
 
     python -c "from nanorl.metrics import name; print(name('pg_clipfrac'), name('time/step'))"
 """
@@ -74,7 +72,8 @@ def reward_metrics(samples) -> dict:
 
 def memory_metrics(device: torch.device) -> dict:
     """Peak memory of this process so far: resident host memory, and the CUDA allocator's peak."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    # KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     m = {"perf/mem/peak_rss_gb": rss / (2**30 if sys.platform == "darwin" else 2**20)}
     if device.type == "cuda":
         m["perf/mem/cuda_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30

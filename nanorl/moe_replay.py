@@ -1,47 +1,16 @@
 """MoE routing replay (R3): the trainer routes each token to the experts the rollout engine used.
 
-Problem. In a mixture-of-experts model every token picks its top-k experts from router logits. The
-rollout engine and the trainer compute those logits with different kernels, batch shapes and dtypes,
-so near-ties flip: the same token goes to different experts in the two engines (Megatron-LM #4168
-reports ~10% of router decisions and 94% of tokens differing in at least one layer). The importance
-ratio pi_train / pi_rollout then measures a different network, not the policy change, and runs
-collapse. Routing replay (R3, "Rollout Routing Replay", Ma et al. 2025, arXiv:2510.11370) records the
-expert ids each token used at rollout and makes every training forward dispatch to exactly those.
-
-Formula. For a token with hidden state h in an MoE layer with router weight W (E experts, top-k):
-    natural:  p = softmax(W h);  ids = topk(p, k);        gates = p[ids]
-    replayed: p = softmax(W h);  ids = recorded ids;      gates = p[ids]
-then, as the architecture does, gates /= sum(gates) (Mixtral always; Qwen2/3-MoE iff norm_topk_prob).
-Only the selection is frozen: the gate values come from the CURRENT router logits, so the router
-still gets gradients through the gates (and through the softmax denominator over all experts).
-
-Where it sits in the chain rollout -> reward -> logprob recompute -> advantage -> loss -> backward:
-  * rollout: `with record(model) as rec:` around generation; rec.experts is [B, S, L, k] (successive
-    KV-cache forwards concatenate along S) and goes into Sample.routed_experts per sample.
-  * old-logprob / reference / policy forwards: `with replay(model, batch.routed_experts,
-    batch.routed_mask):`; positions whose mask is False (padding, tokens the engine never routed)
-    route naturally. If the engine cannot return routing (vLLM on CPU), record during the trainer's
-    old-logprob forward and replay that in the policy forwards: R2 rather than R3.
-  * backward under activation checkpointing re-runs the forward after the `with` block has usually
-    exited. Pass `context_fn=moe_replay.checkpoint_context` to torch.utils.checkpoint (or in
-    `gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
-    "context_fn": moe_replay.checkpoint_context})`): it captures the routing mode in force when the
-    checkpointed forward ran and re-installs it for the recompute, so replay-backward sees the same ids.
-
-Indexing, not counting. slime's Megatron replay keeps per-layer forward/backward cursors into a list
-of recorded top-k tensors; a cursor drifts as soon as a forward is skipped, repeated or recomputed in
-another order. Here every patched router knows its own layer index l and reads experts[:, :, l] of
-the replay in force, whose [B, S] must equal the forward's input: any number of forwards or
-recomputes of the same batch see the same ids, and micro-batching is data slicing
-(`batch.select(rows)` slices routed_experts with the rows).
-
-The patch. Hugging Face (transformers 5.x) MoE blocks call a router module `gate(h [N, H]) ->
-(logits [N, E], gates [N, k], ids [N, k])`. patch() replaces that module's forward (one instance
-attribute) with a wrapper that calls the original forward unchanged when neither recording nor
-replaying, appends ids when recording, and re-implements the three lines top-k -> gather -> renormalise
-with fixed ids when replaying. One table row per architecture (_ARCHS) says how that architecture
-normalises; L counts the routed layers in model order (== num_hidden_layers unless some are dense).
-Ids are stored compactly (uint8 for <= 256 experts, else int16), on CPU once a recording is read.
+In a mixture-of-experts model every token picks its top-k experts from router logits; rollout engine and
+trainer compute those with different kernels, batch shapes and dtypes, so near-ties flip, the importance
+ratio measures a different network, and runs collapse. Routing replay (R3, Ma et al. 2025,
+arXiv:2510.11370) records the expert ids each token used at rollout (link 1 of the chain) and makes every
+training forward (links 3 and 6: logprob recompute, backward) dispatch to exactly those; only the
+selection is frozen, the gates come from the current router logits (so the router still learns).
+Start at `record` and `replay` (context managers around generation and forwards), `patch` (wraps each
+router's forward) and `checkpoint_context` (for activation checkpointing). Key choices: each patched
+router reads its own layer index of the replay (indexing, not cursors), one table row per architecture
+(`_ARCHS`), ids stored as uint8/int16. The formula, where it hooks into the chain, and slime's cursors:
+docs/from-slime-verl.md, "nanorl/moe_replay.py".
 
 Test: python -m pytest tests/test_moe_replay.py -q
 """
@@ -59,8 +28,10 @@ import torch.nn.functional as F
 # ------------------------------------------------------------------ architectures (one row each)
 @dataclass(frozen=True)
 class _Arch:
-    renormalise: Callable[[torch.nn.Module], bool]  # divide the k gates by their sum?
-    cast_to_logits_dtype: bool                      # gates returned in the logits' dtype (else fp32)
+    # divide the k gates by their sum?
+    renormalise: Callable[[torch.nn.Module], bool]
+    # gates returned in the logits' dtype (else fp32)
+    cast_to_logits_dtype: bool
 
 
 _ARCHS: dict[str, _Arch] = {
@@ -86,8 +57,10 @@ def is_moe(model: torch.nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------ per-model state
-_STATES: "weakref.WeakSet[_State]" = weakref.WeakSet()  # every patched model's state, for checkpoint_context
-_NATURAL = object()  # recompute override meaning "the checkpointed forward routed naturally"
+# every patched model's state, for checkpoint_context
+_STATES: "weakref.WeakSet[_State]" = weakref.WeakSet()
+# recompute override meaning "the checkpointed forward routed naturally"
+_NATURAL = object()
 
 
 class _State:
@@ -95,12 +68,16 @@ class _State:
 
     def __init__(self, n_layers: int, top_k: int, n_experts: int):
         self.n_layers, self.top_k, self.n_experts = n_layers, top_k, n_experts
-        self.active = None      # Recording | Replay | None, set by the context managers
-        self.override = None    # set by checkpoint_context during a recompute
-        self.last_grad_forward_replayed = False  # safety net, see _routed_forward
+        # Recording | Replay | None, set by the context managers
+        self.active = None
+        # set by checkpoint_context during a recompute
+        self.override = None
+        # safety net, see _routed_forward
+        self.last_grad_forward_replayed = False
         _STATES.add(self)
 
-    def __setstate__(self, d):  # deepcopy(model) (e.g. a reference model) gets a fresh, idle state
+    # deepcopy(model) (e.g. a reference model) gets a fresh, idle state
+    def __setstate__(self, d):
         self.__dict__.update(d)
         self.active, self.override = None, None
         _STATES.add(self)
@@ -142,7 +119,8 @@ def patch(model: torch.nn.Module) -> torch.nn.Module:
 def _routed_forward(self, hidden_states: torch.Tensor):
     st: _State = self._nanorl_state
     target = st.override if st.override is not None else st.active
-    in_backward = torch._C._current_graph_task_id() != -1  # inside autograd: a checkpoint recompute
+    # inside autograd: a checkpoint recompute
+    in_backward = torch._C._current_graph_task_id() != -1
     if torch.is_grad_enabled() and not in_backward:
         st.last_grad_forward_replayed = isinstance(target, Replay)
     if target is None or target is _NATURAL:
@@ -153,14 +131,15 @@ def _routed_forward(self, hidden_states: torch.Tensor):
         return type(self).forward(self, hidden_states)
     if isinstance(target, Recording):
         out = type(self).forward(self, hidden_states)
-        if st.override is None:  # a recompute must not append the same tokens twice
+        # a recompute must not append the same tokens twice
+        if st.override is None:
             target._append(self._nanorl_layer, out[2])
         return out
     return _replayed_route(self, hidden_states, target)
 
 
 def _replayed_route(router, hidden_states: torch.Tensor, rep: "Replay"):
-    """The router's own formula with topk replaced by the recorded ids (see module docstring)."""
+    """The router's own formula with topk replaced by the recorded ids (docs/from-slime-verl.md)."""
     arch = _ARCHS[type(router).__name__]
     h = hidden_states.reshape(-1, router.hidden_dim)                # [N, H]
     logits = F.linear(h, router.weight)                             # [N, E]
@@ -168,7 +147,8 @@ def _replayed_route(router, hidden_states: torch.Tensor, rep: "Replay"):
     natural = torch.topk(probs, router.top_k, dim=-1).indices       # [N, k] what it would pick
     ids, keep = rep._ids(router._nanorl_layer, h.shape[0], h.device)  # [N, k], [N] | None
     if keep is not None:
-        ids = torch.where(keep[:, None], ids, natural)              # mask False -> route naturally
+        # mask False -> route naturally
+        ids = torch.where(keep[:, None], ids, natural)
     rep._note_natural(router._nanorl_layer, natural)
     gates = probs.gather(-1, ids)                                   # [N, k] current probs, fixed ids
     if arch.renormalise(router):
@@ -194,7 +174,8 @@ class Recording:
     def __init__(self, state: _State):
         self.n_layers, self.top_k = state.n_layers, state.top_k
         self.dtype = _compact_dtype(state.n_experts)
-        self._steps: list[list[torch.Tensor | None]] = []  # per forward: per layer [B, s, k]
+        # per forward: per layer [B, s, k]
+        self._steps: list[list[torch.Tensor | None]] = []
         self._shape: tuple[int, int] | None = None          # [B, s] of the forward in progress
         self._cache: torch.Tensor | None = None
 
@@ -279,7 +260,8 @@ class Replay:
         if n_tokens != self.batch * self.seq:
             raise ValueError(f"replay holds ids for [B={self.batch}, S={self.seq}] but layer {layer} routed "
                              f"{n_tokens} tokens: replay needs a forward over the same input (no KV decode)")
-        if device not in self._dev:  # one transfer per device, kept compact (a long copy of all L
+        # one transfer per device, kept compact (a long copy of all L
+        if device not in self._dev:
             # layers would be 8x larger); ids outside the mask may wrap, they are never dispatched
             mask = None if self._mask is None else self._mask.to(device=device, dtype=torch.bool)
             self._dev[device] = (self._experts.to(device=device, dtype=_compact_dtype(self._n_experts)), mask)
@@ -358,12 +340,13 @@ def routing_disagreement(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | 
     return float((differ & valid).sum()) / n if n else 0.0
 
 
-def routing_disagreement_by_layer(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None = None) -> list[float]:
+def routing_disagreement_by_layer(a: torch.Tensor, b: torch.Tensor,
+                                  mask: torch.Tensor | None = None) -> list[float]:
     """routing_disagreement per MoE layer: [share for layer 0, 1, ..., L-1] (logged as
     routing/disagreement/layer_<i>: a mismatch that sits in a few layers points at those layers)."""
     if a.shape != b.shape or a.dim() < 2:
-        raise ValueError(f"routing_disagreement_by_layer needs equal [..., L, k] shapes, got {tuple(a.shape)} "
-                         f"and {tuple(b.shape)}")
+        raise ValueError("routing_disagreement_by_layer needs equal [..., L, k] shapes, got "
+                         f"{tuple(a.shape)} and {tuple(b.shape)}")
     differ, valid = _differ(a, b, mask)                                                    # [..., L] each
     L = differ.shape[-1]
     hits = (differ & valid).reshape(-1, L).sum(0)                                          # [L]
@@ -389,7 +372,8 @@ def tiny_moe(arch: str = "qwen3_moe", seed: int = 0, **overrides) -> torch.nn.Mo
     (2 KV), 8 experts, top-2, initializer_range 0.1 (0.02 makes routing near-uniform and expert
     outputs negligible). `overrides` go to the config (e.g. vocab_size=23). Init RNG is local to `seed`.
     """
-    import transformers  # lazy: the replay machinery itself needs only torch
+    # lazy: the replay machinery itself needs only torch
+    import transformers
 
     common = dict(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts_per_tok=2,

@@ -1,40 +1,14 @@
 """Off-policy corrections: importance weights for the train/inference mismatch, and OPSM.
 
-    rollout → reward → logprob recompute → advantage → **loss (off-policy weights)** → backward →
-    optimizer step → weight sync
-
-The problem. The engine that sampled the tokens (vLLM, bf16, other kernels) is not the trainer, so
-even on the first pass π_rollout ≠ π_old and the policy gradient is taken under the wrong
-distribution. With ρ_t = π_old(y_t)/π_rollout(y_t) (the recomputed trainer policy over the engine's;
-both known before the update, so the weights are computed once per step, detached, and multiply the
-policy loss of every micro-batch):
-
-- TIS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"):
-  w = clip(ρ, low, C). verl 0.9.1 (rollout_corr_helper) clamps only above; slime's vanilla TIS also
-  clamps below (tis_clip_low): `low` = 0 is verl's, > 0 slime's.
-- MIS, masked IS ("When Speed Kills Stability", Liu, Li et al. 2025; ICEPOP of Ring-1T is its token
-  level; verl's "lower_upper" threshold, slime's icepop): w = ρ·1[low ≤ ρ ≤ high] — outliers are
-  dropped, not truncated. TIS and MIS may be combined: clip(ρ, …)·1[band].
-- level "sequence": one weight per sequence from ρ_seq = Π_t ρ_t = exp(Σ_t log ρ_t) (verl's
-  rollout_is="sequence"; the log-sum clamped to ±20 before exp), broadcast to its tokens; MIS then
-  drops whole sequences. Unbiased but high-variance; token level is biased, low-variance.
-- OPSM (DeepSeek-V3.2 2025, as slime): mask token t of sequence i when A_t < 0 and
-  mean_t(log π_behaviour − log π_θ) > δ, a k1 estimate of KL(π_behaviour ‖ π_θ); π_behaviour is the
-  rollout policy when its logprobs exist, else π_old. This is the paper's token rule; nanorl's earlier
-  rule (drop a sequence whose *mean* advantage is negative) agrees for per-sequence advantages and
-  differs for token-level ones (GAE), so it is gone: no estimator needs it.
-
-Metrics (`is_metrics`, over the whole step): is_weight_mean, is_weight_max, is_clipfrac (share of
-tokens whose weight differs from ρ: truncated or masked), is_ess (effective sample size share
-(Σw)²/(N·Σw²), 1 = all weights equal, as verl's rollout_is_eff_sample_size), and of the raw token
-ratio: is_ratio_var (variance of ρ over the valid tokens, E[ρ²] − E[ρ]²; verl logs χ² = E[ρ²] − 1)
-and is_ratio_tail (share of tokens with ρ outside [1/2, 2]).
-
-Every step also logs `mismatch_metrics` (train/mismatch/...): mean, max, 1/50/99% quantiles and ESS
-share of ρ over the valid tokens, and the sequence-level log-ratio Σ_t log ρ_t — with π_old taken
-from the trainer (the recompute, or on-policy the update's own first forward), so they are honest
-when the recompute is skipped too; then they cover the rows that forward scored (not the ones
---skip-zero-advantage leaves out of the update). Over several ranks the quantiles are averaged (approximate).
+Link 5 of the chain (loss): off-policy weights on the policy loss. The engine that sampled the tokens
+(vLLM, bf16, other kernels) is not the trainer, so even on the first pass π_rollout ≠ π_old and the
+policy gradient is taken under the wrong distribution. With ρ_t = π_old(y_t)/π_rollout(y_t) (both known
+before the update, so the weights are computed once per step, detached, and multiply the policy loss of
+every micro-batch), `is_weights` gives TIS (w = clip(ρ, low, C)), MIS (w = ρ·1[low ≤ ρ ≤ high]: outliers
+dropped, not truncated), both combined, at token or sequence level; `opsm_mask` masks the negative-
+advantage tokens of sequences that drifted too far (OPSM, DeepSeek-V3.2). Start at `is_weights`, then
+`is_metrics` and `mismatch_metrics` (logged every step). The papers, verl's and slime's variants and the
+metrics: docs/from-slime-verl.md, "nanorl/offpolicy.py".
 
 Self-contained: imports torch and the standard library only. Test: python -m pytest tests/test_offpolicy.py -q
 """
@@ -91,7 +65,7 @@ def is_weights(old_logp, rollout_logp, mask, *, level="token", tis=None, mis=Non
 
 
 def is_metrics(weights, changed, rho, mask):
-    """Step-level diagnostics of the weights and of the raw token ratio (see the module docstring)."""
+    """Step-level diagnostics of the weights and of the raw token ratio (docs/from-slime-verl.md)."""
     _check(mask, weights=weights, changed=changed, rho=rho)
     valid = mask > 0
     w, r = _clean(weights, valid), _clean(rho, valid)
@@ -129,7 +103,8 @@ def mismatch_metrics(old_logp, rollout_logp, mask) -> dict:
     q = torch.quantile(rho, torch.tensor(MISMATCH_QUANTILES, device=rho.device)).tolist()
     m = {"mismatch/ratio_mean": float(rho.mean()), "mismatch/ratio_max": float(rho.max()),
          "mismatch/ratio_ess": float(rho.sum() ** 2 / (rho.numel() * (rho * rho).sum())),
-         "mismatch/seq_log_ratio_mean": float(seq.mean()), "mismatch/seq_log_ratio_abs_mean": float(seq.abs().mean())}
+         "mismatch/seq_log_ratio_mean": float(seq.mean()),
+         "mismatch/seq_log_ratio_abs_mean": float(seq.abs().mean())}
     m.update({f"mismatch/ratio_p{round(100 * p):02d}": v for p, v in zip(MISMATCH_QUANTILES, q)})
     return m
 

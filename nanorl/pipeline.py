@@ -1,71 +1,16 @@
-"""Asynchronous RL (--async-steps K): a rollout worker samples and scores the next batches while the
-trainer trains on this one, from weights at most K versions old.
+"""Asynchronous RL (--async-steps K), links 1-2 of the chain ahead of the trainer: a rollout worker
+process samples and scores the next batches while the trainer trains on this one, from weights at
+most K versions old; link 8 publishes each new version to it through shared memory.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^^^^^^^^^^   ^^^^^^^^^ (the reference's)                                      ^^^^^^^^^^^
-    here, in a worker process, ahead of the trainer                                      published here
-
-A synchronous step idles one side at a time: the trainer waits while the engine samples, the engine
-while the trainer updates. Here a worker process holds its own copy of the weights and its own HF
-engine (nanorl/rollout.py); the trainer publishes every new version into shared memory and takes
-scored batches, so generation + reward of batch t+1 overlap the update and sync of batch t.
-`rl_step` receives the same scored `Sample`s the synchronous rollout gives it (train.py generate).
-With a KL term the worker also scores the frozen reference model on its batch — the same collated
-batch and micro-batches as the trainer's recompute, so the same values (tests/test_pipeline.py) —
-because a forward left on the trainer's side is time no overlap can hide.
-
-The staleness rule is deterministic: batch b, the one optimizer step b trains on, is sampled from
-exactly weight version max(v0, b − K), v0 being the version the worker started from (0, or the
-resumed step). A sample reaching step b is therefore at most K versions old (`take` raises
-otherwise), the first K batches come from the starting weights, and with K = 1 batch t+1 is sampled
-from version t while step t trains. Each batch has its own sampling seed (`batch_seed`), so a K > 0
-run is a function of its seed, like a synchronous one. K = 0 never starts a worker: train.py's
-synchronous loop runs exactly as before.
-
-A process, not a thread. Measured with this module's worker run in a thread instead (2-core EPYC,
-quiet, 1 torch thread, 60 steps of the default task, twice each): synchronous 7.5-8.0 steps/s, a
-thread 9.8-10.2 (1.30×), a process 10.7-10.9 (1.40×). In a thread the worker's generation took 44
-instead of 37 ms and the trainer's update 92 instead of 86: the tiny model's forwards are mostly
-Python (module calls, HF bookkeeping) holding the GIL, so the two threads partly take turns. A
-process has its own interpreter, torch intra-op pool (--threads each, 1 when unset: two processes
-share the cores) and RNG state, and a module the trainer never touches.
-
-Off-policy handling. Step b's π_old is the trainer's version b — recomputed (--old-logprobs
-recompute, or auto when TIS / MIS / a KL in the reward read it), or with one epoch the detached
-current logprobs, which are the same; --old-logprobs rollout takes the sampler's logprobs instead
-(the clipped ratio is then π_θ/π_behaviour). The rollout/old mismatch, now up to K versions, is
-what --tis-cap (TIS), --mis-high (ICEPOP / masked IS) and --opsm-delta (OPSM) correct
-(nanorl/offpolicy.py); nothing turns them on for you.
-
-Partial rollouts (--partial-rollout, slime's): between decode steps the worker picks up a version
-published since the batch began; the engine re-prefills prompt + response so far under it and goes
-on, instead of finishing the batch under the old weights. Sample.metadata["token_versions"] holds
-each token's version, Sample.weight_version the oldest. Older tokens are IS-corrected by their own
-rollout logprobs (ρ = π_old/π_rollout per token, with --tis-cap / --mis-high) or, with
---mask-offpolicy-in-partial-rollout, left out of the loss (loss mask 0 on tokens older than the
-sample's newest). Where a switch falls depends on timing: partial-rollout runs are not
-reproducible by seed.
-
-Metrics per step: async/staleness_mean, async/staleness_max (versions behind the trainer, per
-sample, its oldest token), async/offpolicy_token_frac (tokens of an older version than the
-trainer's), async/trainer_wait_s (the trainer blocked on this batch; also time/generate),
-async/engine_wait_s (the worker blocked on the weights for it), async/generate_s, async/reward_s,
-async/reference_s (the worker's time on it); with partial rollouts async/partial_frac (samples
-spanning versions) and async/masked_token_frac.
-
-Checkpoints. A save after step s first finishes batches s … s+K−1 — sampled from versions the
-checkpoint does not hold — and stores them (pipeline.pt, hashed in the manifest like every file);
-batch s+K and later are dropped and, after resume, sampled again from version s (the checkpoint's
-weights) with the same seeds. So: K = 0 resumes exactly (nanorl/checkpoint.py); K > 0 without
-partial rollouts resumes to the very run an uninterrupted one makes (bitwise on CPU at the same
-thread count); with partial rollouts the stored batches are exact and the rest is a fresh draw. A
-batch the checkpoint lacks (a run extended past its --steps, a synchronous checkpoint) is sampled
-from the checkpoint's version.
-
-Not with K > 0 (the config raises): DAPO's refill and ReMax (they generate inside the step),
---env, --routing-replay, --fsdp, the vLLM engine; several ranks (`start` raises).
-
-    python -m pytest tests/test_pipeline.py -q
+Start at `start` (train.py calls it) and `Pipeline.take` / `Pipeline.publish`. Key choices: a
+process, not a thread (the tiny model's forwards hold the GIL: 1.40x vs 1.30x over synchronous,
+measured); a deterministic staleness rule — batch b is sampled from version max(v0, b − K), so a
+K > 0 run is a function of its seed; with a KL term the worker also scores the reference on the same
+micro-batches as the trainer's recompute; a checkpoint stores the batches already sampled ahead, so
+a resume continues the very run. Partial rollouts (--partial-rollout) switch versions mid-batch.
+Not with DAPO's refill, ReMax, --env, --routing-replay, --fsdp, vLLM, or several ranks (the config
+raises). The design, the metrics and the measurements: docs/async.md.
+Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
 
@@ -296,10 +241,12 @@ class Worker:
         t3 = time.perf_counter()
         if self.ref is not None:
             self.score_reference(samples)
-        new_faults = {k: v - faults.get(k, 0) for k, v in self.rewards.faults.items() if v != faults.get(k, 0)}
+        new_faults = {k: v - faults.get(k, 0) for k, v in self.rewards.faults.items()
+                      if v != faults.get(k, 0)}
+        timing = {"async/engine_wait_s": t1 - t0, "async/generate_s": t2 - t1, "async/reward_s": t3 - t2,
+                  "async/reference_s": time.perf_counter() - t3}
         return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
-                "metrics": {"async/engine_wait_s": t1 - t0, "async/generate_s": t2 - t1, "async/reward_s": t3 - t2,
-                            "async/reference_s": time.perf_counter() - t3}}
+                "metrics": timing}
 
     @torch.no_grad()
     def score_reference(self, samples: list[Sample]) -> None:
@@ -382,7 +329,8 @@ class Pipeline:
         self.v0 = run.step
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                   max_new_tokens=cfg.max_new_tokens, keep_support=cfg.keep_sampling_mask,
-                                  stop_token_ids=stop_token_ids(run.model, run.tokenizer), support_cap=cfg.support_cap)
+                                  stop_token_ids=stop_token_ids(run.model, run.tokenizer),
+                                  support_cap=cfg.support_cap)
         spec = WorkerSpec(cfg, device, sampling, run.step)
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         # daemon=False: the worker runs bounded rewards (--reward math's default timeout) in a process
@@ -437,11 +385,13 @@ class Pipeline:
             self._receive()
         got = self.ready.pop(step)
         if got["prompt_ids"] != [p.ids for p in prompts]:
-            raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the trainer's")
+            raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the "
+                               "trainer's")
         samples = got["samples"]
         for s in samples:  # the bound this module promises: never trust it silently
             if not step - self.K <= s.weight_version <= step:
-                raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step {step} "
+                raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step "
+                                   f"{step} "
                                    f"(--async-steps {self.K} allows versions {step - self.K}..{step})")
         self.run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
         self.metrics = {**got["metrics"], **staleness_metrics(samples, step),
@@ -509,12 +459,14 @@ def _terminate_running() -> None:
 def staleness_metrics(samples: list[Sample], step: int) -> dict:
     """How far behind the trainer (version `step`) a batch is: per sample and per token."""
     ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]
-    tokens = [v for s in samples for v in s.metadata.get("token_versions", [s.weight_version] * s.response_length)]
+    tokens = [v for s in samples
+              for v in s.metadata.get("token_versions", [s.weight_version] * s.response_length)]
     off = torch.tensor([v < step for v in tokens], dtype=torch.float)  # [tokens]
     m = {"async/staleness_mean": float(ages.mean()), "async/staleness_max": float(ages.max()),
          "async/offpolicy_token_frac": float(off.mean()) if len(off) else 0.0}
     if any("token_versions" in s.metadata for s in samples):
-        m["async/partial_frac"] = sum(len(set(s.metadata["token_versions"])) > 1 for s in samples) / len(samples)
+        spanning = sum(len(set(s.metadata["token_versions"])) > 1 for s in samples)
+        m["async/partial_frac"] = spanning / len(samples)
         masked = sum(s.response_length - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
         m["async/masked_token_frac"] = masked / max(1, len(tokens))
     return m
@@ -532,31 +484,9 @@ def start(run, resumed: str | None = None) -> Pipeline:
     if file and os.path.isfile(file):
         saved = torch.load(file, weights_only=True)  # verified by the checkpoint's manifest
         if saved["K"] == run.cfg.async_steps:
-            restored = {x["batch"]: {**x, "samples": [Sample(**s) for s in x["samples"]]} for x in saved["batches"]}
+            restored = {x["batch"]: {**x, "samples": [Sample(**s) for s in x["samples"]]}
+                        for x in saved["batches"]}
         else:  # their staleness was another K's: sample them again from the checkpoint's version
-            run.logger.print(f"async: checkpoint saved with --async-steps {saved['K']}, now {run.cfg.async_steps}:"
-                             " its in-flight batches are dropped")
+            run.logger.print(f"async: checkpoint saved with --async-steps {saved['K']}, now "
+                             f"{run.cfg.async_steps}: its in-flight batches are dropped")
     return Pipeline(run, restored)
-
-
-def check_config(cfg, need) -> None:
-    """The async group of Config.__post_init__: ranges, and no flag that does nothing or cannot work."""
-    on = cfg.async_steps > 0
-    need(cfg.async_steps >= 0, f"async_steps must be >= 0, got {cfg.async_steps}")
-    need(not cfg.partial_rollout or on, "partial_rollout needs async_steps >= 1")
-    need(not cfg.mask_offpolicy_in_partial_rollout or cfg.partial_rollout,
-         "mask_offpolicy_in_partial_rollout needs partial_rollout")
-    need(not cfg.rollout_device or on, "rollout_device needs async_steps >= 1")
-    if cfg.rollout_device:
-        try:
-            torch.device(cfg.rollout_device)
-        except RuntimeError:
-            need(False, f"rollout_device {cfg.rollout_device!r} is not a device (cpu, cuda, cuda:1, ...)")
-    if on:  # what generates inside the step, or needs the engine to be the trainer's own module
-        for ok, what in ((not cfg.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
-                         (cfg.advantage != "remax", "--advantage remax (its greedy baseline is sampled in the step)"),
-                         (not cfg.env, "--env (the multi-turn driver runs in the trainer)"),
-                         (not cfg.routing_replay, "--routing-replay (not built: the worker records no routing)"),
-                         (not cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
-                         (cfg.engine != "vllm", "--engine vllm (not built: the worker runs an HF engine)")):
-            need(ok, f"--async-steps with {what} is not supported")

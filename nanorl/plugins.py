@@ -1,32 +1,20 @@
 """Plug-ins: user code named on the command line as `package.module:name` or `path/to/file.py:name`.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-              ^^^^^^   ^^^^^^^^^^^^^^^^^^^ (+ metrics)  ^^^^^^^^^   ^^^^
-              --reward, --reward-postprocess,          --advantage, --policy-loss; --log-metadata; --env
+Its links of the chain: the reward (--reward, --reward-postprocess, --log-metadata), the advantage and the
+loss (--advantage, --policy-loss), or all of them from one module (--plugin); the walk-through is
+docs/extending.md. Start at `apply`: train.py calls it at set-up, right after parsing. It fills in what a
+--plugin module supplies and loads every user function once, checking it against its plug-in point's one
+signature (the *_SIGNATURE constants) before any model is loaded. Config never loads user code.
 
-User code is loaded only from an explicit flag, never from data. A file is imported once under a
-name of its own (later loads reuse it), registered in `sys.modules` so that a worker process (a
-reward or tool timeout, nanorl/rewards.py, nanorl/env.py) can find its functions again by name.
-Each plug-in point has ONE documented signature, checked with `inspect.signature` when the config
-is built: a function that cannot be called that way is rejected with the expected signature in the
-message, before any model is loaded (the walk-through: docs/extending.md).
-
-    --reward              fn(prompt, response, label[, sample]) -> float | dict   (nanorl/rewards.py)
-    --reward-postprocess  fn(samples) -> None: the step's scored Samples, in groups of samples_per_prompt;
-                          may write Sample.metadata and set Sample.reward, in place
-    --advantage           fn(*, mask, index, scores, metadata, ...) -> (advantages, returns) [B, T]
-                          (any input the built-in estimators get, by name: nanorl/advantage.py)
-    --policy-loss         fn(logp, old_logp, advantages, mask, *, metadata, clip_low, ...) -> loss [B, T]
-                          or (loss, stats) (any LossConfig field by name: nanorl/losses.py)
-    --log-metadata        names or prefixes ("calib/") of numeric Sample.metadata fields, logged per step
-    --plugin file.py      a module whose `reward`, `reward_postprocess`, `advantage`, `policy_loss`,
-                          `LOG_METADATA`, `CONFIG` (a dict of other fields) and `make_task(out_dir)` fill
-                          the settings left at their defaults
+User code is loaded only from an explicit flag, never from data. A file is imported once under a name of
+its own, registered in `sys.modules`, so that a worker process (a reward or tool timeout) finds its
+functions again by name.
 
     python -c "from nanorl.plugins import load_object; print(load_object('nanorl.rewards:exact', 'reward'))"
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -35,7 +23,8 @@ import numbers
 import os
 import sys
 
-_FILES: dict[str, object] = {}  # absolute path -> the module imported from it (imported once)
+# absolute path -> the module imported from it (imported once)
+_FILES: dict[str, object] = {}
 
 
 def load_object(spec: str, what: str):
@@ -62,7 +51,8 @@ def load_file(path: str, what: str = "plugin"):
         module_name = f"nanorl_user_{abs(hash(key))}"
         module_spec = importlib.util.spec_from_file_location(module_name, path)
         module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_name] = module  # registered: a worker process finds its functions by name
+        # registered: a worker process finds its functions by name
+        sys.modules[module_name] = module
         try:
             module_spec.loader.exec_module(module)
         except BaseException:
@@ -124,8 +114,10 @@ def load_checked(spec: str, what: str):
 
 # ----------------------------------------------------------------------------- --plugin
 
-PLUGIN_FIELDS = {"reward": "reward", "reward_postprocess": "reward_postprocess", "advantage": "advantage",
-                 "policy_loss": "policy_loss", "LOG_METADATA": "log_metadata"}  # module attribute -> Config field
+# the Config fields that name a user function, each with the plug-in point it is checked against
+USER_FUNCTIONS = ("reward", "advantage", "policy_loss", "reward_postprocess")
+# --plugin module attribute -> the Config field it fills
+PLUGIN_FIELDS = {**{name: name for name in USER_FUNCTIONS}, "LOG_METADATA": "log_metadata"}
 
 
 def _plugin_module(path: str):
@@ -138,14 +130,16 @@ def plugin_values(path: str) -> dict:
     module = _plugin_module(path)
     if not isinstance(getattr(module, "CONFIG", {}), dict):
         raise TypeError(f"--plugin {path}: CONFIG must be a dict of Config field values")
-    out = dict(getattr(module, "CONFIG", {}))  # other Config fields the idea needs (e.g. max_new_tokens)
+    # other Config fields the idea needs (e.g. max_new_tokens)
+    out = dict(getattr(module, "CONFIG", {}))
     for attr, name in PLUGIN_FIELDS.items():
         value = getattr(module, attr, None)
         if value is None:
             continue
         if attr == "LOG_METADATA":
             if not isinstance(value, str):
-                raise TypeError(f"--plugin {path}: LOG_METADATA must be a comma-separated string, got {value!r}")
+                raise TypeError(f"--plugin {path}: LOG_METADATA must be a comma-separated string, "
+                                f"got {value!r}")
             out[name] = value
         elif callable(value):
             out[name] = f"{path}:{attr}"
@@ -161,31 +155,41 @@ def plugin_task(path: str):
         return None
     make = getattr(_plugin_module(path), "make_task", None)
     if make is not None:
-        check_call(make, f"--plugin {path}: make_task", "make_task(out_dir) -> dict(model, train, test)", args=1)
+        check_call(make, f"--plugin {path}: make_task", "make_task(out_dir) -> dict(model, train, test)",
+                   args=1)
     return make
 
 
-def check_config(cfg, need, defaults: dict) -> None:
-    """Config.__post_init__'s part: --plugin fills the fields left at their defaults (a field set to
-    something else by a flag or the --algo preset that disagrees with the plugin is an error: drop
-    one), then every user function's signature is checked, before any model is loaded."""
+def apply(cfg):
+    """`cfg` at set-up (train.py, right after parsing): the fields a --plugin module supplies filled in
+    where they were left at their defaults, and every user function loaded once and its signature
+    checked, before any model is loaded. A field that a flag or the --algo preset set to something else
+    is an error (drop one of the two). Returns a new, validated Config where the plug-in filled fields,
+    else `cfg` itself; applying it twice changes nothing."""
+    values = {}
     if cfg.plugin:
+        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        # -1 (the default) was resolved for the reward before the plug-in's: resolve it again
+        auto_timeout = getattr(cfg, "_auto_reward_timeout", False)
         for name, value in plugin_values(cfg.plugin).items():
-            need(name in defaults, f"--plugin {cfg.plugin}: CONFIG names {name!r}, which is not a Config field")
+            if name not in defaults:
+                raise ValueError(f"config: --plugin {cfg.plugin}: CONFIG names {name!r}, which is not a "
+                                 "Config field")
             mine = getattr(cfg, name)
-            need(mine in (defaults[name], value), f"--plugin {cfg.plugin} sets {name}={value!r}, but {name} is "
-                 f"already {mine!r} (a flag or the --algo preset): drop one of the two")
-            setattr(cfg, name, value)
+            if mine not in (defaults[name], value) and not (name == "reward_timeout" and auto_timeout):
+                raise ValueError(f"config: --plugin {cfg.plugin} sets {name}={value!r}, but {name} is "
+                                 f"already {mine!r} (a flag or the --algo preset): drop one of the two")
+            values[name] = value
+        if auto_timeout:
+            values.setdefault("reward_timeout", -1.0)
         plugin_task(cfg.plugin)
-    for name in ("reward", "advantage", "policy_loss", "reward_postprocess"):
+    cfg = dataclasses.replace(cfg, **values) if values else cfg
+    for name in USER_FUNCTIONS:
         if ":" in getattr(cfg, name):
-            load_checked(getattr(cfg, name), name)
-    need(not cfg.reward_postprocess or ":" in cfg.reward_postprocess,
-         f"reward_postprocess must be module:function or file.py:function, got {cfg.reward_postprocess!r}")
-    need(not (cfg.reward_postprocess and cfg.advantage == "remax"), "reward_postprocess with advantage remax is "
-         "not supported: the greedy baseline response is scored by --reward alone, outside any group")
-    need(all(x.strip() for x in cfg.log_metadata.split(",")) or not cfg.log_metadata,
-         f"log_metadata: an empty name in {cfg.log_metadata!r}")
+            fn = load_checked(getattr(cfg, name), name)
+            if name == "advantage":  # what it declares against the flags, as a built-in's at parse time
+                cfg.check_estimator(fn)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- the step's hooks
@@ -244,10 +248,10 @@ def metadata_metrics(samples: list, patterns: list[str], gather=None) -> dict:
     for s in samples:
         logged = s.metadata.get("logged", ())
         for key, value in s.metadata.items():
-            if not (key in logged or any(key == p or (p.endswith("/") and key.startswith(p)) for p in patterns)):
+            named = any(key == p or (p.endswith("/") and key.startswith(p)) for p in patterns)
+            # lists, strings, nested dicts: not a per-sample scalar (bools count as 0/1)
+            if not (key in logged or named) or not isinstance(value, numbers.Real):
                 continue
-            if not isinstance(value, numbers.Real):  # bools count as 0/1
-                continue  # lists, strings, nested dicts: not a per-sample scalar
             acc = sums.setdefault(key, [0.0, 0, 0])
             if math.isfinite(value):
                 acc[0], acc[1] = acc[0] + float(value), acc[1] + 1

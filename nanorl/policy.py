@@ -1,34 +1,24 @@
-"""Policy, reference and critic forwards: the logprob recompute link of the chain.
+"""Policy, reference and critic forwards.
 
-    rollout → reward → logprob recompute → advantage → loss → ...
-                       ^^^^^^^^^^^^^^^^^
-
-The trainer scores every response token under three policies:
-- old policy  π_old: the weights that generated the batch (the denominator of the PPO ratio);
-- current policy π_θ: the weights being optimised (recomputed in every micro-batch, with gradient);
-- reference policy π_ref: the frozen starting model (for the KL term), only when KL is on.
-
-`response_logprobs` runs a Hugging Face causal LM on a collated batch (nanorl/trajectory.py layout:
-prompt left-padded to width P, response right-padded to T). Response token t sits at column P + t
-and is predicted by the hidden state at column P − 1 + t, so the hidden states of columns
-P − 1 … P + T − 2 go through the LM head. Rows that share a prompt (a group's samples) run its
-prefix once (`_hidden_shared_prefix`: the same numbers, fewer FLOPs). By default the head is fused with the log-softmax and the
-entropy (nanorl/entropy.py), so the [B·T, V] logits never exist at once — for a 150k vocabulary that
-tensor is the largest activation of the whole step. `impl="naive"` materialises them, for comparison.
-
-Inside `record_sum_sq_probs()` every scored token also yields Σ_v π_v², accumulated in the same fused
-pass over the vocabulary (the optimal token baseline's path-variance proxy needs it; no extra forward).
-
-The critic for PPO (`ValueModel`) is a copy of the policy's transformer with a scalar head; the
-value at column P − 1 + t estimates V(s_t), the return expected before token t is chosen.
-
-Precision (nanorl/precision.py): the policy and critic hold fp32 master weights and run under
-autocast in the compute dtype; the reference model is stored in the compute dtype. Whatever the
-dtype inside, every per-token tensor leaves here as fp32.
+Link 3 of the chain (logprob recompute). The trainer scores every response token under three policies:
+the old policy π_old (the weights that generated the batch: the denominator of the PPO ratio), the
+current policy π_θ (recomputed in every micro-batch, with gradient) and the reference policy π_ref (the
+frozen starting model, only when KL is on). Start at `response_logprobs`: it runs a Hugging Face causal
+LM on a collated batch (nanorl/trajectory.py layout: prompt left-padded to width P, response
+right-padded to T); response token t sits at column P + t and is predicted by the hidden state at column
+P − 1 + t. Key choices: rows that share a prompt run its prefix once (`_hidden_shared_prefix`: the same
+numbers, fewer FLOPs); the head is fused with the log-softmax and the entropy (nanorl/entropy.py), so
+the [B·T, V] logits never exist at once (`impl="naive"` materialises them, for comparison); inside
+`record_sum_sq_probs()` every scored token also yields Σ_v π_v² from the same pass (the optimal token
+baseline needs it). `ValueModel` is PPO's critic: the policy's transformer with a scalar head, the value
+at column P − 1 + t estimating V(s_t). The policy and critic hold fp32 masters under autocast, the
+reference is stored in the compute dtype; every per-token tensor leaves here as fp32
+(nanorl/precision.py).
 """
 from __future__ import annotations
 
 import copy
+import importlib.util
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -38,7 +28,18 @@ from nanorl.precision import head_is_fp32
 from nanorl.trajectory import PaddedBatch
 
 IGNORE = -100
-_SUM_SQ: list | None = None  # while record_sum_sq_probs() is active: Σπ² [M] of every head_logprobs call
+# while record_sum_sq_probs() is active: Σπ² [M] of every head_logprobs call
+_SUM_SQ: list | None = None
+
+
+def best_attn_implementation(compute_dtype: torch.dtype | None = None) -> str:
+    """'flash_attention_2' on CUDA with flash-attn installed (varlen packing) and a bf16/fp16 compute
+    dtype, else 'sdpa'. flash-attn only takes fp16/bf16 q/k/v ("FlashAttention only support fp16 and
+    bf16 data type"): an fp32 run (the weights are fp32 masters, no autocast) would hand it fp32 in
+    every forward. None counts as fp32: flash only when the caller says the compute is half."""
+    half = compute_dtype in (torch.bfloat16, torch.float16)
+    flash = half and torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if flash else "sdpa"
 
 
 def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtype = torch.float32):
@@ -50,15 +51,15 @@ def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtyp
     flash-attn refuses the fp32 q/k/v of an fp32 run."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nanorl.batching import best_attn_implementation
-
     tokenizer = AutoTokenizer.from_pretrained(name_or_path)
-    if tokenizer.pad_token_id is None:  # many base models ship without a pad token
+    # many base models ship without a pad token
+    if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
                                                  attn_implementation=best_attn_implementation(compute_dtype))
     model.to(device)
-    model.config.use_cache = False  # training forwards never need the KV cache
+    # training forwards never need the KV cache
+    model.config.use_cache = False
     return model, tokenizer
 
 
@@ -88,7 +89,8 @@ def _shared_prompts(model, batch: PaddedBatch):
     if any(type(p).__name__ == "DTensor" for p in model.parameters()):
         return None
     same = ((ids[1:, :P] == ids[:-1, :P]) & (attn[1:, :P] == attn[:-1, :P])).all(-1)  # [B-1] row = previous
-    if not bool(same.any()) or not bool(attn[:, :P - 1].any(-1).all()):  # a 1-token prompt: no prefix to share
+    # a 1-token prompt: no prefix to share
+    if not bool(same.any()) or not bool(attn[:, :P - 1].any(-1).all()):
         return None
     starts = torch.cat([same.new_ones(1), ~same])  # [B] a row that starts a run
     return starts.nonzero().flatten(), starts.long().cumsum(0) - 1  # [U], [B]
@@ -105,7 +107,8 @@ def _hidden_shared_prefix(model, batch: PaddedBatch, first: torch.Tensor, run: t
 
     P, T = batch.prompt_width, batch.response_ids.shape[1]
     cache = DynamicCache()
-    model.base_model(input_ids=batch.input_ids[first, :P - 1], attention_mask=batch.attention_mask[first, :P - 1],
+    model.base_model(input_ids=batch.input_ids[first, :P - 1],
+                     attention_mask=batch.attention_mask[first, :P - 1],
                      position_ids=batch.position_ids[first, :P - 1], past_key_values=cache, use_cache=True)
     cache.reorder_cache(run)  # [U, ...] -> [B, ...]
     h = model.base_model(input_ids=batch.input_ids[:, P - 1:], attention_mask=batch.attention_mask,
@@ -130,7 +133,8 @@ def response_logprobs(model, batch: PaddedBatch, temperature: float = 1.0, *, en
     sup = support[real] if support is not None else None  # [M, K]
     lp, ent = head_logprobs(model, h[real], batch.response_ids[real], temperature, sup, impl)  # [M], [M]
     zeros = torch.zeros(B, T, dtype=torch.float32, device=h.device)
-    return zeros.masked_scatter(real, lp.float()), (zeros.masked_scatter(real, ent.float()) if entropy else None)
+    return zeros.masked_scatter(real, lp.float()), (zeros.masked_scatter(real, ent.float()) if entropy
+                                                    else None)
 
 
 def head_logprobs(model, h: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -187,9 +191,11 @@ class ValueModel(torch.nn.Module):
     def __init__(self, policy):
         super().__init__()
         self.body = copy.deepcopy(policy.base_model)
-        dtype = next(policy.parameters()).dtype  # fp32 masters under autocast; else the body's dtype
+        # fp32 masters under autocast; else the body's dtype
+        dtype = next(policy.parameters()).dtype
         self.head = torch.nn.Linear(policy.config.hidden_size, 1, dtype=dtype)
-        torch.nn.init.zeros_(self.head.weight)  # start at V = 0: no bias from a random head
+        # start at V = 0: no bias from a random head
+        torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
 
     def forward(self, batch: PaddedBatch) -> torch.Tensor:
@@ -208,7 +214,8 @@ def frozen_copy(model, dtype: torch.dtype | None = None):
     straight into `dtype` (never a full fp32 duplicate first: 28 GB for a 7B model); tied parameters
     stay tied; buffers (rotary frequencies) are copied as they are, in their own dtype."""
     memo = {id(p): torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
-            for p in model.parameters()}  # deepcopy takes these instead of copying the masters
+            # deepcopy takes these instead of copying the masters
+            for p in model.parameters()}
     ref = copy.deepcopy(model, memo)
     ref.requires_grad_(False)
     ref.eval()

@@ -1,46 +1,16 @@
 """Precision and memory: fp32 master weights, bf16/fp16 compute, activation checkpointing.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^            ^^^^^^^^^^^^^^^^^                ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+Serves links 3, 5-7 of the chain (logprob recompute, loss, backward, optimizer step) and the rollout's
+forwards. RL updates are tiny (at lr 1e-6 Adam moves a weight by ~1e-6, while a bf16 weight near 0.02
+moves in steps of ~1.2e-4), so the weights and Adam's state stay fp32 — the *master* copy — and only the
+compute runs in `--dtype` (bfloat16 or float16) under autocast (one rank / DDP) or FSDP2's
+MixedPrecisionPolicy; fp16 adds a dynamic loss scale; fp32 runs use TF32 on CUDA. The RL math stays fp32
+whatever the compute dtype; the reference model is stored in the compute dtype. Start at `compute_dtype`,
+`setup_device` and `autocast`; then `keep_lm_head_fp32` (--fp32-lm-head) and
+`enable_gradient_checkpointing` (--gradient-checkpointing). Why, with the recipe per mode:
+docs/from-slime-verl.md, "nanorl/precision.py".
 
-Why fp32 master weights. RL updates are tiny: at lr 1e-6 Adam moves a weight by ~1e-6 per step, and
-a bf16 weight near 0.02 can only change in steps of 2^-13 ≈ 1.2e-4 (8 bits of mantissa). Updating
-bf16 weights with bf16 optimizer state therefore rounds most updates away and the policy barely
-moves (tests/test_real_scale.py shows it). So the weights and Adam's state stay fp32 — the *master*
-copy — and only the compute runs in `--dtype` (bfloat16 or float16), the standard mixed-precision
-recipe (Micikevicius et al. 2018, arXiv:1710.03740; verl's FSDP actor, slime's Megatron actor):
-
-    one rank / DDP   torch.autocast(dtype): matmuls in bf16, reductions and norms in fp32;
-                     autocast caches one bf16 cast of each weight per forward.
-    FSDP2            MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): each all-gathered
-                     shard is cast once; gradients are reduced in fp32 into the fp32 shards.
-    fp16             a dynamic loss scale (torch.amp.GradScaler) keeps small gradients from
-                     underflowing fp16's 5-bit exponent; bf16 has fp32's exponent and needs none.
-    fp32             TF32 tensor cores for fp32 matmuls on CUDA (10-bit mantissa inputs, fp32
-                     accumulation): several times faster than IEEE fp32 on A100/H100.
-
-The RL math (ratios, advantages, KL, losses) stays fp32 whatever the compute dtype: every per-token
-tensor leaves the model as `.float()` (nanorl/policy.py). The reference model never trains, so it is
-stored in the compute dtype directly (no master copy needed: half the memory).
-
-fp32 LM head (`--fp32-lm-head`, `keep_lm_head_fp32`). The logprob of a token is a difference of two
-large numbers (logit − logsumexp over 152k logits); computing the head in bf16 rounds each logit to
-~3 significant digits, which is much of the engine/trainer logprob gap. MiniMax-M1 (arXiv:2506.13585)
-and ScaleRL (arXiv:2510.13786) keep the LM head in fp32 for that reason. Here the head's class is
-swapped for an fp32 subclass: parameter names and state dicts stay as they were (saving, vLLM sync,
-deepcopy all unaffected), and the fused log-prob path sees it and runs in fp32 too.
-
-Activation checkpointing (`--gradient-checkpointing`). A transformer layer keeps ~20-30 activations
-of size [tokens, hidden] for backward; with checkpointing only each layer's input is kept and the
-layer is recomputed in backward (Chen et al. 2016, arXiv:1604.06174): one extra forward for memory
-that no longer grows with depth. Hugging Face checkpoints only `if self.gradient_checkpointing and
-self.training`, so the policy trains in train() mode — Qwen2/Llama/Qwen3 configs have dropout 0
-(attention_dropout = 0.0, no hidden dropout), so train() changes nothing numerically — and engines
-that share the module (nanorl/rollout.py) switch it to eval() while they generate. Non-reentrant
-checkpointing (use_reentrant=False) is used: it works with inputs that need no grad and with
-kwargs. MoE routing replay survives the recompute through moe_replay.checkpoint_context.
-
-Test: python -m pytest tests/test_precision.py tests/test_real_scale.py -q
+Test: python -m pytest tests/test_real_scale.py tests/test_attn_dtype.py -q
 """
 from __future__ import annotations
 
@@ -116,11 +86,19 @@ class FP32Linear(torch.nn.Linear):
 
 
 def keep_lm_head_fp32(model: torch.nn.Module) -> None:
-    """Make the model's output embedding compute in fp32 (see the module docstring)."""
+    """Make the model's output embedding compute in fp32 (`--fp32-lm-head`).
+
+    The logprob of a token is a difference of two large numbers (logit − logsumexp over 152k logits);
+    computing the head in bf16 rounds each logit to ~3 significant digits, which is much of the
+    engine/trainer logprob gap. MiniMax-M1 (arXiv:2506.13585) and ScaleRL (arXiv:2510.13786) keep the LM
+    head in fp32 for that reason. Here the head's class is swapped for an fp32 subclass: parameter names
+    and state dicts stay as they were (saving, vLLM sync, deepcopy all unaffected), and the fused
+    log-prob path sees it and runs in fp32 too."""
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear and not isinstance(head, FP32Linear):
         raise ValueError(f"--fp32-lm-head needs an nn.Linear LM head, got {type(head).__name__}")
-    head.__class__ = FP32Linear  # same parameters and names; deepcopy and state_dict unchanged
+    # same parameters and names; deepcopy and state_dict unchanged
+    head.__class__ = FP32Linear
 
 
 def head_is_fp32(head: torch.nn.Module) -> bool:
@@ -129,7 +107,17 @@ def head_is_fp32(head: torch.nn.Module) -> bool:
 
 def enable_gradient_checkpointing(model: torch.nn.Module, routing_replay: bool = False) -> None:
     """Non-reentrant activation checkpointing of every transformer block (Hugging Face's own
-    `gradient_checkpointing_enable`); with MoE routing replay, the recompute replays the same ids."""
+    `gradient_checkpointing_enable`); with MoE routing replay, the recompute replays the same ids.
+
+    A transformer layer keeps ~20-30 activations of size [tokens, hidden] for backward; with
+    checkpointing only each layer's input is kept and the layer is recomputed in backward (Chen et al.
+    2016, arXiv:1604.06174): one extra forward for memory that no longer grows with depth. Hugging Face
+    checkpoints only `if self.gradient_checkpointing and self.training`, so the policy trains in train()
+    mode — Qwen2/Llama/Qwen3 configs have dropout 0 (attention_dropout = 0.0, no hidden dropout), so
+    train() changes nothing numerically — and engines that share the module (nanorl/rollout.py) switch
+    it to eval() while they generate. Non-reentrant checkpointing (use_reentrant=False) works with
+    inputs that need no grad and with kwargs. MoE routing replay survives the recompute through
+    moe_replay.checkpoint_context."""
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ValueError(f"--gradient-checkpointing: {type(model).__name__} does not support it")
     kwargs = {"use_reentrant": False}

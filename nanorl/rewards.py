@@ -1,32 +1,19 @@
-"""Rewards: score each sampled response (the second link of the chain).
+"""Rewards: score each sampled response.
 
-    rollout → reward → logprob recompute → advantage → loss → ...
-              ^^^^^^
-
-In RL with verifiable rewards (RLVR) a reward is a program that checks the response against the
-label: 1 for the right answer, 0 otherwise, maybe a small bonus for the right format. A reward
-function here has the signature
+Link 2 of the chain (reward). In RL with verifiable rewards (RLVR) a reward is a program that checks the
+response against the label: 1 for the right answer, 0 otherwise, maybe a small bonus for the format:
 
     fn(prompt: str, response: str, label: str) -> float | dict[str, float]
     fn(prompt: str, response: str, label: str, sample: Sample) -> ...   (the Sample: ids, status, metadata)
 
-A dict names several components (e.g. {"correct": 1.0, "format": 0.5}); they are logged separately,
-summed into the sample's total reward, and GDPO normalises each one on its own (nanorl/advantage.py).
-A key starting with "_" is LOG-ONLY: never summed or trained on, it is moved into Sample.metadata
-under the name without the "_" ({"_conf": 0.7} → metadata["conf"]), where --reward-postprocess and a
-user advantage can read it, and logged every step under that name (nanorl/plugins.py). The choice:
-a prefix needs no second return value and survives the worker processes unchanged.
-
-Built in: `exact` (the default task: the exact answer then the end of the response), `math` (the
-final answer from \\boxed{...}, "#### x" or "the answer is", checked for mathematical equality with
-the label by math-verify: nanorl/math_grader.py), `format` (the answer is boxed), `math_format` (both,
-as components). The math rewards run in worker processes with a 10 s timeout by default (`BOUNDED`). Any user function is loaded from an explicit flag as
-`module:function` or `path/to/file.py:function` — never from data.
-
-A reward function is user code and must never take the run down: `RewardRunner` calls it, and a
-function that raises, returns NaN/None/a wrong type, or runs past its time limit gives reward 0 for
-that sample, is counted in the metrics, and its first traceback is logged. With `timeout > 0` rewards
-run in worker processes, so a hanging or crashing function is killed without touching the trainer.
+A dict names several components (e.g. {"correct": 1.0, "format": 0.5}): logged separately, summed into
+the sample's reward, normalised one by one by GDPO (nanorl/advantage.py); a key starting with "_" is
+log-only (`split_log_only`). Built in: `exact`, `math`, `format`, `math_format`; a user function comes
+from an explicit flag as `module:function` or `path/to/file.py:function` (`load_reward_fn`), never from
+data. Start at `RewardRunner`. Key choice: user code must never take the run down — a function that
+raises, returns NaN/None/a wrong type or runs past its time limit gives reward 0 for that sample, is
+counted, and its first traceback is logged; with `timeout > 0` rewards run in worker processes (math:
+10 s by default, `BOUNDED`), so a hanging or crashing function is killed without touching the trainer.
 """
 from __future__ import annotations
 
@@ -43,6 +30,7 @@ from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeou
 from concurrent.futures.process import BrokenProcessPool
 
 from nanorl import math_grader
+from nanorl.config import BOUNDED_REWARDS
 from nanorl.plugins import check_call, load_checked
 
 # ----------------------------------------------------------------------------- built-in rewards
@@ -77,10 +65,11 @@ def exact_format(prompt: str, response: str, label: str) -> dict[str, float]:
             "format": 0.1 if re.fullmatch(r"-?\d+", response.strip()) else 0.0}
 
 
-BUILTIN = {"exact": exact, "exact_format": exact_format, "math": math_reward, "format": format_reward, "math_format": math_format}
+BUILTIN = {"exact": exact, "exact_format": exact_format, "math": math_reward, "format": format_reward,
+           "math_format": math_format}
 # The verifier parses model output with SymPy, which adversarial output can keep busy for a long time:
 # these run in worker processes with this per-call timeout unless --reward-timeout says otherwise.
-BOUNDED = {"math": 10.0, "math_format": 10.0}
+BOUNDED = BOUNDED_REWARDS
 
 
 def correct(reward) -> float:
@@ -104,19 +93,27 @@ def score_samples(runner, tokenizer, prompts, samples) -> list:
     fields ("_" keys) are moved into each sample's metadata (listed in metadata["logged"])."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     n = len(samples) // len(prompts)
-    out = runner([p.text for p in prompts for _ in range(n)], texts, [p.label for p in prompts for _ in range(n)],
+    out = runner([p.text for p in prompts for _ in range(n)], texts,
+                 [p.label for p in prompts for _ in range(n)],
                  samples=samples if runner.wants_sample else None)
     return [split_log_only(r, s) for r, s in zip(out, samples)]
 
 
 def split_log_only(reward, sample):
-    """The trained part of `reward`; its "_" keys go to sample.metadata, without the "_"."""
+    """The trained part of `reward`; its "_" keys go to sample.metadata, without the "_".
+
+    A key starting with "_" is LOG-ONLY: never summed or trained on, it is moved into Sample.metadata under
+    the name without the "_" ({"_conf": 0.7} → metadata["conf"]), where --reward-postprocess and a user
+    advantage can read it, and logged every step under that name (nanorl/plugins.py). The choice: a prefix
+    needs no second return value and survives the worker processes unchanged.
+    """
     if not isinstance(reward, dict) or not any(k.startswith("_") for k in reward):
         return reward
     logged = {k[1:]: v for k, v in reward.items() if k.startswith("_")}
     sample.metadata.update(logged)
     sample.metadata["logged"] = sorted(set(sample.metadata.get("logged", [])) | set(logged))
-    return {k: v for k, v in reward.items() if not k.startswith("_")}  # may be {}: a dict, total 0
+    # may be {}: a dict, total 0
+    return {k: v for k, v in reward.items() if not k.startswith("_")}
 
 
 # ----------------------------------------------------------------------------- the safe runner
@@ -146,11 +143,13 @@ def _call(fn, prompt, response, label, sample=None):
     try:
         value = fn(prompt, response, label) if sample is None else fn(prompt, response, label, sample=sample)
         return ("ok", _checked(value))
-    except (Exception, SystemExit) as e:  # user code: any failure (even sys.exit) is a counted zero
+    # user code: any failure (even sys.exit) is a counted zero
+    except (Exception, SystemExit) as e:
         return ("error", type(e).__name__, traceback.format_exc())
 
 
-_WORKER_FN = None  # the reward function inside a worker: inherited through fork, or found by `_portable`
+# the reward function inside a worker: inherited through fork, or found by `_portable`
+_WORKER_FN = None
 
 
 def _set_worker_fn(fn) -> None:
@@ -195,7 +194,8 @@ def _portable(fn):
 def _found(where: tuple):
     name, path, qual = where
     try:
-        if name == "__main__":  # this process's own main module is not the trainer's script
+        # this process's own main module is not the trainer's script
+        if name == "__main__":
             raise ImportError(name)
         module = importlib.import_module(name)
     except ImportError:
@@ -214,20 +214,24 @@ class RewardRunner:
     """Scores responses with one reward function, counting faults instead of crashing.
 
     timeout > 0: calls run in `workers` processes (started by `pool_start_method`: fork, where the
-    function need not be importable by name, unless CUDA or vLLM make it unsafe) and a call that has not returned after `timeout` seconds scores 0; the pool
-    is then replaced, since a hung worker cannot be interrupted. timeout == 0: calls run in-process
+    function need not be importable by name, unless CUDA or vLLM make it unsafe) and a call that has not
+    returned after `timeout` seconds scores 0; the pool is then replaced, since a hung worker cannot be
+    interrupted. timeout == 0: calls run in-process
     (fastest, for trusted built-ins).
     """
 
     def __init__(self, fn, timeout: float = 0.0, workers: int = 1, log=print):
         self.fn, self.timeout, self.workers, self.log = fn, timeout, workers, log
-        self.wants_sample = "sample" in check_call(fn, "reward", "fn(prompt, response, label[, sample])", args=3,
+        self.wants_sample = "sample" in check_call(fn, "reward", "fn(prompt, response, label[, sample])",
+                                                   args=3,
                                                   available={"sample"})
-        self.faults = Counter()  # kind -> count, over the whole run (checkpointed with the trainer)
+        # kind -> count, over the whole run (checkpointed with the trainer)
+        self.faults = Counter()
         self._pool = None
         self._logged = False
 
-    def __call__(self, prompts: list[str], responses: list[str], labels: list, samples=None) -> list[float | dict]:
+    def __call__(self, prompts: list[str], responses: list[str], labels: list,
+                 samples=None) -> list[float | dict]:
         if self.wants_sample and samples is None:
             raise ValueError("this reward takes `sample`: pass the Samples (samples=...)")
         if samples is not None and not self.wants_sample:
@@ -239,16 +243,19 @@ class RewardRunner:
             results = self._in_workers(prompts, responses, labels, samples)
         out = [res[1] if res[0] == "ok" else self._fault(res[1], res[2]) for res in results]
         names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r if k[:1] != "_"))
-        if any(isinstance(r, dict) for r in out):  # a failed sample scores a dict of zeros: one kind per batch
+        # a failed sample scores a dict of zeros: one kind per batch
+        if any(isinstance(r, dict) for r in out):
             for i, r in enumerate(out):
                 if isinstance(r, float):
                     self._fault("MixedTypes", f"reward returned {r!r} where other responses got a dict")
-                out[i] = r if isinstance(r, dict) else dict.fromkeys(names, 0.0)  # trained names only
+                # trained names only
+                out[i] = r if isinstance(r, dict) else dict.fromkeys(names, 0.0)
         return [0.0 if r is None else r for r in out]
 
     def _fault(self, kind: str, text: str) -> None:
         self.faults[kind] += 1
-        if not self._logged:  # the first traceback tells the user what is wrong; then just count
+        # the first traceback tells the user what is wrong; then just count
+        if not self._logged:
             self._logged = True
             self.log(f"reward function failed ({kind}); scoring 0 and counting. First error:\n{text}")
 
@@ -281,13 +288,15 @@ class RewardRunner:
                     kind = "Timeout" if isinstance(e, FutureTimeout) else "WorkerCrash"
                     results[j] = ("error", kind, f"reward call {kind.lower()} (limit {self.timeout}s)")
                     i = j + 1
-                    self.close()  # the pool is stuck or dead: replace it, resubmit the rest
+                    # the pool is stuck or dead: replace it, resubmit the rest
+                    self.close()
                     break
         return results
 
     def close(self):
         if self._pool is not None:
             for proc in list(getattr(self._pool, "_processes", {}).values()):
-                proc.kill()  # a hung worker never returns: kill it rather than wait forever
+                # a hung worker never returns: kill it rather than wait forever
+                proc.kill()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

@@ -1,26 +1,19 @@
-"""Rollout: turn prompts into sampled responses (the first link of the chain).
+"""Rollout: turn prompts into sampled responses.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^
-
-A rollout engine takes prompt token ids and returns `Sample` records (nanorl/trajectory.py): the
-response tokens, their status (completed when a stop token was sampled, truncated when
-`max_new_tokens` ran out) and the log-probability of every sampled token *under exactly the
-distribution it was sampled from*. Those rollout logprobs are what the trainer later compares with
-its own recompute (the train/rollout logprob gap, TIS, ICEPOP), so their definition matters:
+Link 1 of the chain (rollout). A rollout engine takes prompt token ids and returns `Sample` records
+(nanorl/trajectory.py): the response tokens, their status (completed when a stop token was sampled,
+truncated when `max_new_tokens` ran out) and the log-probability of every sampled token *under exactly
+the distribution it was sampled from* — the trainer later compares those with its own recompute (the
+train/rollout logprob gap, TIS, ICEPOP):
 
     rollout_logprob = log softmax(logits / temperature)[token]              (default)
     rollout_logprob = log softmax(mask_support(logits / temperature))[token] (--keep-sampling-mask)
 
-i.e. the temperature-scaled distribution over the full vocabulary — which is what the trainer
-recomputes — or, with keep-sampling-mask, over the top-k / top-p support the sampler kept (the
-trainer then recomputes on that same support; nanorl/sampling.py).
-
-Two engines implement the same two methods (`generate`, `update_weights`):
-- `HFEngine` (here): a plain batched sampling loop over a Hugging Face causal LM with a KV cache.
-  It shares the policy module with the trainer, so a weight "sync" is free and exact.
-  (With --async-steps the rollout worker's HFEngine holds its own copy: nanorl/pipeline.py.)
-- `VLLMEngine` (nanorl/vllm_engine.py): vLLM in-process, weights hot-swapped after each step.
+With keep-sampling-mask the trainer recomputes on that same support (nanorl/sampling.py). Two engines
+implement `RolloutEngine` (`generate`, `update_weights`): `HFEngine` (here; start there), a batched
+sampling loop over a Hugging Face causal LM with a KV cache that shares the policy module with the
+trainer, so a weight "sync" is free and exact (with --async-steps the rollout worker's HFEngine holds its
+own copy: nanorl/pipeline.py); and `VLLMEngine` (nanorl/vllm_engine.py).
 
 Try it: `python -m pytest tests/test_rollout.py -q`.
 """
@@ -47,8 +40,10 @@ class SamplingConfig:
     top_p: float = 1.0
     max_new_tokens: int = 8
     stop_token_ids: tuple[int, ...] = ()
-    keep_support: bool = False  # record the kept top-k/top-p support per token (keep-sampling-mask)
-    support_cap: int = 64  # at most this many kept ids stored per token (nanorl/sampling.py)
+    # record the kept top-k/top-p support per token (keep-sampling-mask)
+    keep_support: bool = False
+    # at most this many kept ids stored per token (nanorl/sampling.py)
+    support_cap: int = 64
     seed: int | None = None
 
 
@@ -106,7 +101,8 @@ class HFEngine(RolloutEngine):
     version: int = 0
     record_routing: bool = False
     compute_dtype: torch.dtype = torch.float32
-    max_batch: int = 512  # rows per forward; larger requests are generated in chunks
+    # rows per forward; larger requests are generated in chunks
+    max_batch: int = 512
     generator: torch.Generator = field(default_factory=torch.Generator)
     # Partial rollouts (nanorl/pipeline.py): called before every decode step after the first; True
     # means it loaded newer weights into the module and set `version`. The KV cache is then rebuilt
@@ -123,7 +119,8 @@ class HFEngine(RolloutEngine):
             from nanorl.distributed import iter_full_tensors
             own = self.model.state_dict()
             if set(own) != set(dict(model.state_dict())):
-                raise ValueError("HFEngine.update_weights: the trainer's model and the engine's differ in names")
+                raise ValueError("HFEngine.update_weights: the trainer's model and the engine's differ in "
+                                 "names")
             with torch.no_grad():
                 for name, full in iter_full_tensors(model):
                     own[name].copy_(full)
@@ -131,14 +128,17 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
-        if self.record_routing and self.between_steps is not None:  # a re-prefill would record twice
-            raise ValueError("HFEngine: record_routing with between_steps (partial rollouts) is not supported")
+        # a re-prefill would record twice
+        if self.record_routing and self.between_steps is not None:
+            raise ValueError("HFEngine: record_routing with between_steps (partial rollouts) is not "
+                             "supported")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
         out, was_training = [], self.model.training
         device = next(self.model.parameters()).device
-        self.model.eval()  # no checkpointing (it would turn the KV cache off), no dropout
+        # no checkpointing (it would turn the KV cache off), no dropout
+        self.model.eval()
         try:
             generator = sampling_generator(self.generator, device)
             with autocast(device, self.compute_dtype):
@@ -173,8 +173,10 @@ class HFEngine(RolloutEngine):
                     # weights' KV cache would make the next tokens samples of neither policy).
                     cache, step_pos = DynamicCache(), (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P+i]
                     step_ids = torch.cat([ids, torch.stack(tokens, 1)], 1)  # [B, P+i]
-                if i == 0 and first is not None:  # each distinct prompt's prefill once, then copied
-                    out = self.model(input_ids=ids[first], attention_mask=attn[first], position_ids=pos[first],
+                # each distinct prompt's prefill once, then copied
+                if i == 0 and first is not None:
+                    out = self.model(input_ids=ids[first], attention_mask=attn[first],
+                                     position_ids=pos[first],
                                      past_key_values=cache, use_cache=True, **self._last_logits_only)
                     out.past_key_values.reorder_cache(copy)  # [U, ...] -> [B, ...]: row b takes copy[b]'s
                     logits = out.logits[:, -1].float()[copy]  # [B, V]
@@ -205,16 +207,19 @@ class HFEngine(RolloutEngine):
         for b, (g, prompt) in enumerate(rows):
             resp = tokens[b].tolist()
             hit = [i for i, t in enumerate(resp) if t in sp.stop_token_ids]
-            length = hit[0] + 1 if hit else len(resp)  # keep the stop token: the model learns to stop
+            # keep the stop token: the model learns to stop
+            length = hit[0] + 1 if hit else len(resp)
             s = Sample(prompt_ids=list(prompt), response_ids=resp[:length],
                        rollout_logprobs=logps[b, :length].tolist(),
                        status="completed" if hit else "truncated",
-                       weight_version=versions[0], group_id=g)  # its oldest token's version
+                       # its oldest token's version
+                       weight_version=versions[0], group_id=g)
             if self.between_steps is not None:
                 s.metadata["token_versions"] = versions[:length]
             if sp.keep_support:
                 s.sampling_support = support[b, :length].to(torch.int32).cpu()  # [R, K]
-            if experts is not None:  # drop the left padding: position 0 is the first prompt token
+            # drop the left padding: position 0 is the first prompt token
+            if experts is not None:
                 s.routed_experts = experts[b, P - len(prompt):P + length - 1].clone()
             samples.append(s)
         return samples

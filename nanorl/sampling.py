@@ -1,88 +1,15 @@
-"""Rollout token sampling, and Keep Sampling Mask (KSM): score tokens on the support they came from.
+"""Rollout token sampling (temperature, top-k, top-p) and Keep Sampling Mask (KSM).
 
-Where this sits: rollout → reward → logprob recompute → advantage → loss → ... The HF engine
-(nanorl/rollout.py) calls `sample_next` once per decode step. With `record_support=True` it also
-gets, per generated token, the ids the sampler could have drawn; the trainer hands those to
-nanorl/entropy.py (`support=[N, K]`) so the current, old and reference policies are all scored on
-that same support.
+Part of link 1 of the chain (rollout): the HF engine (nanorl/rollout.py) calls `sample_next` once per
+decode step. With `record_support=True` it also returns, per token, the ids the sampler could have
+drawn (its support); the trainer hands them to nanorl/entropy.py (`support=[N, K]`) so the current,
+old and reference policies are all scored on that same support (KSM, DeepSeek-V3.2 §3.1).
 
-The sampler, in order (the order of HF `generate` and vLLM):
-  1. temperature T:  z = logits · (1/T) in fp32. T == 0 means greedy: argmax, no randomness.
-                     Multiplying by 1/T (not dividing by T) is the op nanorl/entropy.py's kernels
-                     use; the two differ by an ulp, which alone moved |ratio − 1| to 1.4e-6 at
-                     T = 0.8 in our test, above the 1e-6 the KSM check demands.
-  2. top-k:          keep the tokens whose z is >= the k-th largest z. Ties at the k-th value are
-                     all kept (as HF and vLLM do), so more than k tokens can survive.
-  3. top-p (nucleus, Holtzman et al. 2020): on the top-k-renormalised distribution q, keep token i
-                     iff the mass of the tokens strictly MORE probable than i is < p:
-                         keep_i  <=>  sum_{j : q_j > q_i} q_j < p.
-                     This is the usual "smallest prefix of the sorted list whose mass reaches p",
-                     except at ties: tokens with equal probability get the same decision (all kept),
-                     so the kept set depends only on the distribution, not on how a sort orders
-                     ties. HF and vLLM decide ties by sort position, i.e. arbitrarily. The most
-                     probable token has mass-above 0 < p, so at least one token is always kept
-                     (p must lie in (0, 1]).
-  4. draw a ~ q_S(a) = softmax(z masked to −inf outside the kept set S) with torch.multinomial
-     (a `generator` makes it reproducible).
-
-Why the trainer must score on the same support (DeepSeek-AI, "DeepSeek-V3.2", 2025, §3.1 "Keep
-Sampling Mask"). The behaviour policy is q_S = p/Z_S with Z_S = sum_{a∈S} p(a) <= 1, not p. A
-trainer that recomputes full-vocabulary logprobs compares policies on different action spaces:
-  * ratio: with the rollout's own logprob as "old", on-policy ratio = p(a)/q_S(a) = Z_S ≠ 1
-    before any update, so PPO clipping fires on fresh data; with a full-vocab recomputed "old",
-    the ratio is 1 but the importance weight ignores that a was drawn from q_S (the gradient is the
-    one for p, whose samples the rollout never produced);
-  * the full-vocab gradient also moves the logits of tokens outside S, which were never eligible;
-  * KL/entropy estimators that assume a ~ π are evaluated on samples from a different law.
-With KSM every policy is renormalised on S: log q_θ,S(a) = z_θ(a) − logsumexp_{S} z_θ, the
-first-epoch ratio is exactly 1 and the objective is the one of the policy that really acted. This
-module's tests show both on the math level: recomputed KSM logprobs match the sampler's to ≤ 1e-6,
-while the full-vocab recompute is off by exactly −log Z_S per token.
-
-What `sample_next` returns as the token's logprob (what `Sample.rollout_logprobs` stores):
-  * record_support=True  → log q_S(a) (temperature-scaled, renormalised on S): what the trainer
-    recomputes with the recorded support;
-  * record_support=False → log p_T(a) under the FULL temperature-scaled distribution: what a
-    full-vocab trainer recomputes (the biased, verl/slime-style setting when top-k/top-p are on);
-  * T == 0 (greedy) → log softmax(logits)[argmax], i.e. under temperature 1 and the full vocabulary
-    (a trainer cannot divide by T = 0; it should score greedy rollouts at T = 1), support row −1.
-
-What is stored per token, and its cost. A support row is the kept ids, most probable first,
-right-padded with −1 to the width K of the batch (K = the largest kept set in this step, capped).
-A row of all −1 means "unrestricted": the trainer uses the full vocabulary for that token. Stored
-as int32 (Sample.sampling_support [R, K]) that is 4·K bytes per token (`support_bytes_per_token`);
-a CSR layout (ids + one offset) costs 4·|S| + 4. For top-k = 20: 80 B dense, 84 B CSR per token
-(more only if ties at the 20th logit widen S); compare a full-vocab bitmask, V/8 ≈ 19 KB for
-a 152k vocabulary. Only filtered sampling records anything: with top_k = 0 and top_p = 1 the
-rows are all −1 (width 1).
-
-Overflow policy (top-p can keep thousands of ids when the distribution is flat). When a row keeps
-more than `support_cap` ids we do NOT store a truncated set (the trainer would then score a token
-on a support that misses part of where it was drawn, or even miss the token itself). The row is
-stored as all −1 (unrestricted) and its logprob is reported under the full temperature-scaled
-distribution, so rollout logprob and trainer recompute still agree token by token; that token
-falls back to the non-KSM approximation (its truncated mass is at most 1 − p). The count goes into
-`stats["overflow_tokens"]`, which the engine should log next to bytes/token; `support_cap` is the
-flag that bounds the storage (≤ 4·support_cap bytes per token).
-
-What vLLM exposes (V1 engine, vLLM >= 0.10.2; vllm/v1/sample/sampler.py, sampling_params.py).
-`SamplingParams(logprobs=n)` returns, per generated position, a dict {token_id: Logprob(logprob,
-rank, ...)} with the n most probable tokens plus the sampled one (n or n+1 entries); n is capped
-by the engine argument `max_logprobs` (default 20; n = −1 asks for all V, far too heavy per
-token). The engine argument `logprobs_mode` decides which numbers those are: "raw_logprobs"
-(default) = log_softmax of the model logits before temperature, penalties and top-k/top-p;
-"processed_logprobs" = log_softmax after temperature, penalties and the top-k/top-p mask, i.e.
-−inf outside the kept set and renormalised on it (this mode also bypasses the FlashInfer
-sampler, which returns no logprobs). So with processed_logprobs the sampled token's logprob is
-log q_S(a), and the kept set is the tokens with a finite entry — provided all of S fits in the n
-returned. For top-k, request n = k + 1: an entry at −inf proves the set is complete (only exact
-ties at the k-th logit, which make |S| > k, defeat that; such a row is reported as overflow).
-For top-p, |S| is unbounded (thousands of ids on a flat step), so S can be reconstructed only at
-positions where it happens to fit in n: in general it cannot, and a vLLM engine should refuse
-KSM with top-p < 1 (or mask out the overflow rows it reports). The OpenAI-compatible server
-floors logprobs at −9999.0 in JSON; we treat that as −inf. Penalties and logit_bias also change
-processed logprobs and the trainer does not replay them: keep them off when using KSM.
-`support_from_topk_logprobs` turns those dicts into support rows.
+Start at `sample_next` (the sampler's steps, which logprob it reports, the overflow policy); `keep_mask`
+is the filter, `support_to_mask` / `apply_support` the trainer's side, `support_from_topk_logprobs` the
+vLLM side. Key choices: the order of HF `generate` and vLLM, fp32 math, tie-inclusive filters (the kept
+set depends only on the distribution), and a support larger than `support_cap` stored as unrestricted,
+never truncated. Why KSM matters, and what vLLM exposes: docs/from-slime-verl.md, "nanorl/sampling.py".
 
 Run the tests: python -m pytest tests/test_sampling.py -q
 """
@@ -111,7 +38,7 @@ def _check_args(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 def keep_mask(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Kept-token mask of top-k then top-p on temperature-scaled logits z [B, V] -> bool [B, V].
 
-    Both filters are tie-inclusive (see the module docstring), so the kept set is always
+    Both filters are tie-inclusive (sample_next's steps 2-3), so the kept set is always
     {i : z_i >= threshold_b} for a per-row threshold: the kept ids are the |S| largest logits.
     """
     keep = torch.ones_like(z, dtype=torch.bool)  # [B, V]
@@ -145,6 +72,37 @@ def sample_next(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Draw one token per row with temperature / top-k / top-p.
 
+    The sampler, in order (the order of HF `generate` and vLLM):
+      1. temperature T: z = logits · (1/T) in fp32 (the op of nanorl/entropy.py's kernels). T == 0
+         means greedy: argmax, no randomness.
+      2. top-k: keep the tokens whose z is >= the k-th largest z; ties at the k-th value are all kept,
+         so more than k tokens can survive.
+      3. top-p (nucleus): on the top-k-renormalised distribution q, keep token i iff the mass of the
+         tokens strictly MORE probable than i is < p:  keep_i <=> sum_{j : q_j > q_i} q_j < p.
+         Tokens of equal probability get the same decision (all kept). The most probable token has
+         mass-above 0 < p, so at least one token is always kept (p must lie in (0, 1]).
+      4. draw a ~ q_S(a) = softmax(z masked to −inf outside the kept set S) with torch.multinomial
+         (a `generator` makes it reproducible).
+
+    The token's logprob it returns (what `Sample.rollout_logprobs` stores):
+      * record_support=True  → log q_S(a) (temperature-scaled, renormalised on S): what the trainer
+        recomputes with the recorded support;
+      * record_support=False → log p_T(a) under the FULL temperature-scaled distribution: what a
+        full-vocab trainer recomputes;
+      * T == 0 (greedy) → log softmax(logits)[argmax], i.e. under temperature 1 and the full vocabulary
+        (a trainer cannot divide by T = 0; it should score greedy rollouts at T = 1), support row −1.
+
+    A support row is the kept ids, most probable first, right-padded with −1 to the width K of the
+    batch (K = the largest kept set in this step, capped); a row of all −1 means "unrestricted": the
+    trainer uses the full vocabulary for that token. Overflow (top-p can keep thousands of ids when the
+    distribution is flat): a row that keeps more than `support_cap` ids is NOT stored truncated (the
+    trainer would then score a token on a support that misses part of where it was drawn, or even miss
+    the token itself); it is stored as all −1 and its logprob reported under the full temperature-scaled
+    distribution, so rollout logprob and trainer recompute still agree token by token; that token falls
+    back to the non-KSM approximation (its truncated mass is at most 1 − p). The count goes into
+    `stats["overflow_tokens"]`, which the engine logs next to bytes/token; `support_cap` bounds the
+    storage (≤ 4·support_cap bytes per token).
+
     Args:
         logits: [B, V] raw next-token logits (any float dtype; the math runs in fp32).
         temperature: >= 0; 0 = greedy.  top_k: 0 = off.  top_p: in (0, 1], 1 = off.
@@ -154,12 +112,13 @@ def sample_next(
         stats: optional dict; counts are added to keys "sampled_tokens", "restricted_tokens",
             "overflow_tokens", "support_ids" (ids stored in restricted rows).
     Returns:
-        tokens [B] long, logprobs [B] fp32 (see the module docstring for which distribution),
+        tokens [B] long, logprobs [B] fp32 (under which distribution: above),
         support [B, K] long with −1 padding (all −1 = unrestricted) or None.
     """
     _check_args(logits, temperature, top_k, top_p, support_cap)
     B, V = logits.shape
-    logits = logits.float()  # RL math in fp32 whatever the model dtype
+    # RL math in fp32 whatever the model dtype
+    logits = logits.float()
 
     def unrestricted() -> torch.Tensor:
         return torch.full((B, 1), -1, dtype=torch.long, device=logits.device)  # [B, 1]
@@ -170,7 +129,8 @@ def sample_next(
         _count(stats, B, 0, 0, 0)
         return tokens, logprobs, (unrestricted() if record_support else None)
 
-    z = logits * (1.0 / temperature)  # [B, V]; the trainer kernels' op (docstring, step 1)
+    # The trainer kernels' op (step 1 above): multiply by 1/T, never divide by T.
+    z = logits * (1.0 / temperature)  # [B, V]
     keep = keep_mask(z, top_k, top_p)  # [B, V]
     masked = z.masked_fill(~keep, float("-inf"))  # [B, V]
     logp_kept = torch.log_softmax(masked, dim=-1)  # [B, V] log q_S, −inf outside S
@@ -184,7 +144,8 @@ def sample_next(
 
     n_kept = keep.sum(dim=-1)  # [B]
     fits = n_kept <= support_cap  # [B] rows we can store exactly
-    K = int(torch.where(fits, n_kept, 1).max())  # width of this step's support, 1 <= K <= cap
+    # width of this step's support, 1 <= K <= cap
+    K = int(torch.where(fits, n_kept, 1).max())
     # The kept set is the |S| largest logits (keep_mask is threshold-shaped), so the top-K ids of
     # the masked logits, cut at |S|, are exactly S, most probable first.
     ids = masked.topk(K, dim=-1).indices  # [B, K]
@@ -294,17 +255,19 @@ def support_from_topk_logprobs(positions: list[dict], support_cap: int = 64
         support [R, K] long (−1 pad; all −1 = unrestricted), overflow [R] bool: True where the
         kept set could not be proven complete (no −inf entry) or exceeds the cap. Overflowed rows
         carry vLLM's renormalised logprob while the trainer scores them full-vocab: the engine
-        must mask them out of the loss, or refuse (see the module docstring).
+        must mask them out of the loss, or refuse (what vLLM exposes: docs/from-slime-verl.md).
     """
     rows, overflow = [], []
     for pos in positions:
         kept, complete = [], False
         for tok, lp in pos.items():
             val = float(getattr(lp, "logprob", lp))
-            if math.isfinite(val) and val > -9999.0:  # the OpenAI server floors −inf at −9999.0
+            # the OpenAI server floors −inf at −9999.0
+            if math.isfinite(val) and val > -9999.0:
                 kept.append((val, int(tok)))
             else:
-                complete = True  # a top-n entry outside S: every member of S ranked above it
+                # a top-n entry outside S: every member of S ranked above it
+                complete = True
         kept.sort(key=lambda t: -t[0])
         ok = complete and 0 < len(kept) <= support_cap
         rows.append([tok for _, tok in kept] if ok else [])

@@ -1,45 +1,16 @@
 """The built-in default task and model: everything `python train.py --algo grpo` needs, made in code.
 
-No download is possible on a fresh laptop, so the default run builds its own world:
-
-1. A verifiable task: small-number arithmetic. A prompt is ``"3+4+9="`` and the answer is ``"16"``
-   followed by the end-of-sequence token: all 1000 sums of three one-digit numbers, split
-   deterministically into 800 train and 200 held-out problems. The held-out problems are never
-   trained on, so "accuracy" measures whether the policy learned to add, not a lookup table (with
-   one-digit ``a+b`` the tiny model memorises pairs and held-out accuracy stalls near 50%).
-   The reward (nanorl/rewards.py, ``exact``) is 1 for the exact answer then EOS, else 0.
-2. A character-level tokenizer (digits, ``+ - =``, <pad>, <eos>) built with the ``tokenizers``
-   library and saved as a standard ``PreTrainedTokenizerFast``, so loading it is the same code path
-   as any real model. A small vocabulary matters: with 45 tokens the warm-started policy sampled
-   junk characters at temperature 1 and GRPO saw almost no reward.
-3. A tiny Qwen2 (hidden 128, 2 layers, 2 heads of 32, ~400k parameters) with random weights — a
-   real Hugging Face architecture, so the rollout engine, the logprob recompute and weight saving
-   are the real ones. (Hidden 64 learned too, but plateaued near 70% held-out accuracy.)
-4. A short supervised warm-start (90 steps of 128 examples, lr 1e-3) on the train problems, so the
-   policy starts partially right (76.5% held-out greedy accuracy; sums of 20 and more: 46%), as real RL
-   starts from an SFT model. From random init the policy collapses to one answer: most groups then have
-   all-equal rewards and GRPO has no signal (../shared/FACTS.md). Why 90 and not 60 (issue 23): after 60
-   steps (27.5%) no sum of 20 or more was answered right greedily (their answers start with a "2", 12%
-   of the problems) and RL lost them on 3 of 4 seeds — groups of 10-19 sums push the shared "2" down,
-   while a ≥ 20 group rarely holds a right answer to push it up — so held-out accuracy plateaued at 86%,
-   every wrong answer a sum ≥ 20 ("19", "11", "119"). A stronger KL (β 0.04), token-mean
-   aggregation, groups of 16 and a 70-step start did not fix it; from 90 steps every seed learns them
-   (docs/bench_results.md, "The built-in default").
-
-`make_default(out_dir, seed)` writes ``train.jsonl``, ``test.jsonl`` and the model directory (model
-and tokenizer, loadable by ``AutoModelForCausalLM`` / vLLM), and train.py then runs on those files
-exactly as it would on a user's data and model. Run it alone:
+No download is possible on a fresh laptop, so the default run builds its own world: a verifiable task
+(all 1000 sums of three one-digit numbers, ``"3+4+9="`` → ``"16"`` then EOS, split into 800 train and
+200 held-out problems), a character-level tokenizer saved as a standard ``PreTrainedTokenizerFast``, a
+tiny Qwen2 with random weights (a real Hugging Face architecture, so rollout, recompute and saving are
+the real code paths), and a short supervised warm start, as real RL starts from an SFT model. Start at
+`make_default(out_dir, seed)`: it writes ``train.jsonl``, ``test.jsonl`` and the model directory, and
+train.py then runs on those files exactly as on a user's data and model. `make_real_shape(out_dir,
+layers)` builds the other kind of model nanorl is for, the exact shape of Qwen2.5-0.5B-Instruct with few
+layers. Why these sizes, and the warm start's history: docs/from-slime-verl.md, "nanorl/task.py".
 
     python -m nanorl.task runs/default
-
-`make_real_shape(out_dir, layers)` builds the other kind of model nanorl is for, without a download:
-the exact shape of Qwen2.5-0.5B-Instruct (hidden 896, 14 heads, 2 KV heads, MLP 4864, vocabulary
-151936, 32768 positions, tied embeddings, rope θ 1e6) with few layers, random weights, a byte-level
-tokenizer with Qwen's special-token ids and its ChatML chat template, and GSM8K-format data. The
-real-shape rehearsal (tests/test_real_scale.py), `bench.py` and the GPU check run the README's GPU
-command lines on it: every real-scale cost (the 152k-vocabulary LM head, bf16, memory per token)
-is there; only depth and trained weights are missing.
-
     python -m nanorl.task --real-shape runs/real_shape
 """
 from __future__ import annotations
@@ -70,13 +41,15 @@ def problems(seed: int = 0, test_fraction: float = 0.2) -> tuple[list[dict], lis
 
 def build_tokenizer():
     """A character-level fast tokenizer: one token per character, plus <pad> and <eos>."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate([PAD, EOS] + CHARS)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
-    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")  # every char is a token
-    core.decoder = decoders.Fuse()  # decode joins characters back without spaces
+    # every char is a token
+    core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    # decode joins characters back without spaces
+    core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=EOS)
 
 
@@ -104,7 +77,8 @@ def warm_start(model, tokenizer, items: list[dict], steps: int = 40, batch_size:
     labels = torch.full((len(rows), width), -100)  # [N, S] -100 = not trained on
     for i, r in enumerate(rows):
         ids[i, :len(r)] = torch.tensor(r)
-        labels[i, plen[i]:len(r)] = torch.tensor(r[plen[i]:])  # the answer and its EOS only
+        # the answer and its EOS only
+        labels[i, plen[i]:len(r)] = torch.tensor(r[plen[i]:])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for _ in range(steps):
@@ -129,7 +103,8 @@ def make_default(out_dir: str, seed: int = 0, sft_steps: int = 90, hidden: int =
     model_dir = os.path.join(out_dir, f"qwen2-h{hidden}-sft{sft_steps}-seed{seed}")
     paths = {"model": model_dir, "train": os.path.join(out_dir, "train.jsonl"),
              "test": os.path.join(out_dir, "test.jsonl")}
-    train, test = problems(seed=0)  # the split is fixed: held-out problems never change with the seed
+    # the split is fixed: held-out problems never change with the seed
+    train, test = problems(seed=0)
     os.makedirs(out_dir, exist_ok=True)
     for split, items in (("train", train), ("test", test)):
         with open(paths[split], "w") as f:
@@ -151,7 +126,8 @@ def save_model_dir(model, tokenizer, model_dir: str) -> None:
     tokenizer.save_pretrained(tmp)
     try:
         os.replace(tmp, model_dir)
-    except OSError:  # the directory exists: another process got there first
+    # the directory exists: another process got there first
+    except OSError:
         shutil.rmtree(tmp)
         if not os.path.exists(os.path.join(model_dir, "config.json")):
             raise
@@ -161,8 +137,10 @@ def save_model_dir(model, tokenizer, model_dir: str) -> None:
 
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                   vocab_size=151936, max_position_embeddings=32768, tie_word_embeddings=True,
-                  rope_theta=1e6, rms_norm_eps=1e-6)  # Qwen/Qwen2.5-0.5B-Instruct's config.json (24 layers)
-ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645  # Qwen2's special-token ids
+                  # Qwen/Qwen2.5-0.5B-Instruct's config.json (24 layers)
+                  rope_theta=1e6, rms_norm_eps=1e-6)
+# Qwen2's special-token ids
+ENDOFTEXT, IM_START, IM_END = 151643, 151644, 151645
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
@@ -175,17 +153,21 @@ def build_real_shape_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    symbols = list(pre_tokenizers.ByteLevel.alphabet())  # 256 printable stand-ins for the bytes
+    # 256 printable stand-ins for the bytes
+    symbols = list(pre_tokenizers.ByteLevel.alphabet())
     vocab = {c: i for i, c in enumerate(sorted(symbols))}
-    fillers = itertools.chain(itertools.product(sorted(symbols), repeat=2), itertools.product(sorted(symbols), repeat=3))
+    fillers = itertools.chain(itertools.product(sorted(symbols), repeat=2),
+                              itertools.product(sorted(symbols), repeat=3))
     for piece in itertools.islice(fillers, ENDOFTEXT - len(vocab)):
         vocab["".join(piece)] = len(vocab)
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
-    core.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # appended in this order
+    # appended in this order
+    core.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    if tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) != [ENDOFTEXT, IM_START, IM_END]:
+    if tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) != [ENDOFTEXT, IM_START,
+                                                                                      IM_END]:
         raise RuntimeError("real-shape tokenizer: special tokens must sit at Qwen2's ids 151643-151645")
     tok.chat_template = CHATML
     return tok
@@ -221,7 +203,8 @@ def make_real_shape(out_dir: str, layers: int = 2, seed: int = 0, n_train: int =
     torch.manual_seed(seed)
     config = Qwen2Config(num_hidden_layers=layers, bos_token_id=ENDOFTEXT, eos_token_id=IM_END,
                          pad_token_id=ENDOFTEXT, **QWEN25_05B)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)  # Qwen ships bf16 weights
+    # Qwen ships bf16 weights
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     model.generation_config = GenerationConfig(bos_token_id=ENDOFTEXT, eos_token_id=[IM_END, ENDOFTEXT],
                                                pad_token_id=ENDOFTEXT)
     save_model_dir(model, build_real_shape_tokenizer(), model_dir)
@@ -230,7 +213,8 @@ def make_real_shape(out_dir: str, layers: int = 2, seed: int = 0, n_train: int =
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m nanorl.task",
-                                 description="Write the built-in task and model (or the real-shape model) to DIR.")
+                                 description="Write the built-in task and model (or the real-shape model) to "
+                                             "DIR.")
     ap.add_argument("dir", nargs="?", help="output directory (default runs/default, or runs/real_shape)")
     ap.add_argument("--real-shape", action="store_true", help="the Qwen2.5-0.5B-shaped rehearsal model")
     ap.add_argument("--layers", type=int, default=2, help="--real-shape: decoder layers (the real model: 24)")

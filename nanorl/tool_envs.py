@@ -1,44 +1,16 @@
 """Built-in tool environments: a calculator on the built-in task, and a Python tool for real models.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^   ^^^^^^  (environments for nanorl/env.py's multi-turn driver)
-
-`--env calc` (CalcEnv) — the built-in task (sums of three one-digit numbers) with a calculator the
-model may call before answering. An episode on "3+4+9=":
-
-    3+4+9=  calc(3+4+9)<eos>  >16=  16<eos>
-    prompt  model turn 1      tool  model turn 2 (the answer; reward 1 if it is the sum, else 0)
-
-A turn that is a call `calc(<digits and + ->)` gets the value back as a tool message (">16=" is how
-this task's chat template frames one); any other turn is the final answer. The tiny model gets
-three-number sums right about a fifth of the time on its own but copies well, so a call that
-hands it the sum measurably pays off: RL raises the tool-use rate and, with it, the accuracy
-(tests/test_env_learning.py). The calculator takes any +/- expression, so calling it on two of the
-numbers and adding the third in the head is a policy too (a worse one). The task variant needs
-letters and parentheses, so it has its own tokenizer (the default task's tokenizer and model are
-unchanged) and its own warm start: most SFT transcripts answer directly, `tool_fraction` of them
-call the calculator first — as a real model knows a tool format before RL teaches it when to use it.
-`make_calc_task(out_dir)` writes data, tokenizer and model; train.py builds it for `--env calc`
-when no --model is given.
-
-`--env python_tool` (PythonToolEnv) — a generic example for real chat models: a ChatML-style
-(Qwen2.5 / Hermes) tool call
-
-    <tool_call>
-    {"name": "python", "arguments": {"expression": "37 * 43 + 2**10"}}
-    </tool_call>
-
-is answered with the expression's value as a `tool` message (the chat template frames it: Qwen2.5
-renders `<|im_start|>user\\n<tool_response>\\n2615\\n</tool_response><|im_end|>\\n`); a turn without
-a call is the final answer, graded by the math reward (nanorl/math_grader.py) against the label.
-The expression is evaluated by an AST walker that allows numbers, arithmetic and a few math
-functions — no names, attributes or calls beyond those — in a worker process with a timeout
-(`9**9**9` runs for minutes: the process is killed). It is a guard against accidents, not a sandbox for
-hostile code: run that in a container.
-
-How train.py finds and wires an environment (the end of this file): `load_env` (a built-in name,
-`module:Class` or `file.py:Class`), `episode_runner` (the driver with the run's caps, tool timeout
-and prompt format), `check_config` (Config's --env group).
+Environments for nanorl/env.py's multi-turn driver: they shape link 1 (rollout, as episodes of model and
+tool turns) and link 2 (the reward). `--env calc` (`CalcEnv`): the built-in task (sums of three one-digit
+numbers) with a calculator the model may call before answering; `make_calc_task(out_dir)` writes its
+data, tokenizer and model (train.py builds it for `--env calc` when no --model is given).
+`--env python_tool` (`PythonToolEnv`): ChatML-style (Qwen2.5 / Hermes) tool calls for real chat models,
+answered with a Python expression's value, the final answer graded by the math reward. Key choice: the
+expression runs through an AST walker (numbers, arithmetic, a few math functions) in a worker process
+with a timeout — a guard against accidents, not a sandbox for hostile code. How train.py finds and wires
+an environment (the end of this file): `load_env` (a built-in name, `module:Class` or
+`file.py:Class`), and `episode_runner` (the driver with the run's caps, tool timeout and prompt format;
+nanorl/config.py checks the --env flags). An episode of each: the class docstrings.
 
 Test: python -m pytest tests/test_env.py -q
 """
@@ -55,14 +27,15 @@ from dataclasses import replace
 
 import torch
 
-from nanorl.plugins import load_object
 from nanorl import task
 from nanorl.env import Env, EpisodeRunner, Step
+from nanorl.plugins import load_object
 
 # ----------------------------------------------------------------------------- the calculator task
 CALL = re.compile(r"calc\(([0-9+\-]{1,32})\)")
 EXPR = re.compile(r"-?\d+(?:[+-]\d+)*")
-CALC_CHARS = task.CHARS + list("cal()>")  # the default characters keep their ids; six appended
+# the default characters keep their ids; six appended
+CALC_CHARS = task.CHARS + list("cal()>")
 # The model's turns end with <eos>; a tool message is ">" + value + "=" (the "=" hands the turn back,
 # as it ends the prompt); a user message is its content (so prompts are the default task's "a+b+c=").
 CALC_TEMPLATE = ("{%- for m in messages -%}{%- if m['role'] == 'assistant' -%}{{ m['content'] + '<eos>' }}"
@@ -78,12 +51,28 @@ def calc(expression: str) -> int:
 
 
 class CalcEnv(Env):
-    """The built-in task with a calculator (module docstring). Reward 1 for the exact sum, else 0."""
-    tool_timeout = 0.0  # calc is a trusted pure function: in-process, no worker round trip per call
+    """The built-in task with a calculator. Reward 1 for the exact sum, else 0. An episode on "3+4+9=":
+
+        3+4+9=  calc(3+4+9)<eos>  >16=  16<eos>
+        prompt  model turn 1      tool  model turn 2 (the answer; reward 1 if it is the sum, else 0)
+
+    A turn that is a call `calc(<digits and + ->)` gets the value back as a tool message (">16=" is how
+    this task's chat template frames one); any other turn is the final answer. The tiny model gets
+    three-number sums right about a fifth of the time on its own but copies well, so a call that hands
+    it the sum measurably pays off: RL raises the tool-use rate and, with it, the accuracy
+    (tests/test_env_learning.py). The calculator takes any +/- expression, so calling it on two of the
+    numbers and adding the third in the head is a policy too (a worse one). The task variant needs
+    letters and parentheses, so it has its own tokenizer (the default task's tokenizer and model are
+    unchanged) and its own warm start: most SFT transcripts answer directly, `tool_fraction` of them
+    call the calculator first — as a real model knows a tool format before RL teaches it when to use
+    it."""
+    # calc is a trusted pure function: in-process, no worker round trip per call
+    tool_timeout = 0.0
 
     def reset(self, prompt):
         self.label = str(prompt.label).strip()
-        return None  # the prompt as the data pipeline rendered it: "a+b+c="
+        # the prompt as the data pipeline rendered it: "a+b+c="
+        return None
 
     def step(self, action):
         text = action.text.strip()
@@ -91,7 +80,8 @@ class CalcEnv(Env):
         if call is not None:
             try:
                 value = str(self.call(calc, call.group(1)))
-            except ValueError:  # e.g. "calc(3++4)": the tool says so, the model may try again
+            # e.g. "calc(3++4)": the tool says so, the model may try again
+            except ValueError:
                 value = "-"
             return Step(value, 0.0, False, {"tool_calls": 1})
         return Step(None, 1.0 if text == self.label else 0.0, True, {})
@@ -149,7 +139,8 @@ def warm_start_chats(model, tokenizer, chats: list[list[dict]], steps: int, batc
             w = int(lengths[part].max())
             x, y = ids[part, :w], labels[part, :w]  # [b, w]
             logits = model(input_ids=x, attention_mask=(x != tokenizer.pad_token_id).long()).logits[:, :-1]
-            total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y[:, 1:].flatten(),
+            total = total + torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(),
+                                                              y[:, 1:].flatten(),
                                                               ignore_index=-100, reduction="sum")
         opt.zero_grad()
         (total / count).backward()
@@ -183,8 +174,10 @@ def make_calc_task(out_dir: str, seed: int = 0, sft_steps: int = 60, tool_fracti
 
 # ----------------------------------------------------------------------------- a Python tool, ChatML
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
-PYTHON_TOOL_PROMPT = ('You can evaluate a Python arithmetic expression by writing\n<tool_call>\n{"name": "python", '
-                      '"arguments": {"expression": "..."}}\n</tool_call>\nand you will get its value. When you '
+PYTHON_TOOL_PROMPT = ('You can evaluate a Python arithmetic expression by writing\n<tool_call>\n{"name": '
+                      '"python", '
+                      '"arguments": {"expression": "..."}}\n</tool_call>\nand you will get its value. When '
+                      'you '
                       'know the answer, give it in \\boxed{}.\n\n')
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
@@ -198,38 +191,58 @@ def python_expression(expression: str) -> str:
     def walk(node):
         if isinstance(node, ast.Expression):
             return walk(node.body)
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        if isinstance(node, ast.Constant) and isinstance(node.value,
+                                                         (int, float)) and not isinstance(node.value, bool):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](walk(node.left), walk(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](walk(node.operand))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS and not node.keywords:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCS
+                and not node.keywords):
             return _FUNCS[node.func.id](*[walk(a) for a in node.args])
         raise ValueError(f"not allowed in an expression: {ast.dump(node)[:60]}")
     return repr(walk(ast.parse(expression, mode="eval")))
 
 
 class PythonToolEnv(Env):
-    """A Python-expression tool with ChatML-style calls; the final answer is graded by the math reward."""
-    tool_timeout = 5.0  # model-written expressions can run for minutes (9**9**9): bounded, in a worker
+    """A Python-expression tool with ChatML-style calls; the final answer is graded by the math reward.
+
+    A ChatML-style (Qwen2.5 / Hermes) tool call
+
+        <tool_call>
+        {"name": "python", "arguments": {"expression": "37 * 43 + 2**10"}}
+        </tool_call>
+
+    is answered with the expression's value as a `tool` message (the chat template frames it: Qwen2.5
+    renders `<|im_start|>user\\n<tool_response>\\n2615\\n</tool_response><|im_end|>\\n`); a turn without
+    a call is the final answer, graded by the math reward (nanorl/math_grader.py) against the label.
+    The expression is evaluated by an AST walker that allows numbers, arithmetic and a few math
+    functions — no names, attributes or calls beyond those — in a worker process with a timeout
+    (`9**9**9` runs for minutes: the process is killed). It is a guard against accidents, not a
+    sandbox for hostile code: run that in a container."""
+    # model-written expressions can run for minutes (9**9**9): bounded, in a worker
+    tool_timeout = 5.0
 
     def reset(self, prompt):
         self.question, self.label = prompt.text, str(prompt.label)
-        return PYTHON_TOOL_PROMPT + prompt.text  # rendered by the run's prompt format (chat template)
+        # rendered by the run's prompt format (chat template)
+        return PYTHON_TOOL_PROMPT + prompt.text
 
     def step(self, action):
         from nanorl.rewards import math_reward
 
         found = TOOL_CALL.search(action.text)
-        if found is None:  # no call: this is the answer
+        # no call: this is the answer
+        if found is None:
             return Step(None, float(self.call(math_reward, self.question, action.text, self.label)), True, {})
         try:
             call = json.loads(found.group(1))
             if call.get("name") != "python":
                 raise ValueError(f"unknown tool {call.get('name')!r}; the only tool is 'python'")
             value = self.call(python_expression, str(call["arguments"]["expression"]))
-        except (SyntaxError, ValueError, KeyError, TypeError, ArithmeticError) as e:  # the model's mistake: tell it
+        # the model's mistake: tell it
+        except (SyntaxError, ValueError, KeyError, TypeError, ArithmeticError) as e:
             value = f"error: {type(e).__name__}: {e}"
         return Step(value, 0.0, False, {"tool_calls": 1})
 
@@ -243,27 +256,10 @@ def episode_runner(cfg, engine, tokenizer, fmt, log=print) -> EpisodeRunner:
     returns is a whole user message: the run's format without --prompt-template)."""
     reset_fmt = replace(fmt, template="")
     return EpisodeRunner(engine, load_env(cfg.env), tokenizer, max_turns=cfg.env_max_turns,
-                         max_tokens=cfg.episode_tokens, tool_timeout=None if cfg.tool_timeout < 0 else cfg.tool_timeout,
+                         max_tokens=cfg.episode_tokens,
+                         tool_timeout=None if cfg.tool_timeout < 0 else cfg.tool_timeout,
                          render=lambda text: reset_fmt.render(text, tokenizer)[0],
                          template_kwargs=cfg.chat_template_dict, log=log)
-
-
-def check_config(cfg, need, defaults: dict) -> None:
-    """Config's --env group (nanorl/config.py): ranges, and no flag that does nothing."""
-    moved = [k for k in ("env_max_turns", "env_max_tokens", "tool_timeout") if getattr(cfg, k) != defaults[k]]
-    need(cfg.env or not moved, f"{', '.join(moved)} only shape --env episodes: set --env")
-    need(not cfg.env or cfg.env in BUILTIN_ENVS or ":" in cfg.env,
-         f"--env {cfg.env!r}: expected one of {sorted(BUILTIN_ENVS)}, 'module:Class' or 'file.py:Class'")
-    need(cfg.env_max_turns >= 1 and cfg.env_max_tokens >= 0, "env_max_turns must be >= 1 and env_max_tokens >= 0")
-    need(cfg.tool_timeout >= 0 or cfg.tool_timeout == -1, f"tool_timeout must be >= 0 or -1, got {cfg.tool_timeout}")
-    if cfg.env:
-        for k in ("reward", "reward_timeout"):  # the environment scores its episodes; --reward is unused
-            need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
-                 f"--{k.replace('_', '-')} does nothing with --env: the environment scores its episodes")
-        need(not cfg.overlong_buffer, "--overlong-buffer measures one response against max_new_tokens; an "
-             "episode's length is bounded by env_max_tokens instead: not supported with --env")
-        need(cfg.env != "calc" or cfg.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 (a call "
-             f"is up to 12 tokens: calc(9+9+9)<eos>), got {cfg.max_new_tokens}")
 
 
 def load_env(spec: str):
@@ -272,5 +268,6 @@ def load_env(spec: str):
     if spec in BUILTIN_ENVS:
         return BUILTIN_ENVS[spec]
     if ":" not in spec:
-        raise ValueError(f"env {spec!r}: expected one of {sorted(BUILTIN_ENVS)}, 'module:Class' or 'file.py:Class'")
+        raise ValueError(f"env {spec!r}: expected one of {sorted(BUILTIN_ENVS)}, 'module:Class' or "
+                         "'file.py:Class'")
     return load_object(spec, "env")

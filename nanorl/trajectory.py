@@ -1,45 +1,13 @@
-"""Trajectories: from sampled tokens to the tensors a policy-gradient loss reads.
+"""Trajectories: from sampled tokens to the tensors a policy-gradient loss reads (right after link 1).
 
 A *trajectory* is one episode of the policy: a prompt (the state), the tokens sampled in reply (the
-actions), each sampled token's log-probability under the sampling policy, and a reward. In the chain
-rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync,
-this file sits right after rollout: the engine returns `Sample`s, `collate` turns them into one
-`PaddedBatch`, and every later stage reads its [B, T] tensors. Imports: torch + stdlib only.
-
-Units. The *token* is the unit the loss is defined over: per-token tensors are [B, T] over RESPONSE
-tokens only (prompt tokens are not actions). A *step* is one model call in an agent loop (one
-assistant message of a tool-using episode), a *turn* one user → assistant exchange. Rewards usually
-arrive per trajectory and the advantage estimator spreads them over tokens; step-level switches
-(`step_mask`, a message's `step_loss_mask`) turn off every token of one step.
-
-Masks, not to be confused:
-  * response mask — positions holding a token the policy produced: 1 up to and including the first
-    EOS (stopping is an action the model must learn), 0 after.
-  * padding mask — positions that exist at all once ragged samples share one width.
-  * valid (loss) mask — response ∩ non-padding ∩ per-token loss mask ∩ optional filters (drop
-    truncated samples, DAPO's overlong filtering; drop a step). Only it enters losses and metrics.
-  * attention mask — which INPUT tokens the model may attend to: prompt, user turns, tool outputs.
-    Context the model must SEE is not what it is trained to PRODUCE: in a multi-turn chat, training
-    on user or tool tokens would teach the policy to imitate the environment, so the loss mask keeps
-    assistant content only (plus its end-of-turn token) while attention covers everything.
-
-Layouts. Padded: prompts LEFT-padded to width P, responses RIGHT-padded to width T, so response
-token t of every row sits at column P + t and is predicted by the logits at column P - 1 + t — one
-slice `logits[:, P-1:P+T-1]` serves the whole batch (verl's layout). Packed (varlen): the real tokens
-of all rows in one row of N tokens, position ids restarting at 0 per sample, `cu_seqlens` marking
-the boundaries (what flash-attention's varlen kernels take); no compute is spent on padding.
-`pack` / `unpack` convert between the two without losing anything.
-
-Choices:
-  * A response of length 0 is ALLOWED (an aborted request may return nothing): its row is padding
-    and contributes no token. An empty prompt is rejected: response token 0 is predicted from the
-    last prompt token, so there must be one (use BOS).
-  * `chat_tokens_and_mask` includes the end-of-turn token the template writes right after an
-    assistant content (<|im_end|>, <|eot_id|>, …), as slime's multi-turn masks do: the model must
-    learn to stop. A token straddling a span boundary is in the span if its character offsets
-    intersect it; for the excluded <think> span too, so exclusion wins for a token straddling
-    "</think>" and the answer.
-
+actions), each sampled token's log-probability under the sampling policy, and a reward. The engine
+returns `Sample`s, `collate` turns them into one `PaddedBatch`, and every later stage reads its [B, T]
+tensors over RESPONSE tokens only (prompt tokens are not actions); what the trainer computes per token
+during a step lives in its named `StepTensors`. Start at `Sample`, `collate`, `PaddedBatch` (whose
+docstring explains the four masks and the padded / packed layouts). Key choices: an empty response is
+allowed (its row is padding), an empty prompt is not; the end-of-turn token after an assistant message
+is trained (the model must learn to stop). Imports: torch + stdlib only.
 Test: python -m pytest tests/test_trajectory.py -q
 """
 from __future__ import annotations
@@ -161,9 +129,78 @@ def valid_mask(response_mask: Tensor, truncated: Tensor | None = None, exclude_t
     return keep.float()                                               # [B, T]
 
 
+# ------------------------------------------------------------------------------ the step's tensors
+@dataclass
+class StepTensors:
+    """What the trainer computes per response token during one step, each [B, T] float32 aligned with
+    PaddedBatch.response_ids. None until the stage that computes it runs — and always None when the
+    step's plan does not need it (nanorl/plan.py): nothing here is computed "just in case"."""
+    old_logprobs: Tensor | None = None  # [B, T] log π_old: the policy before the update (recompute)
+    ref_logprobs: Tensor | None = None  # [B, T] log π_ref: the reference model, for a KL term
+    old_values: Tensor | None = None  # [B, T] V_old: the critic before the update (GAE)
+    old_entropy: Tensor | None = None  # [B, T] entropy of π_old (the 80/20 rule's token selection)
+    sum_sq_probs: Tensor | None = None  # [B, T] Σ_v π_old(v)² over the vocabulary (OTB)
+    is_weights: Tensor | None = None  # [B, T] π_old/π_rollout, truncated or masked (TIS / MIS)
+    turn_rewards: Tensor | None = None  # [B, T] an environment's reward on each turn's last token
+    advantages: Tensor | None = None  # [B, T] the estimator's advantages
+    returns: Tensor | None = None  # [B, T] the estimator's returns (the critic's targets)
+    cov_selected: Tensor | None = None  # [B, T] the tokens KL-Cov / Clip-Cov act on (a loss's selection)
+    trainer_logprobs: Tensor | None = None  # [B, T] π before the update as the recompute scored it (dumps)
+    trainer_entropy: Tensor | None = None  # [B, T] its entropy (dumps)
+    first_pass_logprobs: Tensor | None = None  # [B, T] each row's first forward of the update
+    first_pass_entropy: Tensor | None = None  # [B, T] its entropy
+    first_pass_mask: Tensor | None = None  # [B, T] 1 on the rows a first forward covered
+
+    def items(self):
+        """(name, tensor) of every field that is set."""
+        return [(f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None]
+
+    def update(self, **tensors: Tensor) -> None:
+        for name, value in tensors.items():
+            if name not in self.__dataclass_fields__:
+                raise AttributeError(f"StepTensors has no field {name!r}")
+            setattr(self, name, value)
+
+
 # ------------------------------------------------------------------------------ the padded batch
 @dataclass
 class PaddedBatch:
+    """A batch of ragged samples in one padded layout.
+
+    Units. The *token* is the unit the loss is defined over: per-token tensors are [B, T] over RESPONSE
+    tokens only (prompt tokens are not actions). A *step* is one model call in an agent loop (one
+    assistant message of a tool-using episode), a *turn* one user → assistant exchange. Rewards usually
+    arrive per trajectory and the advantage estimator spreads them over tokens; step-level switches
+    (`step_mask`, a message's `step_loss_mask`) turn off every token of one step.
+
+    Masks, not to be confused:
+      * response mask — positions holding a token the policy produced: 1 up to and including the first
+        EOS (stopping is an action the model must learn), 0 after.
+      * padding mask — positions that exist at all once ragged samples share one width.
+      * valid (loss) mask — response ∩ non-padding ∩ per-token loss mask ∩ optional filters (drop
+        truncated samples, DAPO's overlong filtering; drop a step). Only it enters losses and metrics.
+      * attention mask — which INPUT tokens the model may attend to: prompt, user turns, tool outputs.
+        Context the model must SEE is not what it is trained to PRODUCE: in a multi-turn chat, training
+        on user or tool tokens would teach the policy to imitate the environment, so the loss mask keeps
+        assistant content only (plus its end-of-turn token) while attention covers everything.
+
+    Layouts. Padded: prompts LEFT-padded to width P, responses RIGHT-padded to width T, so response
+    token t of every row sits at column P + t and is predicted by the logits at column P - 1 + t — one
+    slice `logits[:, P-1:P+T-1]` serves the whole batch (verl's layout). Packed (varlen): the real tokens
+    of all rows in one row of N tokens, position ids restarting at 0 per sample, `cu_seqlens` marking
+    the boundaries (what flash-attention's varlen kernels take); no compute is spent on padding.
+    `pack` / `unpack` convert between the two without losing anything.
+
+    Choices:
+      * A response of length 0 is ALLOWED (an aborted request may return nothing): its row is padding
+        and contributes no token. An empty prompt is rejected: response token 0 is predicted from the
+        last prompt token, so there must be one (use BOS).
+      * `chat_tokens_and_mask` includes the end-of-turn token the template writes right after an
+        assistant content (<|im_end|>, <|eot_id|>, …), as slime's multi-turn masks do: the model must
+        learn to stop. A token straddling a span boundary is in the span if its character offsets
+        intersect it; for the excluded <think> span too, so exclusion wins for a token straddling
+        "</think>" and the answer.
+    """
     input_ids: Tensor          # [B, P+T] long, prompt left-padded to P, response right-padded to T
     attention_mask: Tensor     # [B, P+T] long, 1 on real tokens
     position_ids: Tensor       # [B, P+T] long, (cumsum(attention_mask) - 1).clamp(min=0)
@@ -179,7 +216,7 @@ class PaddedBatch:
     routed_experts: Tensor | None = None    # [B, P+T, L, k] long aligned with input_ids columns
     routed_mask: Tensor | None = None       # [B, P+T] bool, True where routed_experts was recorded
     sampling_support: Tensor | None = None  # [B, T, K] long, -1 pad
-    token_data: dict[str, Tensor] = field(default_factory=dict)  # trainer-attached [B, T, ...]
+    tensors: StepTensors = field(default_factory=StepTensors)  # what the trainer computes per token
     metadata: list[dict] = field(default_factory=list)  # Sample.metadata per row (user advantages / losses)
 
     @property
@@ -202,9 +239,9 @@ class PaddedBatch:
         if idx.numel() == 0:
             raise ValueError("PaddedBatch.select got no rows")
         B, P, T = self.response_ids.shape[0], self.prompt_width, self.response_ids.shape[1]
-        for k, v in self.token_data.items():
+        for k, v in self.tensors.items():
             if v.shape[:2] != (B, T):
-                raise ValueError(f"token_data[{k!r}] must be [B={B}, T={T}, ...], got {tuple(v.shape)}")
+                raise ValueError(f"tensors.{k} must be [B={B}, T={T}, ...], got {tuple(v.shape)}")
         am = self.attention_mask[idx]                                 # [b, P+T]
         new_p, new_t = int(am[:, :P].sum(1).max()), int(am[:, P:].sum(1).max())
         inp, resp = slice(P - new_p, P + new_t), slice(0, new_t)
@@ -215,8 +252,10 @@ class PaddedBatch:
             v = getattr(self, f.name)
             if f.name == "metadata":  # per-row dicts, selected like rows (shared, not copied)
                 v = [v[i] for i in idx.tolist()] if v else []
-            elif isinstance(v, dict):  # reward_components: [B]; token_data: [B, T, ...]
-                v = {k: x[idx][:, resp] if f.name == "token_data" else x[idx] for k, x in v.items()}
+            elif isinstance(v, StepTensors):  # [B, T, ...]: rows, then the response columns kept
+                v = StepTensors(**{k: x[idx][:, resp] for k, x in v.items()})
+            elif isinstance(v, dict):  # reward_components: [B]
+                v = {k: x[idx] for k, x in v.items()}
             elif isinstance(v, Tensor):
                 v = v[idx][:, cut[f.name]] if f.name in cut else v[idx]
             out.setdefault(f.name, v)
@@ -224,6 +263,8 @@ class PaddedBatch:
 
     def to(self, device) -> "PaddedBatch":
         def move(v):
+            if isinstance(v, StepTensors):
+                return StepTensors(**{k: x.to(device) for k, x in v.items()})
             if isinstance(v, dict):
                 return {k: x.to(device) for k, x in v.items()}
             return v.to(device) if isinstance(v, Tensor) else v
@@ -252,7 +293,8 @@ def collate(samples: list[Sample], pad_id: int) -> PaddedBatch:
         ids.append([pad_id] * (P - p) + list(s.prompt_ids) + list(s.response_ids) + [pad_id] * (T - r))
         attn.append([0] * (P - p) + [1] * (p + r) + [0] * (T - r))
         resp_mask.append((list(s.loss_mask) if s.loss_mask is not None else [1.0] * r) + [0.0] * (T - r))
-        logps.append((list(s.rollout_logprobs) if s.rollout_logprobs is not None else [0.0] * r) + [0.0] * (T - r))
+        lp = list(s.rollout_logprobs) if s.rollout_logprobs is not None else [0.0] * r
+        logps.append(lp + [0.0] * (T - r))
     input_ids = torch.tensor(ids, dtype=torch.long)                   # [B, P+T]
     attention_mask = torch.tensor(attn, dtype=torch.long)             # [B, P+T]
     response_mask = torch.tensor(resp_mask, dtype=torch.float32).reshape(B, T)   # [B, T]

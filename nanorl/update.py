@@ -1,29 +1,16 @@
-"""The update: from a scored batch with advantages to new weights (loss → backward → optimizer step).
-
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-                                                       ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^
+"""The update, links 5-7 of the chain (loss → backward → optimizer step): a scored batch with
+advantages becomes new weights.
 
 `train_on` runs `ppo_epochs` passes over a rollout batch, each split into `mini_batches` optimizer
-steps, each of those split into micro-batches that fit in memory (`micro_batches`: a sample count or
-a balanced token budget). The loss of every micro-batch is aggregated with the denominators of the
-WHOLE optimizer step (valid tokens and sequences, summed over micro-batches and ranks), so the
-accumulated gradient does not depend on how the step was split (TRL #3021). For the same reason
-the token selections some losses make from batch statistics (the 80/20 rule's top-entropy tokens,
-KL-Cov / Clip-Cov's covariance tokens) are made once per optimizer step (`select_tokens`), and the
-off-policy weights (TIS / MIS, computed once per rollout batch in train.py; OPSM, per token here)
-multiply the policy loss of each micro-batch. Gradients are summed over ranks by DDP
-(nanorl/distributed.py), clipped, and applied — unless the loss or a gradient is not finite, in
-which case the update is skipped and counted.
-
-Lockstep (several ranks): every rank runs the same number of forwards, and of backwards, in every
-mode — each FSDP forward all-gathers weights and each synced backward reduces gradients (DDP too), so
-a rank that ran one pass fewer would leave the others waiting in a collective (NCCL: for its 10-minute
-timeout, then the job dies). `micro_batches` is the one place that decides the count (below).
-
-`forward` scores the response tokens (nanorl/policy.py; packed when a token budget is set and
-flash-attention can run the packed row, nanorl/batching.py) and replays MoE routing when asked
-(nanorl/moe_replay.py). `score_batch` runs the no-gradient recompute forwards (old policy, critic,
-reference) over the same micro-batches, so no forward of the step ever sees more than one budget.
+steps, each of those into micro-batches that fit in memory (`micro_batches`: a sample count or a
+balanced token budget). Start there, then `micro_step` (one micro-batch's loss) and `sync_and_step`.
+Key choices: every micro-batch's loss takes the denominators of the WHOLE optimizer step (summed over
+micro-batches and ranks), so the gradient does not depend on how the step was split (TRL #3021), and
+the token selections some losses make are made once per optimizer step (`select_tokens`); a
+non-finite loss or gradient skips the update and counts it; every rank runs the same number of
+forwards and backwards (FSDP all-gathers in each), `micro_batches` alone decides the count.
+`forward` scores response tokens (packed under a token budget, nanorl/batching.py; MoE routing
+replayed, nanorl/moe_replay.py); `score_batch` runs the no-gradient recompute over the same splits.
 """
 from __future__ import annotations
 
@@ -36,7 +23,7 @@ import torch
 from nanorl import batching, moe_replay, precision
 from nanorl.distributed import loss_scale, sync_gradients_after
 from nanorl.kl import importance_weighted_kl, kl_estimator
-from nanorl.losses import COV_LOSSES, LossConfig, cov_selection, top_entropy_mask, total_loss
+from nanorl.losses import POLICY_LOSSES, LossConfig, top_entropy_mask, total_loss
 from nanorl.offpolicy import opsm_mask
 from nanorl.policy import record_sum_sq_probs, response_logprobs
 from nanorl.trajectory import PaddedBatch, Sample, collate, pack
@@ -141,7 +128,8 @@ def micro_batches(run, batch: PaddedBatch | None) -> list[list[int]]:
             plan = functools.partial(batching.make_padded_micro_batches, [sum(r[:P]) for r in am],
                                      [sum(r[P:]) for r in am], budget)
     else:
-        own = batching.split_fixed(n, cfg.micro_batch_size) if cfg.micro_batch_size else [list(range(n))] if n else []
+        whole = [list(range(n))] if n else []
+        own = batching.split_fixed(n, cfg.micro_batch_size) if cfg.micro_batch_size else whole
 
         def plan(count=None):
             return own + [[] for _ in range((count or 0) - len(own))]
@@ -168,7 +156,8 @@ def pad_loss(outputs) -> torch.Tensor:
     """A zero-weight loss over a forward's outputs (logprobs, entropy, values): its backward reaches
     every parameter the forward used — so DDP and FSDP run their gradient collectives — and adds
     exactly 0 to each gradient: torch.where, not a product, so an inf/NaN output still sends back 0."""
-    off = [torch.where(torch.zeros_like(t, dtype=torch.bool), t.float(), 0.0).sum() for t in outputs if t is not None]
+    off = [torch.where(torch.zeros_like(t, dtype=torch.bool), t.float(), 0.0).sum()
+           for t in outputs if t is not None]
     return torch.stack(off).sum()
 
 
@@ -222,25 +211,26 @@ def loss_config(run) -> LossConfig:
     c = run.cfg
     # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
     return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
-                      dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg), dro_beta=c.dro_beta,
+                      dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg),
+                      dro_beta=c.dro_beta,
                       cov_ratio=c.cov_ratio, cov_kl_coef=c.cov_kl_coef, agg_mode=c.loss_agg,
                       norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
                       kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
 
 
-def select_tokens(run, mini, step_index: int) -> None:
+def select_tokens(run, mini, step_index: int, lcfg: LossConfig) -> None:
     """Token selections made once per optimizer step over the whole step (so micro-batching changes
     nothing), from the recompute pass (π_old: π_θ itself at the first pass): the 80/20 rule's top-q
     entropy tokens become the step's loss mask (denominators included, as the authors' fork does);
     kl_cov / clip_cov get their covariance-selected tokens (nanorl/losses.py)."""
-    cfg, td = run.cfg, mini.token_data
+    cfg, t = run.cfg, mini.tensors
     if cfg.top_entropy_quantile:
-        keep = top_entropy_mask(td["old_entropy"], mini.response_mask, cfg.top_entropy_quantile)  # [b, T]
+        keep = top_entropy_mask(t.old_entropy, mini.response_mask, cfg.top_entropy_quantile)  # [b, T]
         mini.response_mask = mini.response_mask * keep
-    if cfg.policy_loss in COV_LOSSES:
+    loss = POLICY_LOSSES.get(cfg.policy_loss)  # None: a user loss (nanorl/plugins.py), no selection
+    if loss is not None and loss.select is not None:
         gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + run.step) * 1009 + step_index)
-        td["cov_selected"] = cov_selection(td["old_logprobs"], td["advantages"], mini.response_mask,
-                                           cfg.cov_ratio, cfg.policy_loss, generator=gen)
+        t.cov_selected = loss.select(t.old_logprobs, t.advantages, mini.response_mask, lcfg, gen)
 
 
 def train_on(run, batch) -> dict:
@@ -258,7 +248,7 @@ def train_on(run, batch) -> dict:
             if not groups:  # no rank holds a row of this step (fewer samples than mini-batches): no step
                 continue
             if mini is not None:
-                select_tokens(run, mini, steps)
+                select_tokens(run, mini, steps, lcfg)
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
             if cfg.skip_zero_advantage:  # after the denominators: skipped rows keep their share of them
@@ -276,9 +266,10 @@ def train_on(run, batch) -> dict:
                         mb = mini.select(mrows)
                         loss, m = micro_step(run, mb, lcfg, n_tok, n_seq)
                         if epoch == 0:  # each row's first forward of the update (old_policy_view)
-                            mb.token_data["first_pass_mask"] = torch.ones_like(mb.response_mask, dtype=torch.float)
+                            mb.tensors.first_pass_mask = torch.ones_like(mb.response_mask, dtype=torch.float)
                             for k in FIRST_PASS:
-                                first[k][rows[mrows], :mb.response_ids.shape[1]] = mb.token_data.pop(k)
+                                first[k][rows[mrows], :mb.response_ids.shape[1]] = getattr(mb.tensors, k)
+                                setattr(mb.tensors, k, None)
                     else:  # a lockstep pad: the collectives of a micro-batch, zero gradient
                         loss, m = pad_loss(run.trained(pad_batch(run), None)), None
                     loss = loss * loss_scale(run.world)  # DDP's mean over ranks → the global sum
@@ -291,7 +282,7 @@ def train_on(run, batch) -> dict:
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
-    batch.token_data.update(first)
+    batch.tensors.update(**first)
     out = {k: v / counts[k] for k, v in sums.items()}
     out.update({"lr": run.scheduler.get_last_lr()[0], "skipped_updates": run.counters["skipped_updates"]})
     return out
@@ -303,7 +294,7 @@ FIRST_PASS = ("first_pass_logprobs", "first_pass_entropy", "first_pass_mask")  #
 def trains(batch) -> torch.Tensor:
     """[B] bool: rows with a non-zero advantage on some valid token — the rows --skip-zero-advantage
     trains (a GRPO group whose rewards are all equal has advantage 0 on every token)."""
-    return ((batch.token_data["advantages"] != 0) & (batch.response_mask > 0)).any(-1)  # [B]
+    return ((batch.tensors.advantages != 0) & (batch.response_mask > 0)).any(-1)  # [B]
 
 
 def skip_zero_advantage(mini, rows):
@@ -332,32 +323,34 @@ def old_policy_view(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     (one epoch, one mini-batch): that single pass runs before the only optimizer step, so it IS π_old.
     Caveat: --old-logprobs rollout with several mini-batches skips the recompute too, and rows of
     later mini-batches are then scored after earlier steps."""
-    td = batch.token_data
-    if "trainer_logprobs" in td:
-        return td["trainer_logprobs"], td["trainer_entropy"], torch.ones_like(td["trainer_logprobs"])
-    return td["first_pass_logprobs"], td["first_pass_entropy"], td["first_pass_mask"]
+    t = batch.tensors
+    if t.trainer_logprobs is not None:
+        return t.trainer_logprobs, t.trainer_entropy, torch.ones_like(t.trainer_logprobs)
+    return t.first_pass_logprobs, t.first_pass_entropy, t.first_pass_mask
 
 
 def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = run.cfg
     support = mb.sampling_support if cfg.keep_sampling_mask else None
     logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
-    td, mask = mb.token_data, mb.response_mask
-    td["first_pass_logprobs"], td["first_pass_entropy"] = logp.detach(), ent.detach()  # train_on keeps epoch 0's
-    old = td.get("old_logprobs", logp.detach())  # on-policy: π_old is the current policy, detached
+    t, mask = mb.tensors, mb.response_mask
+    # train_on keeps epoch 0's (old_policy_view)
+    t.first_pass_logprobs, t.first_pass_entropy = logp.detach(), ent.detach()
+    # on-policy: π_old is the current policy, detached
+    old = t.old_logprobs if t.old_logprobs is not None else logp.detach()
     kl = None
     if run.ref is not None and not cfg.kl_in_reward:
-        kl = (importance_weighted_kl(logp, td["ref_logprobs"], old, cfg.kl_estimator, mask=mask)
-              if cfg.unbiased_kl else kl_estimator(logp, td["ref_logprobs"], cfg.kl_estimator, mask=mask))
-    weights, extra = td.get("is_weights"), {}  # TIS / MIS weights of the step (train.py), detached
+        kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl_estimator, mask=mask)
+              if cfg.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl_estimator, mask=mask))
+    weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (train.py), detached
     if cfg.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
-        keep, masked = opsm_mask(logp, mb.rollout_logprobs, td["advantages"], mask, cfg.opsm_delta)
+        keep, masked = opsm_mask(logp, mb.rollout_logprobs, t.advantages, mask, cfg.opsm_delta)
         weights = keep if weights is None else weights * keep
         extra["opsm_maskfrac"] = masked.sum() / (mask > 0).sum().clamp(min=1)
-    loss, m = total_loss(lcfg, logp, old, td["advantages"], mask, entropy=ent, kl=kl,
-                         rollout_logp=mb.rollout_logprobs, values=values, old_values=td.get("old_values"),
-                         returns=td.get("returns") if values is not None else None, weights=weights,
-                         selected=td.get("cov_selected"), num_tokens=n_tok, num_seqs=n_seq,
+    loss, m = total_loss(lcfg, logp, old, t.advantages, mask, entropy=ent, kl=kl,
+                         rollout_logp=mb.rollout_logprobs, values=values, old_values=t.old_values,
+                         returns=t.returns if values is not None else None, weights=weights,
+                         selected=t.cov_selected, num_tokens=n_tok, num_seqs=n_seq,
                          metadata=mb.metadata if callable(lcfg.policy) else None)  # a user loss reads them
     m.update(extra)
     # Train/rollout mismatch: share of tokens whose logprob differs by > 0.5 between the trainer and

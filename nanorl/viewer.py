@@ -1,24 +1,17 @@
 """The rollout viewer: one rollout dump → one self-contained HTML page, token by token.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^^^^^^^^^^   ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^ what nanorl/dump.py wrote about them, shown
+Shows what nanorl/dump.py wrote about links 1-4 of the chain (rollout, reward, logprob recompute,
+advantage), sample by sample:
 
     python train.py --dump-rollouts 10
     python -m nanorl.viewer runs/nanorl/rollouts/step_000010.jsonl -o view.html
 
-The page groups the samples by prompt, sorts them by reward or length, and draws each response as
-its tokens, coloured by a per-token field you choose (entropy, advantage, |trainer − rollout
-logprob|, either logprob); hovering a token shows all its values. Tokens outside the loss mask
-(environment output, filtered rows) are dimmed. When the run's metrics.jsonl lies beside the
-rollouts folder, its curves are drawn (nanorl/logger.py plot) to a PNG beside the page and embedded.
-
-One file, no server, no network, no external script: inline CSS and JS, the data in a
-`<script type="application/json">` block. Rollout text is untrusted (model output, user data):
-the JSON has `<`, `>`, `&`, U+2028/2029 escaped as \\u003c etc. (no string can close the block or
-open a tag), the page builds every element with createElement and writes every string with
-textContent (never innerHTML), and a Content-Security-Policy admits only the page's own script and
-style by hash, so even an injected element could not run. Hand-written (~100 lines of JS): the
-dashboards that exist (TensorBoard, W&B tables) need a server or an account, and none colours tokens.
+The page groups the samples by prompt, sorts them by reward or length, and draws each response as its
+tokens, coloured by a per-token field you choose (entropy, advantage, |trainer − rollout logprob|, either
+logprob); hovering a token shows all its values; tokens outside the loss mask are dimmed. When the run's
+metrics.jsonl lies beside the rollouts folder, its curves (nanorl/logger.py plot) are embedded as a PNG.
+Start at `render`. Key choices: one file, no server, no network, no external script; rollout text is
+untrusted, so the page is built to be safe against it (how: `render`'s docstring).
 
 Test (headless Chromium): python -m pytest tests/test_viewer.py -q
 """
@@ -39,7 +32,8 @@ header h1{font-size:16px;margin:0 0 4px}
 header label{margin-right:14px}
 main{padding:8px 16px}
 .group{background:#fff;border:1px solid #ddd;border-radius:6px;margin:10px 0;padding:8px 12px}
-.prompt{white-space:pre-wrap;font-family:ui-monospace,monospace;background:#eef2f7;padding:4px 8px;border-radius:4px}
+.prompt{white-space:pre-wrap;font-family:ui-monospace,monospace;background:#eef2f7;padding:4px 8px;
+ border-radius:4px}
 .meta{color:#666;font-size:12px;margin:4px 0}
 .sample{border-top:1px dashed #e3e3e3;padding:3px 0;display:flex;gap:12px;align-items:baseline}
 .badge{min-width:250px;font-size:12px;color:#555}
@@ -59,18 +53,21 @@ const FIELDS = {entropy: 'entropy', advantage: 'advantage', gap: '|trainer - rol
                 rollout_logprob: 'rollout logprob', trainer_logprob: 'trainer logprob'};
 const $ = (tag, cls, text) => { const e = document.createElement(tag); if (cls) e.className = cls;
   if (text !== undefined) e.textContent = String(text); return e; };
-const fmt = v => v === null || v === undefined ? 'n/a' : (Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3));
+const fmt = v => v === null || v === undefined ? 'n/a'
+  : (Math.abs(v) >= 100 ? v.toFixed(0) : v.toPrecision(3));
 function values(s, f) {
   const t = s.tokens;
   if (f === 'gap') return t.id.map((_, i) => t.trainer_logprob && t.rollout_logprob &&
-      t.trainer_logprob[i] !== null && t.rollout_logprob[i] !== null ? Math.abs(t.trainer_logprob[i] - t.rollout_logprob[i]) : null);
+      t.trainer_logprob[i] !== null && t.rollout_logprob[i] !== null
+      ? Math.abs(t.trainer_logprob[i] - t.rollout_logprob[i]) : null);
   return t[f] || t.id.map(() => null);
 }
 function scale(f) {  // colour of one value: diverging for advantage, sequential for the rest
   const all = D.samples.flatMap(s => values(s, f)).filter(v => v !== null);
   const hi = Math.max(1e-12, ...all.map(Math.abs));
-  if (f === 'advantage') return v => v === null ? '' : (v >= 0 ? `rgba(46,140,60,${Math.min(1, v / hi) * .75})`
-                                                            : `rgba(200,40,40,${Math.min(1, -v / hi) * .75})`);
+  if (f === 'advantage') return v => v === null ? '' : (v >= 0
+    ? `rgba(46,140,60,${Math.min(1, v / hi) * .75})`
+    : `rgba(200,40,40,${Math.min(1, -v / hi) * .75})`);
   const lo = Math.min(...all), top = Math.max(...all), span = Math.max(1e-12, top - lo);
   return v => v === null ? '' : `rgba(230,120,0,${((v - lo) / span) * .8})`;
 }
@@ -90,19 +87,28 @@ function render() {
   const key = s => order.startsWith('reward') ? (s.reward ?? -Infinity) : s.tokens.id.length;
   const sign = order.endsWith('desc') ? -1 : 1, by = (a, b) => sign * (a - b);
   const groups = new Map();
-  for (const s of D.samples) { if (!groups.has(s.group)) groups.set(s.group, []); groups.get(s.group).push(s); }
+  for (const s of D.samples) {
+    if (!groups.has(s.group)) groups.set(s.group, []);
+    groups.get(s.group).push(s);
+  }
   let list = [...groups.values()];
   const mean = g => g.reduce((a, s) => a + key(s), 0) / g.length;
-  if (order !== 'index') { list.forEach(g => g.sort((a, b) => by(key(a), key(b)))); list.sort((a, b) => by(mean(a), mean(b))); }
+  if (order !== 'index') {
+    list.forEach(g => g.sort((a, b) => by(key(a), key(b))));
+    list.sort((a, b) => by(mean(a), mean(b)));
+  }
   main.replaceChildren();
   for (const g of list) {
     const box = $('section', 'group'), rs = g.map(s => s.reward ?? 0);
-    box.append($('div', 'meta', `group ${g[0].group} · ${g.length} samples · mean reward ${fmt(rs.reduce((a, b) => a + b, 0) / g.length)}`),
+    box.append($('div', 'meta', `group ${g[0].group} · ${g.length} samples · mean reward ` +
+                                `${fmt(rs.reduce((a, b) => a + b, 0) / g.length)}`),
                $('div', 'prompt', g[0].prompt));
     for (const s of g) {
       const row = $('div', 'sample'), badge = $('div', 'badge'), resp = $('div', 'resp'), v = values(s, f);
-      badge.append($('b', '', `reward ${fmt(s.reward)}`), $('span', '', ` · ${s.status} · ${s.tokens.id.length} tokens · v${s.weight_version}`));
-      for (const [k, x] of Object.entries(s.reward_components || {})) badge.append($('br'), $('span', '', `${k}: ${fmt(x)}`));
+      badge.append($('b', '', `reward ${fmt(s.reward)}`),
+                   $('span', '', ` · ${s.status} · ${s.tokens.id.length} tokens · v${s.weight_version}`));
+      for (const [k, x] of Object.entries(s.reward_components || {}))
+        badge.append($('br'), $('span', '', `${k}: ${fmt(x)}`));
       s.tokens.text.forEach((piece, i) => {
         const t = $('span', 'tok' + (s.tokens.loss_mask[i] ? '' : ' off'), piece);
         t.style.backgroundColor = color(v[i]);
@@ -117,26 +123,33 @@ function render() {
   document.getElementById('legend-lo').textContent = f === 'advantage' ? 'negative' : 'low';
   document.getElementById('legend-hi').textContent = f === 'advantage' ? 'positive' : 'high';
   document.getElementById('legend').style.background = f === 'advantage'
-    ? 'linear-gradient(90deg, rgba(200,40,40,.75), #fff, rgba(46,140,60,.75))' : 'linear-gradient(90deg, #fff, rgba(230,120,0,.8))';
+    ? 'linear-gradient(90deg, rgba(200,40,40,.75), #fff, rgba(46,140,60,.75))'
+    : 'linear-gradient(90deg, #fff, rgba(230,120,0,.8))';
 }
 const sel = document.getElementById('field');
-for (const [k, label] of Object.entries(FIELDS)) { const o = $('option', '', label); o.value = k; sel.append(o); }
+for (const [k, label] of Object.entries(FIELDS)) {
+  const o = $('option', '', label); o.value = k; sel.append(o);
+}
 sel.value = D.samples.some(s => s.tokens.entropy) ? 'entropy' : 'rollout_logprob';
 sel.addEventListener('change', render);
 document.getElementById('sort').addEventListener('change', render);
 const n = D.samples.length, tok = D.samples.reduce((a, s) => a + s.tokens.id.length, 0);
 const r = D.samples.reduce((a, s) => a + (s.reward ?? 0), 0) / Math.max(1, n);
-document.getElementById('summary').textContent = `${D.source} · step ${D.step} · ${n} samples · ${tok} tokens · mean reward ${fmt(r)}`;
+document.getElementById('summary').textContent =
+  `${D.source} · step ${D.step} · ${n} samples · ${tok} tokens · mean reward ${fmt(r)}`;
 render();
 """
 
 PAGE = """<!doctype html>
 <html><head><meta charset="utf-8">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'sha256-{style_hash}'; script-src 'sha256-{script_hash}'">
+<meta http-equiv="Content-Security-Policy"
+ content="default-src 'none'; img-src data:; style-src 'sha256-{style_hash}';
+ script-src 'sha256-{script_hash}'">
 <title>nanorl rollouts</title><style>{style}</style></head>
 <body><header><h1>nanorl rollouts</h1><div id="summary" class="meta"></div>
 <label>colour by <select id="field"></select></label>
-<label>sort <select id="sort"><option value="index">as sampled</option><option value="reward-desc">reward, high first</option>
+<label>sort <select id="sort"><option value="index">as sampled</option>
+<option value="reward-desc">reward, high first</option>
 <option value="reward-asc">reward, low first</option><option value="length-desc">length, long first</option>
 <option value="length-asc">length, short first</option></select></label>
 <span id="legend-lo"></span><span id="legend" class="legend"></span><span id="legend-hi"></span>
@@ -154,20 +167,33 @@ def _sha256(text: str) -> str:
 def safe_json(obj) -> str:
     """JSON that cannot end a <script> block or open a tag: <, >, & and the JS line separators escaped."""
     text = json.dumps(obj, ensure_ascii=False, allow_nan=False)
-    for ch, esc in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029")):
+    for ch, esc in (("&", "\\u0026"), ("<", "\\u003c"), (">", "\\u003e"), ("\u2028", "\\u2028"),
+                    ("\u2029", "\\u2029")):
         text = text.replace(ch, esc)
     return text
 
 
 def render(records: list[dict], source: str = "", curves_png: bytes | None = None) -> str:
-    """The whole page for these dump records (nanorl/dump.py format); curves_png: PNG bytes or None."""
+    """The whole page for these dump records (nanorl/dump.py format); curves_png: PNG bytes or None.
+
+    Tokens outside the loss mask (environment output, filtered rows) are dimmed; the curves PNG is written
+    beside the page and embedded. One file, no server, no network, no external script: inline CSS and JS,
+    the data in a `<script type="application/json">` block. Rollout text is untrusted (model output, user
+    data): the JSON has `<`, `>`, `&`, U+2028/2029 escaped as \\u003c etc. (no string can close the block or
+    open a tag), the page builds every element with createElement and writes every string with textContent
+    (never innerHTML), and a Content-Security-Policy admits only the page's own script and style by hash, so
+    even an injected element could not run. Hand-written (~100 lines of JS): the dashboards that exist
+    (TensorBoard, W&B tables) need a server or an account, and none colours tokens.
+    """
     if not records:
         raise ValueError(f"{source or 'records'}: no samples to show")
     steps = sorted({r.get("step") for r in records}, key=str)
     data = {"source": os.path.basename(source), "step": ", ".join(map(str, steps)), "samples": records}
     curves = ""
-    if curves_png is not None:  # the PNG's own bytes: base64 only, nothing from the data
-        curves = (f'<details><summary>training curves (metrics.jsonl)</summary><img class="curves" alt="training curves" '
+    # the PNG's own bytes: base64 only, nothing from the data
+    if curves_png is not None:
+        curves = ('<details><summary>training curves (metrics.jsonl)</summary><img class="curves" '
+                  'alt="training curves" '
                   f'src="data:image/png;base64,{base64.b64encode(curves_png).decode()}"></details>')
     return PAGE.format(style=STYLE, script=SCRIPT, style_hash=_sha256(STYLE), script_hash=_sha256(SCRIPT),
                        curves=curves, data=safe_json(data))
@@ -179,7 +205,8 @@ def write(jsonl: str, out: str, curves: bool = True) -> tuple[str, str | None]:
     metrics = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(jsonl))), "metrics.jsonl")
     png = None
     if curves and os.path.exists(metrics):
-        import matplotlib.pyplot as plt  # only when there is something to plot
+        # only when there is something to plot
+        import matplotlib.pyplot as plt
 
         from nanorl.logger import plot
         png = os.path.splitext(out)[0] + "_curves.png"
@@ -194,10 +221,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Rollout dump (nanorl/dump.py) → one self-contained HTML page.")
     ap.add_argument("dump", help="a rollouts/step_NNNNNN.jsonl written by train.py --dump-rollouts")
     ap.add_argument("-o", "--out", default="view.html", help="the HTML file to write (default view.html)")
-    ap.add_argument("--no-curves", action="store_true", help="skip the curves PNG even if metrics.jsonl is found")
+    ap.add_argument("--no-curves", action="store_true",
+                    help="skip the curves PNG even if metrics.jsonl is found")
     a = ap.parse_args(argv)
     page, png = write(a.dump, a.out, curves=not a.no_curves)
-    print(f"wrote {page}" + (f" and {png}" if png else " (no metrics.jsonl beside the rollouts folder: no curves)"))
+    print(f"wrote {page}" + (f" and {png}" if png
+                             else " (no metrics.jsonl beside the rollouts folder: no curves)"))
 
 
 if __name__ == "__main__":

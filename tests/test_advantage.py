@@ -12,7 +12,6 @@ from nanorl import advantage as adv
 from nanorl.advantage import ADVANTAGE_ESTIMATORS, compute_advantages, estimator_inputs, masked_whiten
 
 
-
 def close(actual, expected, atol=1e-5, rtol=1.3e-6):
     """allclose with a readable message (torch.testing.assert_close costs ~4 s on first use here)."""
     expected = torch.as_tensor(expected, dtype=actual.dtype)
@@ -301,7 +300,7 @@ def test_otb_fallbacks_and_lone_timesteps():
     assert a[1, 2] == 0
 
 
-# ----------------------------------------------------------------------------- KL in the reward, new estimators
+# --------------------------------------------------------------------------- KL in the reward, new estimators
 
 
 OUTCOME = ["grpo", "dr_grpo", "rloo", "opo", "gpg", "grpo_passk_max", "remax"]
@@ -335,7 +334,8 @@ def test_remax_by_hand():
     rtg = [[0.1 - 0.2 + 1.0, 0.0, -0.2 + 1.0, 1.0], [-0.5 + 2.0, 2.0, 0.0, 0.0]]
     close(ret, torch.tensor(rtg))
     close(a, (torch.tensor(rtg) - torch.tensor([[0.5], [1.0]])) * mask)
-    a, _ = compute_advantages("remax", scores=torch.tensor([1.0, 0.0]), mask=mask, baselines=torch.tensor([0.5, 1.0]))
+    a, _ = compute_advantages("remax", scores=torch.tensor([1.0, 0.0]), mask=mask,
+                              baselines=torch.tensor([0.5, 1.0]))
     close(a, torch.tensor([[0.5, 0, 0.5, 0.5], [-1.0, -1.0, 0, 0]]))
 
 

@@ -44,7 +44,8 @@ def deep(tmp_path_factory):
     assert len(model.state_dict()) == 291
     save_model_dir(model, tokenizer, str(root / "model"))
     train, test = problems(seed=0)
-    paths = {"model": str(root / "model"), "train": str(root / "train.jsonl"), "test": str(root / "test.jsonl")}
+    paths = {"model": str(root / "model"), "train": str(root / "train.jsonl"),
+             "test": str(root / "test.jsonl")}
     for name, rows in (("train", train[:64]), ("test", test[:8])):
         with open(paths[name], "w") as f:
             f.writelines(json.dumps(x) + "\n" for x in rows)
@@ -62,22 +63,26 @@ def small(tmp_path_factory):
     for name, rows in (("math_train", train[:64]), ("math_test", test[:8])):
         paths[name] = str(root / f"{name}.jsonl")
         with open(paths[name], "w") as f:
-            f.writelines(json.dumps({"prompt": x["prompt"], "answer": f"#### {x['answer']}"}) + "\n" for x in rows)
+            f.writelines(json.dumps({"prompt": x["prompt"], "answer": f"#### {x['answer']}"}) + "\n"
+                         for x in rows)
     return paths
 
 
-def run_train(argv: list[str], out, ulimit: int | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_train(argv: list[str], out, ulimit: int | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess:
     """train.py in a subprocess (its own descriptor limit), in the repository root."""
     cmd = " ".join([sys.executable, "train.py", *argv, "--out-dir", str(out)])
     if ulimit:
         cmd = f"ulimit -n {ulimit}; exec {cmd}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    return subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(["bash", "-c", cmd], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def step_lines(out) -> list[dict]:
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines if "rollout/reward_mean" in x]
+    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines
+            if "rollout/reward_mean" in x]
 
 
 def test_slot_descriptors_do_not_grow_with_the_tensor_count():
@@ -117,7 +122,8 @@ def test_async_3_on_291_tensors_trains_under_ulimit_1024(deep, tmp_path):
     worker's bf16 engine and reference): today's code failed at start with "Too many open files"."""
     out = tmp_path / "run"
     proc = run_train(["--model", deep["model"], "--train-data", deep["train"], "--test-data", deep["test"],
-                      *TINY, "--steps", "3", "--async-steps", "3", "--dtype", "bfloat16", "--kl-coef", "0.01"],
+                      *TINY, "--steps", "3", "--async-steps", "3", "--dtype", "bfloat16", "--kl-coef",
+                      "0.01"],
                      out, ulimit=1024)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = step_lines(out)
@@ -130,7 +136,8 @@ def test_async_math_reward_with_the_default_timeout(small, tmp_path):
     """--reward math's default 10 s timeout runs the reward in a pool inside the rollout worker
     (today: "daemonic processes are not allowed to have children"); it scores exactly what
     in-process rewards (--reward-timeout 0) score, with no faults."""
-    common = ["--model", small["model"], "--train-data", small["math_train"], "--test-data", small["math_test"],
+    common = ["--model", small["model"], "--train-data", small["math_train"], "--test-data",
+              small["math_test"],
               *TINY, "--steps", "2", "--async-steps", "1", "--reward", "math"]
     bounded, inproc = tmp_path / "bounded", tmp_path / "inproc"
     for out, extra in ((bounded, []), (inproc, ["--reward-timeout", "0"])):
@@ -154,7 +161,8 @@ def test_a_failing_trainer_still_exits(small, tmp_path):
     assert proc.returncode != 0 and "planted trainer failure" in proc.stderr
 
 
-PARENT_REWARD = "import os\n\ndef parent_is(prompt, response, label):\n    return float(str(os.getppid()) == label)\n"
+PARENT_REWARD = ("import os\n\ndef parent_is(prompt, response, label):\n"
+                 "    return float(str(os.getppid()) == label)\n")
 
 
 def test_reward_workers_fork_only_where_it_is_safe(tmp_path, monkeypatch):
@@ -170,7 +178,8 @@ def test_reward_workers_fork_only_where_it_is_safe(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", type(sys)("vllm"))
     assert rewards.pool_start_method() == "forkserver"
     for f, args, want in ((fn, (["p"], ["r"], [me]), [0.0]),
-                          (rewards.math_reward, (["p"] * 2, ["\\boxed{1/2}", "7"], ["0.5", "8"]), [1.0, 0.0])):
+                          (rewards.math_reward, (["p"] * 2, ["\\boxed{1/2}", "7"], ["0.5", "8"]),
+                           [1.0, 0.0])):
         runner = RewardRunner(f, timeout=30.0, log=lambda s: None)
         try:
             assert runner(*args) == want and not runner.faults

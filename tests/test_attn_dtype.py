@@ -90,7 +90,7 @@ def test_flash_is_chosen_only_for_half_compute(monkeypatch, task):
     assert batching.best_attn_implementation(torch.float32) == "sdpa"
     assert batching.best_attn_implementation() == "sdpa"  # unknown compute dtype: never flash
     asked = []
-    monkeypatch.setattr(batching, "best_attn_implementation",
+    monkeypatch.setattr(policy, "best_attn_implementation",
                         lambda dtype=None: asked.append(dtype) or "sdpa")
     policy.load_model(task["model"], "cpu", torch.bfloat16)
     policy.load_model(task["model"], "cpu")
@@ -113,8 +113,7 @@ def test_bf16_step_with_vllm_engine_hands_attention_no_fp32(task, tmp_path):
 def test_bf16_routing_replay_step_hands_attention_no_fp32(task, tmp_path):
     """A bf16 --routing-replay step on a tiny Qwen3-MoE (HF engine, R3): the routing forward runs
     under the run's autocast too (before the fix: fp32, raising at the first recompute)."""
-    from nanorl import moe_replay
-    from nanorl import task as builtin
+    from nanorl import moe_replay, task as builtin
     tok = builtin.build_tokenizer()
     model = moe_replay.tiny_moe("qwen3_moe", seed=0, vocab_size=len(tok), pad_token_id=0, eos_token_id=1)
     model.save_pretrained(tmp_path / "moe")

@@ -9,13 +9,18 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from nanorl import batching
-from nanorl.batching import (agree_num_micro_batches, block_causal_mask, global_denominators,
-                             make_micro_batches, packed_response_logprobs, padding_share,
-                             split_fixed)
+from nanorl.batching import (
+    agree_num_micro_batches,
+    block_causal_mask,
+    global_denominators,
+    make_micro_batches,
+    packed_response_logprobs,
+    padding_share,
+    split_fixed,
+)
 from nanorl.losses import aggregate
 from nanorl.policy import response_logprobs
 from nanorl.trajectory import Sample, collate, pack
@@ -221,7 +226,8 @@ def test_global_denominators_make_micro_batching_invisible():
     assert (n_tok, n_seq) == (int((mask > 0).sum()), 5)
     for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         whole = aggregate(loss, mask, mode)
-        split = sum(aggregate(loss[p], mask[p], mode, num_tokens=n_tok, num_seqs=n_seq, norm_len=5) for p in parts)
+        split = sum(aggregate(loss[p], mask[p], mode, num_tokens=n_tok, num_seqs=n_seq, norm_len=5)
+                    for p in parts)
         torch.testing.assert_close(split, whole, rtol=1e-6, atol=1e-6)
 
 
@@ -231,7 +237,8 @@ def test_padding_share_on_lognormal_lengths():
     """Wasted compute on 512 lognormal samples (prompt ~ 60-200, response lognormal median 300, cap
     4096): fixed count-8 micro-batches padded to their longest vs token-capped buckets padded vs packed."""
     rng = random.Random(0)
-    lengths = [rng.randint(60, 200) + min(int(rng.lognormvariate(math.log(300), 1.0)), 3500) for _ in range(512)]
+    lengths = [rng.randint(60, 200) + min(int(rng.lognormvariate(math.log(300), 1.0)), 3500)
+               for _ in range(512)]
     fixed = padding_share(lengths, split_fixed(len(lengths), 8), packed=False)
     whole = padding_share(lengths, [list(range(len(lengths)))], packed=False)
     bins = make_micro_batches(lengths, 4096)
@@ -277,7 +284,8 @@ def padded_reference(model, batch, temperature):
 
 def test_block_causal_mask_by_hand():
     m = block_causal_mask(torch.tensor([0, 2, 5], dtype=torch.int32), torch.float32)[0, 0] == 0
-    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]])
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
+                           [0, 0, 1, 1, 1]])
     assert torch.equal(m, expect.bool())
     w = block_causal_mask(torch.tensor([0, 4], dtype=torch.int32), torch.float32, window=2)[0, 0] == 0
     assert w[3].tolist() == [False, False, True, True]

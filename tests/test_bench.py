@@ -53,7 +53,8 @@ def test_quick_run_reports_every_entry(tmp_path):
     for name in ("gae", "group_adv", "policy_loss", "logprob", "trainer"):  # every case has its baseline
         cases = {r["case"] for r in rows if r["bench"] == name}
         assert cases and all((name, c) in base for c in cases), name
-    assert all(r["peak_mib"] >= 0 for r in rows if r["bench"] == "logprob")  # measured (Linux), never negative
+    # measured (Linux), never negative
+    assert all(r["peak_mib"] >= 0 for r in rows if r["bench"] == "logprob")
     for axis in ("T", "B"):  # scaling series: one row per size, each with its ns/token
         assert sum(r["case"] == f"total_loss vs {axis}" and "ns/token" in r["note"] for r in rows) == 3
 
@@ -64,10 +65,13 @@ def test_quick_run_reports_every_entry(tmp_path):
     ev = {r["impl"]: r for r in rows if r["bench"] == "eval_sharded"}  # 1 and 2 ranks, same greedy accuracy
     assert set(ev) == {"1 rank", "2 ranks"} and all(r["median"] > 0 for r in ev.values())
     assert "ok: eval_sharded: 2-rank greedy accuracy == 1-rank" in data["notes"]
-    sync = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "weight_sync"}  # 2 models × (time, 2 peaks)
-    assert "weight_sync" in skipped or len(sync) == 6 and all(r.get("peak_mib") is not None for (c, _), r in sync.items() if "peak" in c)
+    # 2 models × (time, 2 peaks)
+    sync = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "weight_sync"}
+    assert "weight_sync" in skipped or len(sync) == 6 and all(r.get("peak_mib") is not None
+                                                              for (c, _), r in sync.items() if "peak" in c)
     mem = {r["impl"]: r for r in rows if r["bench"] == "train_memory"}  # 2 × 2 configurations, one case
-    assert set(mem) == {f"checkpointing {c}, {layout}" for c in ("off", "on") for layout in ("padded", "packed")}
+    assert set(mem) == {f"checkpointing {c}, {layout}" for c in ("off", "on")
+                        for layout in ("padded", "packed")}
     assert mem["checkpointing off, padded"]["baseline"] and len({r["case"] for r in mem.values()}) == 1
     for r in mem.values():
         assert r["median"] > 0 and r["peak_mib"] >= 0 and "KiB/token" in r["note"]
@@ -77,13 +81,15 @@ def test_quick_run_reports_every_entry(tmp_path):
     modes = {r["impl"]: r for r in rows if r["bench"] == "async_steps"}  # same task, sync vs K = 1, 2
     assert set(modes) == {"sync", "async K=1", "async K=2", "async K=1, TIS 2", "sync, lr 1.5e-4",
                           "async K=1, lr 1.5e-4"} and modes["sync"]["baseline"]
-    assert all(r["steps_per_s"] > 0 and r["steps_run"] == 3 and "steps/s" in r["note"] for r in modes.values())
+    assert all(r["steps_per_s"] > 0 and r["steps_run"] == 3 and "steps/s" in r["note"]
+               for r in modes.values())
 
     seeds = [r for r in rows if r["bench"] == "default"]  # quick: seed 0, 3 steps of train.py --algo grpo
     assert [r["impl"] for r in seeds] == ["seed 0"] and 0 <= seeds[0]["accuracy_end"] <= 1
     assert {"generate", "train", "step"} <= set(seeds[0]["phase_ms"]) and seeds[0]["train_s"] > 0
     threads = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "default_threads"}
-    assert set(threads) == {(c, f"{n} thread(s)") for c in ("machine as it is", "one core busy") for n in (1, 2)}
+    assert set(threads) == {(c, f"{n} thread(s)") for c in ("machine as it is", "one core busy")
+                            for n in (1, 2)}
 
     shares = {r["impl"]: r["padding_share"] for r in rows if r["bench"] == "padding"}
     assert shares["token budget, packed"] == 0.0

@@ -1,4 +1,5 @@
-"""DAPO's data-side pieces (nanorl/dapo.py) and the trainer's dynamic sampling (train.refill_groups).
+"""DAPO's data-side pieces (nanorl/dapo.py) and the trainer's dynamic sampling (refill_groups in
+nanorl/stages.py).
 
 The overlong penalty against the paper's formula on hand values; the refill loop with a scripted
 generator; and a real run on the built-in task whose reward gives most groups zero variance, which
@@ -101,7 +102,8 @@ def test_refill_trains_a_full_batch_when_most_groups_have_no_variance(task_dir, 
     seen = []
     real = train.train_on
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real(run, batch))
-    common = ["--model", task_dir["model"], "--train-data", task_dir["train"], "--test-data", task_dir["test"],
+    common = ["--model", task_dir["model"], "--train-data", task_dir["train"], "--test-data",
+              task_dir["test"],
               "--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--eval-limit", "2",
               "--eval-every", "0", "--pass-k", "1", "--quiet", "--threads", "1", "--max-new-tokens", "4",
               "--reward", f"{tmp_path / 'sparse.py'}:reward"]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from nanorl.data import DataError, PromptLoader, Prompt, build_prompts, load_rows
+from nanorl.data import DataError, Prompt, PromptLoader, build_prompts, load_rows
 from nanorl.task import build_tokenizer
 
 
@@ -30,7 +30,8 @@ def test_missing_key_names_key_and_keys_present(tok):
 
 
 def test_empty_and_too_long_are_skipped_and_counted(tok):
-    rows = [{"prompt": "", "answer": "0"}, {"prompt": "1+1=", "answer": "2"}, {"prompt": "9" * 100, "answer": "9"}]
+    rows = [{"prompt": "", "answer": "0"}, {"prompt": "1+1=", "answer": "2"},
+            {"prompt": "9" * 100, "answer": "9"}]
     prompts, skipped = build_prompts(rows, tok, "prompt", "answer", max_prompt_len=16)
     assert [p.text for p in prompts] == ["1+1="] and skipped == {"empty": 1, "too_long": 1}
     assert tok.decode(prompts[0].ids) == "1+1="
@@ -76,7 +77,8 @@ MATH500_ROW = {"problem": "Convert the point $(0,3)$ in rectangular coordinates 
                "solution": "... so the polar coordinates are $\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}.$",
                "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
                "unique_id": "test/precalculus/807.json"}
-VERL_ROW = {"data_source": "openai/gsm8k", "ability": "math",  # verl's examples/data_preprocess/gsm8k.py layout
+# verl's examples/data_preprocess/gsm8k.py layout
+VERL_ROW = {"data_source": "openai/gsm8k", "ability": "math",
             "prompt": [{"role": "user", "content": GSM8K_ROW["question"] + " Let's think step by step and "
                         "output the final answer after \"####\"."}],
             "reward_model": {"style": "rule", "ground_truth": "72"},
@@ -123,7 +125,8 @@ def test_gsm8k_jsonl_keeps_the_solution_label_for_the_math_reward(tmp_path, chat
     src = write_jsonl(tmp_path / "gsm8k_train.jsonl", [GSM8K_ROW])
     (p,), _ = build_prompts(load_rows(src), chat_tok, "question", "answer", 512, source=src)
     assert p.label == GSM8K_ROW["answer"] and p.text == GSM8K_ROW["question"]
-    assert chat_tok.decode(p.ids) == f"<|im_start|>user\n{GSM8K_ROW['question']}<|im_end|>\n<|im_start|>assistant\n"
+    assert chat_tok.decode(p.ids) == (f"<|im_start|>user\n{GSM8K_ROW['question']}<|im_end|>\n"
+                                      "<|im_start|>assistant\n")
     assert math_reward(p.text, "So 72 in all. The answer is \\boxed{72}", p.label) == 1.0
     assert math_reward(p.text, "The answer is \\boxed{71}", p.label) == 0.0
 
@@ -133,11 +136,15 @@ def test_math_parquet_with_candidate_keys(tmp_path, chat_tok):
     from nanorl.rewards import math_reward
     math = write_parquet(tmp_path / "math.parquet", [MATH_ROW])
     m500 = write_jsonl(tmp_path / "math500.jsonl", [MATH500_ROW])
-    (p,), _ = build_prompts(load_rows(math), chat_tok, "question,problem", "answer,solution", 512, source=math)
+    (p,), _ = build_prompts(load_rows(math), chat_tok, "question,problem", "answer,solution", 512,
+                            source=math)
     assert p.text == MATH_ROW["problem"] and math_reward("", "\\boxed{0.75}", p.label) == 1.0
-    (q,), _ = build_prompts(load_rows(m500), chat_tok, "question,problem", "answer,solution", 512, source=m500)
-    assert q.label == MATH500_ROW["answer"] and math_reward("", "$\\boxed{(3,\\frac{\\pi}{2})}$", q.label) == 1.0
-    with pytest.raises(DataError, match=r"row 1 has no key 'question,query'; keys present: \['level', 'problem'"):
+    (q,), _ = build_prompts(load_rows(m500), chat_tok, "question,problem", "answer,solution", 512,
+                            source=m500)
+    assert q.label == MATH500_ROW["answer"] and math_reward("", "$\\boxed{(3,\\frac{\\pi}{2})}$",
+                                                            q.label) == 1.0
+    with pytest.raises(DataError, match=r"row 1 has no key 'question,query'; keys present: \['level', "
+                                        r"'problem'"):
         build_prompts(load_rows(math), chat_tok, "question,query", "solution", 512, source=math)
 
 
@@ -146,13 +153,15 @@ def test_verl_parquet_chat_messages_and_nested_label(tmp_path, chat_tok):
     (p,), _ = build_prompts(load_rows(src), chat_tok, "prompt", "reward_model.ground_truth", 512, source=src)
     assert p.label == "72" and p.text == VERL_ROW["prompt"][0]["content"]
     assert chat_tok.decode(p.ids).startswith("<|im_start|>user\nNatalia sold") and "step by step" in p.text
-    with pytest.raises(DataError, match=r"no key 'reward_model.answer'; keys present: \['ability', 'data_source', "
+    with pytest.raises(DataError, match=r"no key 'reward_model.answer'; keys present: \['ability', "
+                                        r"'data_source', "
                                         r"'extra_info', 'prompt', 'reward_model'\]"):
         build_prompts(load_rows(src), chat_tok, "prompt", "reward_model.answer", 512, source=src)
     with pytest.raises(DataError, match=r"row 1: the prompt must be a string or a non-empty list"):
         build_prompts([{"prompt": [{"role": "user"}], "answer": "1"}], chat_tok, "prompt", "answer", 512)
     with pytest.raises(DataError, match=r"row 1: the messages have no 'user' turn"):
-        build_prompts([{"prompt": [{"role": "system", "content": "x"}], "answer": "1"}], chat_tok, "prompt", "answer", 512)
+        build_prompts([{"prompt": [{"role": "system", "content": "x"}], "answer": "1"}], chat_tok, "prompt",
+                      "answer", 512)
 
 
 def test_datasets_name_config_and_split(tmp_path, chat_tok):
@@ -162,7 +171,8 @@ def test_datasets_name_config_and_split(tmp_path, chat_tok):
     assert parse_source("openai/gsm8k:main@train", "test") == ("openai/gsm8k", "main", "train")
     assert parse_source("HuggingFaceH4/MATH-500", "test") == ("HuggingFaceH4/MATH-500", None, "test")
     assert parse_source(str(tmp_path / "a.jsonl"), "test") == (str(tmp_path / "a.jsonl"), None, "test")
-    hub = write_hub_dir(tmp_path / "gsm8k", "main", {"train": [GSM8K_ROW] * 3, "test": [dict(GSM8K_ROW, question="t")]})
+    hub = write_hub_dir(tmp_path / "gsm8k", "main",
+                        {"train": [GSM8K_ROW] * 3, "test": [dict(GSM8K_ROW, question="t")]})
     assert len(load_rows(f"{hub}:main")) == 3 and load_rows(f"{hub}:main", split="test")[0]["question"] == "t"
     assert load_rows(f"{hub}:main@test", split="train")[0]["question"] == "t"  # an explicit split wins
     with pytest.raises(DataError, match=r"gsm8k:nope@train: cannot read prompts"):
@@ -176,7 +186,8 @@ def test_prompt_format_template_system_and_chat_kwargs(chat_tok):
                        chat_template_kwargs={"enable_thinking": False})
     ids, text = fmt.render("What is 2+2?", chat_tok)
     assert text == "What is 2+2? Put your final answer in \\boxed{}."
-    assert chat_tok.decode(ids) == ("<|im_start|>system\nYou are a careful solver.<|im_end|>\n<|im_start|>user\n"
+    assert chat_tok.decode(ids) == ("<|im_start|>system\nYou are a careful "
+                                    "solver.<|im_end|>\n<|im_start|>user\n"
                                     f"{text}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
     msgs = [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}]
     with pytest.raises(DataError, match="its own system message and --system-prompt"):
@@ -184,16 +195,19 @@ def test_prompt_format_template_system_and_chat_kwargs(chat_tok):
     base = PromptFormat(template=tmpl, chat_template=False)  # a base model: raw text, no template
     ids, _ = base.render("What is 2+2?", chat_tok)
     assert chat_tok.decode(ids) == "What is 2+2? Put your final answer in \\boxed{}."
-    assert chat_tok.decode(PromptFormat(system_prompt="S", chat_template=False).render("q", chat_tok)[0]) == "S\n\nq"
+    assert chat_tok.decode(PromptFormat(system_prompt="S", chat_template=False)
+                           .render("q", chat_tok)[0]) == "S\n\nq"
     with pytest.raises(DataError, match="--chat-template-kwargs .* no chat template is used"):
-        PromptFormat(chat_template=False, chat_template_kwargs={"enable_thinking": False}).render("q", chat_tok)
+        PromptFormat(chat_template=False, chat_template_kwargs={"enable_thinking": False}).render("q",
+                                                                                                  chat_tok)
     with pytest.raises(DataError, match="3 chat messages need a chat template"):
         PromptFormat(chat_template=False).render(msgs + [{"role": "user", "content": "again"}], chat_tok)
 
 
 def test_prompt_flags_reach_the_config():
     from nanorl.config import parse_args
-    cfg = parse_args(["--prompt-template", "{prompt} Box it: \\boxed{}", "--system-prompt", "S", "--no-chat-template",
+    cfg = parse_args(["--prompt-template", "{prompt} Box it: \\boxed{}", "--system-prompt", "S",
+                      "--no-chat-template",
                       "--chat-template-kwargs", '{"enable_thinking": false}'])
     assert cfg.chat_template is False and cfg.chat_template_dict == {"enable_thinking": False}
     with pytest.raises(ValueError, match=r"prompt_template must contain \{prompt\}"):

@@ -39,9 +39,11 @@ def test_reward_parses_answer_confidence_and_position():
     assert dcpo.parse("16") == ("16", None, 2)         # no confidence: it belongs after the answer
     assert dcpo.parse("16-77") == ("16", None, 3)      # malformed: after the separator
     s = scored("6-9", "6")
-    assert s.reward == {"correct": 1.0} and s.metadata["dcpo/confidence"] == 1.0 and s.metadata["dcpo/conf_pos"] == 2
+    assert (s.reward == {"correct": 1.0} and s.metadata["dcpo/confidence"] == 1.0
+            and s.metadata["dcpo/conf_pos"] == 2)
     s = scored("5", "6")
-    assert s.reward == {"correct": 0.0} and "dcpo/confidence" not in s.metadata and s.metadata["dcpo/format_rate"] == 0
+    assert (s.reward == {"correct": 0.0} and "dcpo/confidence" not in s.metadata
+            and s.metadata["dcpo/format_rate"] == 0)
 
 
 def test_postprocess_hand_values():
@@ -81,9 +83,12 @@ def test_advantage_by_position_hand_values():
 # 0.396 at the start, DCPO 0.305 / 0.312, without the calibration term 0.385 / 0.467; accuracy 0.314 at
 # the start, DCPO 0.388 / 0.379, without 0.417 / 0.386.
 def test_dcpo_improves_heldout_calibration_without_hurting_accuracy(tmp_path):
-    common = ["--algo", "grpo", "--steps", "100", "--max-new-tokens", "6", "--eval-every", "0", "--eval-limit", "1",
-              "--pass-k", "1", "--quiet", "--threads", "1", "--lr", "3e-4"]  # the lr the margins were measured at
-    train.main(["--plugin", EXAMPLE, "--out-dir", str(tmp_path / "dcpo"), *common])  # its make_task: the model
+    common = ["--algo", "grpo", "--steps", "100", "--max-new-tokens", "6", "--eval-every", "0",
+              "--eval-limit", "1",
+              # the lr the margins were measured at
+              "--pass-k", "1", "--quiet", "--threads", "1", "--lr", "3e-4"]
+    # its make_task: the model
+    train.main(["--plugin", EXAMPLE, "--out-dir", str(tmp_path / "dcpo"), *common])
     task = tmp_path / "dcpo" / "task"
     start = str(next(task.glob("dcpo-qwen2-*")))
     # The same run without the calibration term: DCPO's reward and post-processing, GRPO's advantage

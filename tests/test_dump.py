@@ -36,10 +36,13 @@ class CharTokenizer:  # the two calls dump.records makes, on a fixed vocabulary
 
 
 def toy():
-    samples = [Sample(prompt_ids=[2, 3], response_ids=[2, 4, 5, 1], rollout_logprobs=[-0.1, -1.5, -2.25, -0.3],
+    samples = [Sample(prompt_ids=[2, 3], response_ids=[2, 4, 5, 1],
+                      rollout_logprobs=[-0.1, -1.5, -2.25, -0.3],
                       reward={"correct": 1.0, "format": 0.5}, group_id=0, weight_version=3),
-               Sample(prompt_ids=[2, 3], response_ids=[6, 1], rollout_logprobs=[-0.7, -0.01], loss_mask=[0, 1],
-                      reward={"correct": 0.0, "format": 0.5}, group_id=0, status="truncated", weight_version=3)]
+               Sample(prompt_ids=[2, 3], response_ids=[6, 1], rollout_logprobs=[-0.7, -0.01],
+                      loss_mask=[0, 1],
+                      reward={"correct": 0.0, "format": 0.5}, group_id=0, status="truncated",
+                      weight_version=3)]
     g = torch.Generator().manual_seed(0)
     B, T = 2, 4
     tokens = {k: torch.randn(B, T, generator=g) for k in ("trainer_logprob", "entropy", "advantage")}
@@ -90,7 +93,8 @@ def test_size_cap_cuts_whole_lines_and_rotates_oldest(tmp_path):
     for step in (2, 3, 4):
         dump.write(str(tmp_path), step, recs[:3], cap)
         files = sorted(os.listdir(tmp_path))
-        assert sum(os.path.getsize(tmp_path / f) for f in files) <= cap and files[-1] == f"step_{step:06d}.jsonl"
+        assert (sum(os.path.getsize(tmp_path / f) for f in files) <= cap
+                and files[-1] == f"step_{step:06d}.jsonl")
     assert "step_000001.jsonl" not in os.listdir(tmp_path)  # the oldest went first
     assert "step_000004.jsonl" in os.listdir(tmp_path) and "step_000003.jsonl" in os.listdir(tmp_path)
 
@@ -116,7 +120,8 @@ def task(tmp_path_factory):
 
 def args(task, out, *extra):
     return ["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"], "--out-dir",
-            str(out), "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit",
+            str(out), "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0",
+            "--eval-limit",
             "8", "--pass-k", "2", "--threads", "1", "--quiet", "--steps", "2", *extra]
 
 
@@ -131,9 +136,9 @@ def test_rl_step_dump_equals_the_step_tensors(task, tmp_path, monkeypatch):
     seen = {}
     real = dump.rollouts
 
-    def capture(run_, samples, batch=None):
+    def capture(samples, batch, *args, **kwargs):
         seen.update(samples=samples, batch=batch)
-        return real(run_, samples, batch)
+        return real(samples, batch, *args, **kwargs)
     monkeypatch.setattr(dump, "rollouts", capture)
     try:
         before = copy.deepcopy(run.model)
@@ -143,16 +148,17 @@ def test_rl_step_dump_equals_the_step_tensors(task, tmp_path, monkeypatch):
         # the HF engine in fp32 samples from the trainer's own distribution: ρ = π_old/π_rollout ≈ 1 on
         # every token the trainer scored (a skipped row's 0 in place of π_old would give ρ = 1/π_rollout)
         assert 0.999 < metrics["train/mismatch/ratio_p01"] <= metrics["train/mismatch/ratio_max"] < 1.001
-        assert "old_logprobs" not in batch.token_data and "trainer_logprobs" not in batch.token_data
+        assert batch.tensors.old_logprobs is None and batch.tensors.trainer_logprobs is None
         assert not (tmp_path / "rollouts").exists()
         logp, ent, covered = update.old_policy_view(batch)
         valid = batch.attention_mask[:, batch.prompt_width:].bool()  # [B, T] real response tokens
-        trained = (batch.token_data["advantages"] != 0).any(-1)  # [B]
+        trained = (batch.tensors.advantages != 0).any(-1)  # [B]
         assert 0 < int(trained.sum()) < 16, trained  # both kinds of row: the test means something
         assert torch.equal(covered.bool() & valid, valid & trained[:, None])  # covered = the rows trained
         scored = valid & trained[:, None]
         with torch.no_grad():
-            lp, en = response_logprobs(before, batch, run.cfg.temperature)  # [B, T] the weights before the step
+            # [B, T] the weights before the step
+            lp, en = response_logprobs(before, batch, run.cfg.temperature)
         assert (logp - lp)[scored].abs().max() < 1e-5 and (ent - en)[scored].abs().max() < 1e-5
 
         before = copy.deepcopy(run.model)
@@ -161,27 +167,30 @@ def test_rl_step_dump_equals_the_step_tensors(task, tmp_path, monkeypatch):
         run.logger.close()
         run.rewards.close()
     batch = seen["batch"]
-    assert "old_logprobs" not in batch.token_data  # the π_old the loss reads is still the first pass
+    assert batch.tensors.old_logprobs is None  # the π_old the loss reads is still the first pass
     back = dump.read(str(tmp_path / "rollouts" / "step_000002.jsonl"))
     B, T = batch.response_ids.shape
     assert len(back) == B == 16 and [r["index"] for r in back] == list(range(B))
     valid = batch.attention_mask[:, batch.prompt_width:].bool()  # [B, T] real response tokens
     assert torch.equal(dump.as_tensor(back, "id", T).long()[valid], batch.response_ids[valid])
-    td = batch.token_data
-    trained = (td["advantages"] != 0).any(-1)  # [B]
+    td = batch.tensors
+    trained = (td.advantages != 0).any(-1)  # [B]
     assert int(trained.sum()) < B  # some rows skipped training, and still have their numbers:
-    assert all(r["tokens"]["trainer_logprob"] is not None and None not in r["tokens"]["trainer_logprob"] for r in back)
-    for field, want in (("rollout_logprob", batch.rollout_logprobs), ("advantage", td["advantages"]),
-                        ("loss_mask", batch.response_mask), ("trainer_logprob", td["trainer_logprobs"]),
-                        ("entropy", td["trainer_entropy"])):
+    assert all(r["tokens"]["trainer_logprob"] is not None and None not in r["tokens"]["trainer_logprob"]
+               for r in back)
+    for field, want in (("rollout_logprob", batch.rollout_logprobs), ("advantage", td.advantages),
+                        ("loss_mask", batch.response_mask), ("trainer_logprob", td.trainer_logprobs),
+                        ("entropy", td.trainer_entropy)):
         assert torch.equal(dump.as_tensor(back, field, T)[valid], want.float()[valid]), field
     with torch.no_grad():
         lp, ent = response_logprobs(before, batch, run.cfg.temperature)  # [B, T] the weights before the step
     got = dump.as_tensor(back, "trainer_logprob", T)
-    assert (got - lp)[valid].abs().max() < 1e-5 and (dump.as_tensor(back, "entropy", T) - ent)[valid].abs().max() < 1e-5
+    assert (got - lp)[valid].abs().max() < 1e-5 and (dump.as_tensor(back, "entropy", T) -
+                                                     ent)[valid].abs().max() < 1e-5
     with torch.no_grad():
         after, _ = response_logprobs(run.model, batch, run.cfg.temperature)
-    assert (got - after)[valid].abs().max() > 1e-4  # the update moved the policy: "before" is not trivially equal
+    # the update moved the policy: "before" is not trivially equal
+    assert (got - after)[valid].abs().max() > 1e-4
     assert [r["reward"] for r in back] == [s.total_reward for s in seen["samples"]]
 
 
@@ -209,8 +218,7 @@ def test_debug_rollout_only_makes_no_optimizer_step(task, tmp_path):
 def test_routing_replay_run_logs_per_layer_disagreement(task, tmp_path):
     """One R3 step on a tiny random MoE (no warm start: only the logging is checked): the per-layer
     routing/disagreement/layer_<i> are logged, one per MoE layer, and average to the overall share."""
-    from nanorl import moe_replay
-    from nanorl import task as builtin
+    from nanorl import moe_replay, task as builtin
     tok = builtin.build_tokenizer()
     model = moe_replay.tiny_moe("qwen3_moe", seed=0, vocab_size=len(tok), pad_token_id=0, eos_token_id=1)
     model.save_pretrained(tmp_path / "moe")

@@ -332,7 +332,8 @@ def test_kernels_compile_for_sm90():
             bwd = {"x_ptr": f"*{dt}", "stride_x": "i64", "g_ptr": f"*{dt}", "stride_g": "i64",
                    "tgt_ptr": "*i64", "m_ptr": "*fp32", "ls_ptr": "*fp32", "ent_ptr": "*fp32",
                    "glp_ptr": "*fp32", "gent_ptr": "*fp32", **common}
-            variants = [(E._fwd_kernel, fwd, {"WITH_SQ": sq}) for sq in ((False, True) if dt == "bf16" else (True,))]
+            variants = [(E._fwd_kernel, fwd, {"WITH_SQ": sq})
+                        for sq in ((False, True) if dt == "bf16" else (True,))]
             for kernel, sig, extra in variants + [(E._bwd_kernel, bwd, {})]:
                 src = ASTSource(kernel, sig, constexprs={"BLOCK_V": E._MAX_BLOCK_V, **extra})
                 compiled = triton.compile(src, target=target, options=options)

@@ -38,7 +38,8 @@ def bpe_chat_tokenizer():
     core.add_special_tokens(["<pad>", "<|im_end|>", "<|im_start|>"])
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<|im_end|>")
     tok.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'][0] + '\\n' + m['content'] + "
-                         "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>a\\n' }}{% endif %}")
+                         "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>a\\n' "
+                         "}}{% endif %}")
     return tok
 
 
@@ -131,7 +132,8 @@ def test_ids_are_prompt_plus_sampled_plus_env_tokens_encoded_alone(tok, episodes
 def test_every_model_token_logprob_equals_the_trainer_recompute_hf(model, episodes):
     _, _, samples = episodes
     long = [s for s in samples if s.metadata["env"]["turns"] >= TURNS]
-    assert len(long) >= 8 and all(0 < sum(s.loss_mask) < s.response_length for s in long)  # env tokens between turns
+    # env tokens between turns
+    assert len(long) >= 8 and all(0 < sum(s.loss_mask) < s.response_length for s in long)
     batch = collate(long, PAD)
     with torch.no_grad():
         lp, _ = response_logprobs(model, batch, temperature=0.9)  # [B, T] the trainer's fp32 recompute
@@ -181,7 +183,8 @@ class Scripted:
             status = "truncated"
             if self.length >= 0 and len(r) < sampling.max_new_tokens:
                 r, status = r + [END], "completed"
-            out.append(Sample(prompt_ids=list(p), response_ids=r, rollout_logprobs=[-1.0] * len(r), status=status,
+            out.append(Sample(prompt_ids=list(p), response_ids=r, rollout_logprobs=[-1.0] * len(r),
+                              status=status,
                               group_id=g))
         return out
 
@@ -225,7 +228,8 @@ def test_failures_end_the_episode_with_a_status_and_a_count(tok, mode, length, m
     start = time.perf_counter()
     runner, samples = run_flaky(tok, mode, length, max_tokens)
     assert time.perf_counter() - start < 20  # the hung tool was killed at 0.5 s per call
-    assert [s.metadata["env"]["end"] for s in samples] == [end, end] and {s.status for s in samples} == {status}
+    assert [s.metadata["env"]["end"] for s in samples] == [end,
+                                                           end] and {s.status for s in samples} == {status}
     m = episode_metrics(samples)
     assert m[f"env/end/{end}"] == 1.0 and sum(v for k, v in m.items() if k.startswith("env/end/")) == 1.0
     if end in ("env_error", "tool_timeout"):
@@ -240,18 +244,23 @@ def test_failures_end_the_episode_with_a_status_and_a_count(tok, mode, length, m
 def test_turn_rewards_land_on_each_turns_last_token(tok):
     _, samples = run_flaky(tok, "go_on")  # rewards 0.5 on each of 3 turns
     tr = turn_reward_tensor(samples, 16)
-    assert tr[0].nonzero().squeeze(1).tolist() == [2, 8, 14] and torch.allclose(tr.sum(1), torch.tensor([1.5, 1.5]))
-    assert turn_reward_tensor([s for s in run_flaky(tok, "raise")[1]], 4) is None  # outcome only: scores suffice
+    assert tr[0].nonzero().squeeze(1).tolist() == [2, 8, 14] and torch.allclose(tr.sum(1),
+                                                                                torch.tensor([1.5, 1.5]))
+    # outcome only: scores suffice
+    assert turn_reward_tensor([s for s in run_flaky(tok, "raise")[1]], 4) is None
     # the trainer hands them to an estimator that reads token rewards, with or without KL
-    import train
     from nanorl.config import Config
     from nanorl.kl import FixedKLController
     batch = collate(samples, PAD)
-    batch.token_data["turn_rewards"] = turn_reward_tensor(samples, batch.response_ids.shape[1])
-    run = SimpleNamespace(cfg=Config(algo="reinforce_pp", advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True,
-                                     kl_estimator="k1"), kl_ctl=FixedKLController(0.001))
-    inputs = train.advantage_inputs(run, batch, torch.zeros_like(batch.response_mask), None)
-    assert torch.equal(inputs["token_rewards"], batch.token_data["turn_rewards"]) and "scores" not in inputs
+    batch.tensors.turn_rewards = turn_reward_tensor(samples, batch.response_ids.shape[1])
+    from nanorl.plan import make_plan
+    cfg = Config(algo="reinforce_pp", advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True,
+                 kl_estimator="k1")
+    run = SimpleNamespace(cfg=cfg, kl_ctl=FixedKLController(0.001),
+                          plan=make_plan(cfg, cfg.advantage, cfg.policy_loss))
+    from nanorl import stages
+    inputs = stages.advantage_inputs(run, batch, torch.zeros_like(batch.response_mask), None)
+    assert torch.equal(inputs["token_rewards"], batch.tensors.turn_rewards) and "scores" not in inputs
 
 
 # ----------------------------------------------------------------------------- built-in environments
@@ -276,11 +285,13 @@ def test_calc_env_frames_tool_output_with_its_template():
 # is one user turn of <tool_response> blocks. The Qwen3-like one renders the LAST assistant turn with
 # an empty thinking block, so a longer conversation does not extend a shorter one.
 QWEN25_LIKE = ("{%- for m in messages -%}{%- if m['role'] == 'tool' -%}"
-               "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user\\n' }}{%- endif -%}"
+               "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user\\n' "
+               "}}{%- endif -%}"
                "{{ '<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
                "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}"
                "{%- else -%}{{ '\\n' }}{%- endif -%}"
-               "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif -%}"
+               "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- "
+               "endif -%}"
                "{%- endfor -%}{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}")
 QWEN3_LIKE = QWEN25_LIKE.replace("{{ '<|im_start|>' + m['role'] + '\\n' + m['content']",
                                  "{{ '<|im_start|>' + m['role'] + '\\n' + ('<think>\\n\\n</think>\\n\\n' if "
@@ -298,10 +309,12 @@ def qtok():
 def test_chat_turns_frame_qwen_layouts(qtok):
     want = "\n<|im_start|>user\n<tool_response>\n2615\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert qtok.decode(ChatTurns(qtok).encode("2615", "tool", qtok.eos_token_id)) == want
-    assert qtok.decode(ChatTurns(qtok).encode("2615", "tool", None)) == "<|im_end|>" + want  # stopped otherwise
+    # stopped otherwise
+    assert qtok.decode(ChatTurns(qtok).encode("2615", "tool", None)) == "<|im_end|>" + want
     q3 = __import__("copy").copy(qtok)
     q3.chat_template = QWEN3_LIKE
-    last = q3.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], tokenize=False)
+    last = q3.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                                  tokenize=False)
     assert "<think>" in last  # re-rendered once a message follows: framed from the longer rendering alone
     assert q3.decode(ChatTurns(q3).encode("2615", "tool", q3.eos_token_id)) == want
 
@@ -312,7 +325,8 @@ def test_python_tool_chatml_call_answer_and_hang(qtok):
     assert python_expression("37 * 43 + 2**10") == "2615" and python_expression("sqrt(16)") == "4.0"
     with pytest.raises(ValueError):
         python_expression("__import__('os').system('true')")
-    turns = ["<tool_call>\n{\"name\": \"python\", \"arguments\": {\"expression\": \"37 * 43\"}}\n</tool_call>",
+    turns = ["<tool_call>\n{\"name\": \"python\", \"arguments\": "
+             "{\"expression\": \"37 * 43\"}}\n</tool_call>",
              "So the answer is \\boxed{1591}."]
 
     class Replay:  # an engine that writes the scripted turns in turn, each ended by <|im_end|>
@@ -322,7 +336,8 @@ def test_python_tool_chatml_call_answer_and_hang(qtok):
             from nanorl.trajectory import Sample
             text, Replay.calls = turns[Replay.calls % 2], Replay.calls + 1
             ids = qtok(text, add_special_tokens=False)["input_ids"] + [qtok.eos_token_id]
-            return [Sample(prompt_ids=p, response_ids=ids, rollout_logprobs=[0.0] * len(ids)) for p in prompts]
+            return [Sample(prompt_ids=p, response_ids=ids, rollout_logprobs=[0.0] * len(ids))
+                    for p in prompts]
 
     render = lambda text: qtok.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
                                                   add_generation_prompt=True)["input_ids"]
@@ -332,7 +347,8 @@ def test_python_tool_chatml_call_answer_and_hang(qtok):
         s, = runner.generate([Prompt(ids=[1], text="What is 37 * 43?", label="1591")], 1, sp)
         assert s.metadata["env"]["end"] == "done" and s.reward == 1.0 and s.metadata["env"]["tool_calls"] == 1
         start, end = s.metadata["env"]["spans"][0][1], s.metadata["env"]["spans"][1][0]
-        assert qtok.decode(s.response_ids[start:end]) == ("\n<|im_start|>user\n<tool_response>\n1591\n</tool_response>"
+        assert qtok.decode(s.response_ids[start:end]) == ("\n<|im_start|>user\n<tool_response>\n1591\n"
+                                                          "</tool_response>"
                                                           "<|im_end|>\n<|im_start|>assistant\n")
         turns[0] = turns[0].replace("37 * 43", "9**9**9")  # runs for minutes: killed at the timeout
         runner.tools.timeout = 1.0
@@ -369,12 +385,16 @@ def test_train_step_survives_a_faulty_user_environment(tmp_path):
         "        if self.kind == 1 and action.turn == 0:\n            self.call(hang)\n"
         "        if action.turn == 0:\n            return Step([13, 13], 0.0, False, {'tool_calls': 1})\n"
         "        return Step(None, float(action.text == self.label), True, {})\n")
-    res = train.main(["--env", f"{tmp_path / 'user_env.py'}:UserEnv", "--model", task["model"], "--train-data",
-                      task["train"], "--test-data", task["test"], "--eval-limit", "8", "--pass-k", "1", "--steps", "2",
-                      "--prompts-per-step", "8", "--samples-per-prompt", "2", "--tool-timeout", "0.3", "--quiet",
+    res = train.main(["--env", f"{tmp_path / 'user_env.py'}:UserEnv", "--model", task["model"],
+                      "--train-data",
+                      task["train"], "--test-data", task["test"], "--eval-limit", "8", "--pass-k", "1",
+                      "--steps", "2",
+                      "--prompts-per-step", "8", "--samples-per-prompt", "2", "--tool-timeout", "0.3",
+                      "--quiet",
                       "--threads", "1", "--out-dir", str(tmp_path / "run"), "--env-max-turns", "2"])
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     steps = [x for x in lines if "rollout/env/turns_mean" in x]
     assert res["step"] == 2 and len(steps) == 2 and "eval/tool_use_rate" in lines[0]
     assert sum(x["rollout/env/end/env_error"] + x["rollout/env/end/tool_timeout"] for x in steps) > 0
-    assert steps[-1].get("rollout/env_faults/env_error", 0) + steps[-1].get("rollout/env_faults/tool_timeout", 0) > 0
+    assert steps[-1].get("rollout/env_faults/env_error", 0) + steps[-1].get("rollout/env_faults/tool_timeout",
+                                                                            0) > 0

@@ -28,8 +28,10 @@ def test_calculator_use_and_accuracy_rise(tmp_path):
     steps = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"rollout/env/tool_use_rate"' in x]
     sampled = [x["rollout/env/tool_use_rate"] for x in steps]
     early, late = sum(sampled[:5]) / 5, sum(sampled[-5:]) / 5
-    print(f"30 steps in {time.perf_counter() - start:.0f}s: greedy tool use {before['eval/tool_use_rate']:.3f} -> "
-          f"{after['eval/tool_use_rate']:.3f}, accuracy {before['eval/accuracy']:.3f} -> {after['eval/accuracy']:.3f}; "
+    print(f"30 steps in {time.perf_counter() - start:.0f}s: greedy tool use "
+          f"{before['eval/tool_use_rate']:.3f} -> "
+          f"{after['eval/tool_use_rate']:.3f}, accuracy {before['eval/accuracy']:.3f} -> "
+          f"{after['eval/accuracy']:.3f}; "
           f"sampled tool use {early:.3f} -> {late:.3f}")
     assert len(steps) == 30
     assert after["eval/tool_use_rate"] - before["eval/tool_use_rate"] >= 0.30

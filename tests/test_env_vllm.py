@@ -45,6 +45,8 @@ def test_vllm_multiturn_ids_and_logprobs_match_the_trainer(tmp_path):
         lp, _ = response_logprobs(model, batch, temperature=0.9)  # [B, T]
     valid = batch.response_mask.bool()
     gap = (lp - batch.rollout_logprobs)[valid].abs()
-    print(f"vLLM: max |Δlogprob| over {int(valid.sum())} model tokens of {len(long)} 3-turn episodes: {gap.max():.2e}")
+    print(f"vLLM: max |Δlogprob| over {int(valid.sum())} model tokens of {len(long)} 3-turn episodes: "
+          f"{gap.max():.2e}")
     assert gap.max() < 1e-4  # fp32 engine vs fp32 trainer: ~2e-6 (../shared/FACTS.md)
-    assert assert_tito(tok, runner, rec, samples) == len([s for s in long if s.metadata["env"]["end"] == "done"])
+    assert assert_tito(tok, runner, rec, samples) == len([s for s in long if s.metadata["env"]["end"] ==
+                                                          "done"])

@@ -12,8 +12,9 @@ import torch
 import train
 from nanorl.config import Config
 from nanorl.data import Prompt
-from nanorl.evaluation import EvalSet, evaluate, load_eval_sets, set_name
+from nanorl.evaluation import EvalSampling, EvalSet, evaluate, load_eval_sets, set_name
 from nanorl.rewards import RewardRunner, exact
+from nanorl.rollout import stop_token_ids
 from nanorl.task import make_default
 from nanorl.trajectory import Sample
 
@@ -39,7 +40,8 @@ class ScriptedEngine:
             i = ids[0]
             for j in range(n):  # greedy: right for even i; sampled: sample j == 0 right for every i
                 right = (i % 2 == 0) if sampling.temperature == 0 else j == 0
-                out.append(Sample(prompt_ids=ids, response_ids=[i if right else i + 1] + [0] * (i % 3), group_id=g))
+                out.append(Sample(prompt_ids=ids, response_ids=[i if right else i + 1] + [0] * (i % 3),
+                                  group_id=g))
         return out
 
 
@@ -52,8 +54,16 @@ class Tok:
 
 def fake_run(sets, rank=0, world=1, **cfg):
     cfg = Config(**{"pass_k": 3, "max_new_tokens": 4, **cfg})
-    return SimpleNamespace(cfg=cfg, eval_sets=sets, engine=ScriptedEngine(), tokenizer=Tok(), rank=rank, world=world,
+    return SimpleNamespace(cfg=cfg, eval_sets=sets, engine=ScriptedEngine(), tokenizer=Tok(), rank=rank,
+                           world=world,
                            rewards=RewardRunner(exact), model=torch.nn.Linear(1, 1))
+
+
+def run_eval(run) -> dict:
+    """evaluate on a fake run's objects, passed one by one (evaluation takes no Run)."""
+    sampling = EvalSampling.from_config(run.cfg, stop_token_ids(run.model, run.tokenizer))
+    return evaluate(run.eval_sets, run.engine, sampling, run.cfg.seed, rewards=run.rewards,
+                    tokenizer=run.tokenizer, rank=run.rank, world=run.world)
 
 
 def prompts(ids):
@@ -62,7 +72,7 @@ def prompts(ids):
 
 def test_metrics_per_set_and_pooled():
     run = fake_run([EvalSet("a", prompts([0, 1, 2, 3])), EvalSet("b", prompts([4, 6, 7]))])
-    m = evaluate(run)
+    m = run_eval(run)
     assert m["eval/a/accuracy"] == 0.5 and m["eval/b/accuracy"] == pytest.approx(2 / 3)
     assert m["eval/accuracy"] == pytest.approx(4 / 7)  # pooled over the 7 prompts, not a mean of means
     assert m["eval/a/pass@3"] == m["eval/b/pass@3"] == m["eval/pass@3"] == 1.0
@@ -71,13 +81,14 @@ def test_metrics_per_set_and_pooled():
 
 
 def test_eval_sampling_flags_are_its_own():
-    run = fake_run([EvalSet("a", prompts([0, 1]))], eval_temperature=0.6, eval_max_new_tokens=32, temperature=1.0)
-    evaluate(run)
+    run = fake_run([EvalSet("a", prompts([0, 1]))], eval_temperature=0.6, eval_max_new_tokens=32,
+                   temperature=1.0)
+    run_eval(run)
     (n0, k0, greedy), (n1, k1, sampled) = run.engine.calls
     assert (k0, greedy.temperature, greedy.max_new_tokens) == (1, 0.0, 32)
     assert (k1, sampled.temperature, sampled.max_new_tokens) == (3, 0.6, 32)
     run = fake_run([EvalSet("a", prompts([0]))], temperature=0.9)  # 0 = training's temperature and length
-    evaluate(run)
+    run_eval(run)
     assert run.engine.calls[1][2].temperature == 0.9 and run.engine.calls[0][2].max_new_tokens == 4
 
 
@@ -86,7 +97,7 @@ def test_rank_slices_cover_each_set_once():
     seen = []
     for rank in range(2):
         run = fake_run(sets, rank=rank, world=2)
-        evaluate(run)  # one process: the all-reduce is a no-op, so each call sees its own slice
+        run_eval(run)  # one process: the all-reduce is a no-op, so each call sees its own slice
         seen.append(run.engine.calls[0][0])
     assert seen == [3, 2]
 
@@ -94,10 +105,12 @@ def test_rank_slices_cover_each_set_once():
 def test_eval_set_names_and_loading(task, tmp_path):
     from nanorl.data import PromptFormat
     from nanorl.task import build_tokenizer
-    assert set_name("data/gsm8k_test.jsonl") == "gsm8k_test" and set_name("openai/gsm8k:main@test") == "gsm8k_main_test"
+    assert (set_name("data/gsm8k_test.jsonl") == "gsm8k_test"
+            and set_name("openai/gsm8k:main@test") == "gsm8k_main_test")
     assert set_name("HuggingFaceH4/MATH-500") == "MATH-500"
     tok = build_tokenizer()
-    sets = load_eval_sets(f"held={task['test']},{task['test']}", tok, "prompt", "answer", 64, PromptFormat(), limit=5)
+    sets = load_eval_sets(f"held={task['test']},{task['test']}", tok, "prompt", "answer", 64, PromptFormat(),
+                          limit=5)
     assert [s.name for s in sets] == ["held", "test"] and [len(s.prompts) for s in sets] == [5, 5]
     with pytest.raises(ValueError, match="two eval sets are named 'test'"):
         load_eval_sets(f"{task['test']},{task['test']}", tok, "prompt", "answer", 64, PromptFormat())
@@ -107,13 +120,15 @@ def second_set(task, tmp_path) -> str:
     """Another eval set in another layout: the built-in held-out sums as `question`/`answer`."""
     rows = [json.loads(x) for x in open(task["test"])][:12]
     path = tmp_path / "sums.jsonl"
-    path.write_text("".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    path.write_text("".join(json.dumps({"question": r["prompt"], "answer": r["answer"]}) + "\n"
+                            for r in rows))
     return str(path)
 
 
 def run_args(task, out, sets, *extra):
     return ["--model", task["model"], "--train-data", task["train"], "--test-data", sets,
-            "--input-key", "prompt,question", "--steps", "1", "--prompts-per-step", "4", "--samples-per-prompt", "2",
+            "--input-key", "prompt,question", "--steps", "1", "--prompts-per-step", "4",
+            "--samples-per-prompt", "2",
             "--eval-limit", "40", "--pass-k", "2", "--quiet", "--threads", "1", "--out-dir", str(out), *extra]
 
 
@@ -132,9 +147,11 @@ def test_train_logs_every_set_and_shards_over_two_ranks(task, tmp_path):
     assert 0 < one["eval/held/accuracy"] < 1  # the warm-started model: partly right
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
            "train.py", *run_args(task, tmp_path / "two", sets)]
-    res = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+    res = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                         text=True,
                          timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     two = first_eval(tmp_path / "two")
-    for key in ("eval/held/accuracy", "eval/sums/accuracy", "eval/accuracy", "eval/held/response_length_mean"):
+    for key in ("eval/held/accuracy", "eval/sums/accuracy", "eval/accuracy",
+                "eval/held/response_length_mean"):
         assert two[key] == one[key], key

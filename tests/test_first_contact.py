@@ -16,12 +16,14 @@ from nanorl.config import parse_args
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every command a user can run: scripts, and modules with a __main__ (python -m ...)
 ENTRY_POINTS = [["train.py"], ["bench.py"], ["gpu_check.py"], ["-m", "nanorl.data"], ["-m", "nanorl.logger"],
-                ["-m", "nanorl.task"], ["-m", "nanorl.viewer"], ["-m", "nanorl.advantage"], ["-m", "examples.dcpo"]]
+                ["-m", "nanorl.task"], ["-m", "nanorl.viewer"], ["-m", "nanorl.advantage"],
+                ["-m", "examples.dcpo"]]
 
 
 def test_every_module_with_a_main_is_an_entry_point_listed_here():
     mains = {f"nanorl.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "nanorl"))
-             if f.endswith(".py") and 'if __name__ == "__main__"' in open(os.path.join(ROOT, "nanorl", f)).read()}
+             if f.endswith(".py") and 'if __name__ == "__main__"' in open(os.path.join(ROOT, "nanorl",
+                                                                                       f)).read()}
     assert mains <= {e[1] for e in ENTRY_POINTS if e[0] == "-m"}, mains
 
 
@@ -29,8 +31,8 @@ def test_every_module_with_a_main_is_an_entry_point_listed_here():
 def test_entry_point_answers_help_and_refuses_an_unknown_flag(entry, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
     # Run from an empty folder: --help must write nothing (nanorl.task once made a model in "./--help")
-    run = lambda *a: subprocess.run([sys.executable, *(os.path.join(ROOT, x) if x.endswith(".py") else x  # noqa: E731
-                                                      for x in entry), *a],
+    run = lambda *a: subprocess.run([sys.executable,  # noqa: E731
+                                     *(os.path.join(ROOT, x) if x.endswith(".py") else x for x in entry), *a],
                                     cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     ok = run("--help")
     assert ok.returncode == 0 and ok.stdout.startswith("usage:"), ok.stdout[-2000:] + ok.stderr[-2000:]
@@ -49,7 +51,8 @@ def task(tmp_path_factory):
 
 def short_run(task, out, *extra):
     return train.main(["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
-                       "--out-dir", str(out), "--steps", "3", "--prompts-per-step", "4", "--samples-per-prompt",
+                       "--out-dir", str(out), "--steps", "3", "--prompts-per-step", "4",
+                       "--samples-per-prompt",
                        "4", "--eval-every", "0", "--quiet", "--no-skip-zero-advantage", *extra])
 
 

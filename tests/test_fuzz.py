@@ -14,7 +14,8 @@ from nanorl.data import DataError, build_prompts, load_rows
 from nanorl.task import build_tokenizer
 from nanorl.trajectory import Sample, collate
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(max_examples=60, deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 TOKENIZER = build_tokenizer()
 
 
@@ -77,10 +78,13 @@ CASES = {  # name: (file content, expected error regex or None when it loads)
     "json_array": (b"[1, 2]\n", r":1: expected a JSON object, got list"),
     "missing_key": (b'{"question": "1+1=", "answer": "2"}\n',
                     r"row 1 has no key 'prompt'; keys present: \['answer', 'question'\]"),
-    "prompt_not_str": (b'{"prompt": 12, "answer": "2"}\n', r"row 1: the prompt must be a string or a non-empty list of .*messages, got '12'"),
+    "prompt_not_str": (b'{"prompt": 12, "answer": "2"}\n',
+                       r"row 1: the prompt must be a string or a non-empty list of .*messages, got '12'"),
     "null_label": (b'{"prompt": "1+1=", "answer": null}\n', r"row 1: 'answer' is null"),
-    "lone_surrogate": (b'{"prompt": "\\ud800", "answer": "1"}\n', r"row 1: the tokenizer cannot encode 'prompt'"),
-    "only_empty_prompts": (b'{"prompt": "  ", "answer": "1"}\n', r"no usable prompt left \(skipped \{'empty': 1"),
+    "lone_surrogate": (b'{"prompt": "\\ud800", "answer": "1"}\n',
+                       r"row 1: the tokenizer cannot encode 'prompt'"),
+    "only_empty_prompts": (b'{"prompt": "  ", "answer": "1"}\n',
+                           r"no usable prompt left \(skipped \{'empty': 1"),
     "empty_file": (b"", r"no usable prompt left"),
     "bom_and_blank_lines": (b"\xef\xbb\xbf" + GOOD.encode() + b"\n\n  \n", None),
 }
@@ -142,7 +146,8 @@ def test_builtin_rewards_never_fault(name, pairs):
         assert all(isinstance(x, float) and 0.0 <= x <= 1.0 for x in flat(v)), v
 
 
-returned = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(), st.floats(-2e9, 2e9),
+returned = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(),
+                     st.floats(-2e9, 2e9),
                      st.text(max_size=5), st.lists(st.floats(), max_size=2), st.just(10**400),
                      st.dictionaries(st.sampled_from(["correct", "format"]),
                                      st.floats() | st.text(max_size=3) | st.none(), max_size=2))

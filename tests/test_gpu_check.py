@@ -55,7 +55,8 @@ def test_smoke_run_passes_every_stage(tmp_path):
 
 
 # ----------------------------------------------------------------------------- stage 1
-STEP = dict(loss=0.3, grad_norm=1.2, step_s=0.5, peak_off=900.0, peak_on=400.0, gen_lengths=[8] * 4, gen_expected=8)
+STEP = dict(loss=0.3, grad_norm=1.2, step_s=0.5, peak_off=900.0, peak_on=400.0, gen_lengths=[8] * 4,
+            gen_expected=8)
 
 
 @pytest.mark.parametrize("fault", [dict(loss=float("nan")), dict(grad_norm=0.0), dict(grad_norm=float("inf")),
@@ -160,8 +161,10 @@ def test_attention_audit_sees_an_fp32_call():
     """The hook itself: a forward of fp32 master weights outside autocast computes attention in fp32 and
     fails the audit; the same forward under bf16 autocast passes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         attn_implementation="sdpa"))
     ids = torch.randint(0, 32, (1, 5))
     run = {**copy.deepcopy(RUN)}
     with gpu_check.attention_audit() as calls:
@@ -229,15 +232,18 @@ def test_peak_table_by_device_name():
 
 def test_rehearsal_is_the_readme_gpu_command_line():
     readme = open(os.path.join(ROOT, "README.md")).read()
-    line = re.search(r"python train\.py --algo grpo --model Qwen.*?(?=\n\S|\naccelerate)", readme, re.S).group(0)
+    line = re.search(r"python train\.py --algo grpo --model Qwen.*?(?=\n\S|\naccelerate)", readme,
+                     re.S).group(0)
     words = shlex.split(line.replace("\\\n", " "), comments=True)
     flags = {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
     argv = gpu_check.rehearsal_argv({"model": "M", "train": "T.jsonl", "test": "E.jsonl"}, "OUT", "hf")
     given = dict(zip(argv[::2], argv[1::2]))
     for flag, value in flags.items():
-        if flag not in ("--model", "--train-data", "--test-data", "--engine"):  # ours: files made in code; no vLLM
+        # ours: files made in code; no vLLM
+        if flag not in ("--model", "--train-data", "--test-data", "--engine"):
             assert given[flag] == value, flag
-    assert given["--engine"] == "hf" and given["--input-key"] == "question,problem"  # GSM8K's and MATH's columns
+    # GSM8K's and MATH's columns
+    assert given["--engine"] == "hf" and given["--input-key"] == "question,problem"
     assert given["--steps"] == "3"
     fields = {f.name for f in dataclasses.fields(Config)}
     assert all(a[2:].replace("-", "_") in fields for a in argv if a.startswith("--"))

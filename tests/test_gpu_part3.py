@@ -22,8 +22,7 @@ import pytest
 import torch
 
 import train
-from nanorl import entropy as E
-from nanorl import moe_replay, update
+from nanorl import entropy as E, moe_replay, stages, update
 from nanorl.trajectory import Sample, collate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -79,7 +78,7 @@ def test_routing_forward_is_the_first_epochs_forward_in_bf16(task, moe_dir, tmp_
     if mode == "R2":
         run.engine.record_routing = False
     batches, sizes = [], []
-    real_train_on, real_routing = train.train_on, train.routing_forward
+    real_train_on, real_routing = train.train_on, stages.routing_forward
 
     def routing_forward(*a):  # the routing forward's own model forwards: how many rows each
         hook = run.model.model.register_forward_pre_hook(
@@ -90,12 +89,12 @@ def test_routing_forward_is_the_first_epochs_forward_in_bf16(task, moe_dir, tmp_
             hook.remove()
 
     monkeypatch.setattr(train, "train_on", lambda r, b: batches.append(b) or real_train_on(r, b))
-    monkeypatch.setattr(train, "routing_forward", routing_forward)
+    monkeypatch.setattr(stages, "routing_forward", routing_forward)
     metrics = train.rl_step(run)
     assert metrics["routing/replay_mode"] == (3.0 if mode == "R3" else 2.0)
-    td, mask = batches[0].token_data, batches[0].response_mask > 0  # [B, T]
-    assert td["first_pass_mask"][mask].all()
-    assert torch.equal(td["first_pass_logprobs"][mask], td["old_logprobs"][mask])  # π_θ / π_old = 1
+    td, mask = batches[0].tensors, batches[0].response_mask > 0  # [B, T]
+    assert td.first_pass_mask[mask].all()
+    assert torch.equal(td.first_pass_logprobs[mask], td.old_logprobs[mask])  # π_θ / π_old = 1
     assert sizes == [4, 4, 4, 4]  # micro-batch by micro-batch (16 rows in all), not one forward of 16
 
 

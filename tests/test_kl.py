@@ -8,8 +8,14 @@ import math
 import pytest
 import torch
 
-from nanorl.kl import (AdaptiveKLController, FixedKLController, importance_weighted_kl, kl_estimator,
-                       kl_penalized_rewards, masked_mean)
+from nanorl.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    importance_weighted_kl,
+    kl_estimator,
+    kl_penalized_rewards,
+    masked_mean,
+)
 
 LOGP = [[-1.0, -2.0]]
 REF = [[-1.5, -1.0]]  # log-ratio lr = logp - ref = [0.5, -1.0]
@@ -85,7 +91,8 @@ def test_importance_weighted_k3_is_unbiased_in_value_and_gradient():
     lp = torch.log_softmax(theta, -1)  # [V], every token treated as a sampled one
     exact = (lp.exp() * (lp - ref_lp)).sum()
     (g_exact,) = torch.autograd.grad(exact, theta, retain_graph=True)
-    est = (old_lp.exp() * importance_weighted_kl(lp[None], ref_lp[None], old_lp[None], "k3", k3_clamp=None)[0]).sum()
+    est = (old_lp.exp() * importance_weighted_kl(lp[None], ref_lp[None], old_lp[None], "k3",
+                                                 k3_clamp=None)[0]).sum()
     (g_est,) = torch.autograd.grad(est, theta, retain_graph=True)
     assert est.item() == pytest.approx(exact.item(), rel=1e-5)
     assert torch.allclose(g_est, g_exact, atol=1e-6)

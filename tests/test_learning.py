@@ -56,7 +56,8 @@ def test_algorithm_learns(algo, steps, gain, tmp_path):
 
 
 def test_top_p_with_keep_sampling_mask_learns(tmp_path):
-    before, after = learn(tmp_path, "--algo", "grpo", "--steps", "300", "--top-p", "0.9", "--keep-sampling-mask")
+    before, after = learn(tmp_path, "--algo", "grpo", "--steps", "300", "--top-p", "0.9",
+                          "--keep-sampling-mask")
     assert after - before >= 0.10
 
 
@@ -75,7 +76,8 @@ def test_moe_with_routing_replay_learns(tmp_path):
     task.warm_start(model, tok, train_items, steps=45)  # ~40% held-out greedy accuracy to start
     model.save_pretrained(tmp_path / "moe")
     tok.save_pretrained(tmp_path / "moe")
-    before, after = learn(tmp_path / "run", "--algo", "grpo", "--model", str(tmp_path / "moe"), "--routing-replay",
+    before, after = learn(tmp_path / "run", "--algo", "grpo", "--model", str(tmp_path / "moe"),
+                          "--routing-replay",
                           "--steps", "300", "--schedule", "cosine")
     assert after - before >= 0.10
     lines = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl") if '"routing/' in x]
@@ -104,7 +106,8 @@ def test_async_one_step_learns_as_sync(tmp_path):
     The run is a function of its seed (seed 0: 0.735); the bar is below every measured synchronous
     and TIS run, far above an async loop that learns nothing or trains on the wrong version."""
     import json
-    before, after = learn(tmp_path, "--algo", "grpo", "--steps", "300", "--async-steps", "1", "--tis-cap", "2")
+    before, after = learn(tmp_path, "--algo", "grpo", "--steps", "300", "--async-steps", "1", "--tis-cap",
+                          "2")
     assert after >= 0.65 and after - before >= 0.30
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"rollout/async/' in x]
     assert len(lines) == 300 and [x["rollout/async/staleness_max"] for x in lines[:3]] == [0, 1, 1]

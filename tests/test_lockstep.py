@@ -21,7 +21,8 @@ from nanorl import batching, update
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}  # RSS tracks big tensors
-CASES = ["budget", "mbs", "fsdp_budget", "fsdp_mbs", "empty", "fsdp_empty_mbs", "fsdp_minibatches"]  # lockstep_check.py
+# lockstep_check.py
+CASES = ["budget", "mbs", "fsdp_budget", "fsdp_mbs", "empty", "fsdp_empty_mbs", "fsdp_minibatches"]
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,8 @@ def test_fsdp_checkpoint_resumes_resharded_with_memory_bounded_by_a_shard(tmp_pa
     args = [str(tmp_path / "model"), str(data), str(tmp_path / "out")]
     saved = run("tests/ckpt_check.py", "save", *args, ranks=2, port=29622)
     assert saved.returncode == 0, saved.stdout[-3000:]
-    figures = re.findall(r"rank (\d) resume_peak_mib (\S+) anon_peak_mib (\S+) shard_mib (\S+) full_mib (\S+)",
+    figures = re.findall(r"rank (\d) resume_peak_mib (\S+) anon_peak_mib (\S+) shard_mib (\S+) "
+                         r"full_mib (\S+)",
                          saved.stdout)
     assert len(figures) == 2, saved.stdout[-3000:]
     for _, peak, anon, shard, full in map(lambda f: [float(x) for x in f], figures):
@@ -161,7 +163,8 @@ def test_fsdp_checkpoint_resumes_resharded_with_memory_bounded_by_a_shard(tmp_pa
     assert (step / "dcp" / ".metadata").is_file() and not (step / "sharded").exists()
     one = run("tests/ckpt_check.py", "resume", *args, ranks=1, port=0)
     assert one.returncode == 0, one.stdout[-3000:]
-    diff, n, moments = re.search(r"resharded max\|Δ\| (\S+) tensors (\d+) max\|exp_avg\| (\S+)", one.stdout).groups()
+    diff, n, moments = re.search(r"resharded max\|Δ\| (\S+) tensors (\d+) max\|exp_avg\| (\S+)",
+                                 one.stdout).groups()
     assert float(diff) == 0.0 and int(n) > 100 and float(moments) > 0, one.stdout[-2000:]  # real moments
     from transformers import AutoModelForCausalLM
     assert AutoModelForCausalLM.from_pretrained(step).model.layers[7] is not None  # an ordinary HF directory

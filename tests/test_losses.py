@@ -9,10 +9,28 @@ import pytest
 import torch
 
 from nanorl.kl import kl_estimator
-from nanorl.losses import (AGG_MODES, COV_LOSSES, POLICY_LOSSES, LossConfig, aggregate, cispo_loss, clip_cov_loss,
-                           cov_selection, dppo_kl_loss, dppo_tv_loss, global_denominators, gmpo_loss, gspo_loss,
-                           kl_cov_loss, log_ratio_and_ratio, ppo_clip_loss, sapo_loss, top_entropy_mask,
-                           total_loss, value_loss)
+from nanorl.losses import (
+    AGG_MODES,
+    COV_LOSSES,
+    POLICY_LOSSES,
+    LossConfig,
+    aggregate,
+    cispo_loss,
+    clip_cov_loss,
+    cov_selection,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    global_denominators,
+    gmpo_loss,
+    gspo_loss,
+    kl_cov_loss,
+    log_ratio_and_ratio,
+    ppo_clip_loss,
+    sapo_loss,
+    top_entropy_mask,
+    total_loss,
+    value_loss,
+)
 
 NAN, INF = float("nan"), float("inf")
 
@@ -250,7 +268,8 @@ def test_aggregation_modes_on_ragged_lengths(mode, expected):
 
 
 def test_aggregation_norm_len_global_denominators_and_errors():
-    assert aggregate(_t(RAGGED), _t(RAGGED_MASK), "seq-mean-token-sum-norm", norm_len=4).item() == pytest.approx(21 / 12)
+    assert aggregate(_t(RAGGED), _t(RAGGED_MASK), "seq-mean-token-sum-norm",
+                     norm_len=4).item() == pytest.approx(21 / 12)
     assert aggregate(_t(RAGGED), _t(RAGGED_MASK), "token-mean", num_tokens=42).item() == pytest.approx(0.5)
     assert global_denominators(_t(RAGGED_MASK)) == (6, 3)
     for mode in AGG_MODES:
@@ -284,7 +303,8 @@ def _run(cfg, b, rows, num_tokens=None, num_seqs=None, poison=False):
     if poison:  # NaN / inf wherever the mask is 0: nothing may leak
         for k in s:
             if k != "mask":
-                s[k] = torch.where(s["mask"] > 0, s[k], torch.full_like(s[k], NAN if k != "advantages" else INF))
+                s[k] = torch.where(s["mask"] > 0, s[k],
+                                   torch.full_like(s[k], NAN if k != "advantages" else INF))
     logp = s["logp"].requires_grad_()
     values = s["values"].requires_grad_()
     kl = kl_estimator(logp, s["kl_ref"], "k3+", mask=s["mask"])
@@ -293,7 +313,8 @@ def _run(cfg, b, rows, num_tokens=None, num_seqs=None, poison=False):
         full = cov_selection(b["logp"], b["advantages"], b["mask"], 0.1, cfg.policy, bounds=(-9.0, 9.0),
                              generator=torch.Generator().manual_seed(0))
         sel = full[rows][:, :width]
-    loss, metrics = total_loss(cfg, logp, s["old_logp"], s["advantages"], s["mask"], entropy=s["entropy"], kl=kl,
+    loss, metrics = total_loss(cfg, logp, s["old_logp"], s["advantages"], s["mask"], entropy=s["entropy"],
+                               kl=kl,
                                rollout_logp=s["rollout_logp"], values=values, old_values=s["old_values"],
                                returns=s["returns"], weights=s["weights"], selected=sel,
                                num_tokens=num_tokens, num_seqs=num_seqs)
@@ -377,7 +398,8 @@ def test_total_loss_metrics_by_hand():
 
 def test_bad_input_gives_clear_errors():
     z = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'.*ppo, gspo, cispo, gmpo, dppo_tv, dppo_kl"):
+    with pytest.raises(ValueError, match="unknown policy loss 'ppo2'.*ppo, gspo, cispo, gmpo, dppo_tv, "
+                                         "dppo_kl"):
         total_loss(LossConfig(policy="ppo2"), z, z, z, torch.ones(2, 3))
     with pytest.raises(ValueError, match="advantages has shape"):
         total_loss(LossConfig(), z, z, torch.zeros(2, 4), torch.ones(2, 3))

@@ -285,7 +285,8 @@ def test_deepcopy_gives_an_independent_patched_model():
 def test_routing_disagreement_by_layer():
     """Per-layer shares: layer 1 flips half its valid tokens, layer 0 none; their token-weighted mean
     is the overall routing/disagreement; the order within k and masked tokens do not count."""
-    a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 1], [2, 3]]]])  # [1, 4, L=2, k=2]
+    # [1, 4, L=2, k=2]
+    a = torch.tensor([[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 1], [2, 3]]]])
     b = a.clone()
     b[0, 0, 0] = torch.tensor([1, 0])  # the same set in another order: agrees
     b[0, 1, 1] = torch.tensor([2, 4])  # layer 1 flips at token 1

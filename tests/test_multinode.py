@@ -14,7 +14,6 @@ import subprocess
 import sys
 
 import pytest
-
 from test_lockstep import FAILING
 from test_multirank import launch, train_args
 
@@ -37,7 +36,8 @@ def two_nodes(args_per_node: list[list[str]], port: int, timeout: int = 600) -> 
     for node, args in enumerate(args_per_node):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
                "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port), *args]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT,
                                       text=True))
     out = []
     try:
@@ -90,7 +90,8 @@ def test_two_nodes_equal_one_node_with_two_ranks(task, tmp_path, extra):
 def test_a_node_local_out_dir_is_refused_on_every_rank(task, tmp_path):
     """Node 1 passes a directory node 0 never wrote to (what a node-local disk looks like): both ranks
     stop at start-up with the same message, naming the rank that cannot see rank 0's files."""
-    args = [train_args(task, tmp_path / "shared", "--steps", "1"), train_args(task, tmp_path / "local1", "--steps", "1")]
+    args = [train_args(task, tmp_path / "shared", "--steps", "1"),
+            train_args(task, tmp_path / "local1", "--steps", "1")]
     nodes = two_nodes(args, port=29673, timeout=300)
     for rc, text in nodes:
         assert rc != 0
@@ -107,7 +108,8 @@ def test_an_error_on_node_1_ends_node_0(task, tmp_path):
     assert all(rc != 0 for rc, _ in nodes)
     assert "rank 1 failed: RuntimeError: planted failure" in nodes[1][1], nodes[1][1][-3000:]
     assert "rank 0 stops: rank 1 failed: RuntimeError: planted failure" in nodes[0][1] or \
-        "rank 0 stopped because rank 1 failed: RuntimeError: planted failure" in nodes[0][1], nodes[0][1][-3000:]
+        "rank 0 stopped because rank 1 failed: RuntimeError: planted failure" in nodes[0][1], \
+        nodes[0][1][-3000:]
 
 
 UNCHECKED = """

@@ -31,7 +31,8 @@ def task(tmp_path_factory):
 
 def launch(*args, port: int, timeout: int = 600) -> subprocess.CompletedProcess:
     """torchrun with 2 CPU processes (gloo); the command's stdout/stderr are returned."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           *args]
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -44,7 +45,8 @@ def train_args(task, out, *extra):
 # ppo: the critic's gradients go through the wrapper too; --fsdp: sharded, gathered back for the check
 @pytest.mark.parametrize("extra", [["--algo", "grpo"], ["--algo", "ppo"], ["--algo", "ppo", "--fsdp"]])
 def test_gradient_over_two_ranks_equals_one_rank_gradient(task, tmp_path, extra):
-    res = launch("tests/ddp_check.py", task["model"], task["train"], task["test"], str(tmp_path), *extra, port=29534)
+    res = launch("tests/ddp_check.py", task["model"], task["train"], task["test"], str(tmp_path), *extra,
+                 port=29534)
     assert res.returncode == 0, res.stderr[-3000:]
     found = re.findall(r"rank (\d) max\|Δgrad\| (\S+) max\|grad\| (\S+) held ([0-9.]+)", res.stdout)
     assert sorted(r for r, *_ in found) == ["0", "1"], res.stdout
@@ -59,7 +61,8 @@ def test_fsdp_in_bf16_over_two_ranks(task, tmp_path):
     """--fsdp --dtype bfloat16: FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 reduce) over fp32
     shards, PPO's critic included: the run completes, ranks end in sync, every step has a finite,
     non-zero gradient, and the saved weights are the fp32 masters."""
-    res = launch(*train_args(task, tmp_path, "--algo", "ppo", "--fsdp", "--dtype", "bfloat16", "--steps", "2"),
+    res = launch(*train_args(task, tmp_path, "--algo", "ppo", "--fsdp", "--dtype", "bfloat16", "--steps",
+                             "2"),
                  port=29541)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ranks in sync" in res.stdout
@@ -82,7 +85,8 @@ def test_moe_gradient_over_two_ranks_with_routing_replay(tmp_path):
     model.save_pretrained(tmp_path / "moe")
     tok.save_pretrained(tmp_path / "moe")
     data = make_default_data(tmp_path)
-    res = launch("tests/ddp_check.py", str(tmp_path / "moe"), data, data, str(tmp_path / "out"), "--routing-replay",
+    res = launch("tests/ddp_check.py", str(tmp_path / "moe"), data, data, str(tmp_path / "out"),
+                 "--routing-replay",
                  port=29538)
     assert res.returncode == 0, res.stderr[-3000:]
     found = re.findall(r"rank (\d) max\|Δgrad\| (\S+) max\|grad\| (\S+) held ([0-9.]+)", res.stdout)
@@ -105,7 +109,8 @@ def test_fsdp_checkpoint_resumes_exactly(task, tmp_path):
     assert "ranks in sync: parameters identical on 2 ranks" in res.stdout
     first = {x["step"]: x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x}
     from transformers import AutoModelForCausalLM
-    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_000003")  # full tensors, HF format
+    # full tensors, HF format
+    saved = AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "step_000003")
     assert saved.model.embed_tokens.weight.shape[0] == saved.config.vocab_size
     shutil.rmtree(out / "checkpoints" / "step_000003")
     res = launch(*train_args(task, out, "--fsdp", "--algo", "ppo", "--save-every", "1", "--resume", "latest"),
@@ -130,7 +135,8 @@ def test_two_ranks_with_vllm_engines(task, tmp_path, extra):
     assert "ranks in sync: parameters identical on 2 ranks" in res.stdout
     steps = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
     assert [x["step"] for x in steps] == [1, 2, 3]
-    assert all(x["sync/max_abs_logprob_diff"] < 1e-4 and x["train/logprob_diff_abs_max"] < 1e-4 for x in steps)
+    assert all(x["sync/max_abs_logprob_diff"] < 1e-4 and x["train/logprob_diff_abs_max"] < 1e-4
+               for x in steps)
 
 
 WRAPPER = """
@@ -164,7 +170,8 @@ def test_two_ranks_accelerate_launch(task, tmp_path):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
            "29535", str(script), "--model", task["model"], "--train-data", task["train"], "--test-data",
-           task["test"], "--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4", "--eval-every",
+           task["test"], "--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4",
+           "--eval-every",
            "0", "--eval-limit", "16", "--quiet", "--threads", "1", "--out-dir", str(out)]
     res = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

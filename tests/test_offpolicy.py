@@ -113,11 +113,13 @@ def test_mismatch_metrics_match_their_formulas_and_ignore_masked_nan():
     assert m["mismatch/ratio_max"] == pytest.approx(math.exp(0.5))
     assert m["mismatch/ratio_ess"] == pytest.approx(float(rho.sum() ** 2 / (5 * (rho * rho).sum())))
     assert m["mismatch/ratio_p50"] == pytest.approx(1.0)
-    assert m["mismatch/ratio_p01"] < m["mismatch/ratio_p50"] < m["mismatch/ratio_p99"] <= m["mismatch/ratio_max"]
+    assert (m["mismatch/ratio_p01"] < m["mismatch/ratio_p50"] < m["mismatch/ratio_p99"]
+            <= m["mismatch/ratio_max"])
     assert m["mismatch/seq_log_ratio_mean"] == pytest.approx((-0.5 + -0.5) / 2)  # rows: 0+0.5−1, 0−0.5
     assert m["mismatch/seq_log_ratio_abs_mean"] == pytest.approx(0.5)
     assert all(math.isfinite(v) for v in m.values())
     same = mismatch_metrics(roll.nan_to_num(posinf=0.0), roll.nan_to_num(posinf=0.0), mask)
     assert same["mismatch/ratio_ess"] == pytest.approx(1.0) and same["mismatch/seq_log_ratio_abs_mean"] == 0.0
     empty = mismatch_metrics(old, roll, torch.zeros_like(mask))  # a rank of pads: the same keys, ρ ≡ 1
-    assert set(empty) == set(m) and empty["mismatch/ratio_max"] == 1.0 and empty["mismatch/seq_log_ratio_mean"] == 0.0
+    assert (set(empty) == set(m) and empty["mismatch/ratio_max"] == 1.0
+            and empty["mismatch/seq_log_ratio_mean"] == 0.0)

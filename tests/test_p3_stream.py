@@ -161,7 +161,8 @@ rank, world, device = distributed.init()
 acc = distributed.make_accelerator()
 m = acc.prepare_model(torch.nn.Linear(4, 4))
 out = m(torch.ones(2, 4))
-print("mixed_precision", acc.mixed_precision, "dynamo", acc.state.dynamo_plugin.backend.value, "out", out.dtype)
+print("mixed_precision", acc.mixed_precision, "dynamo", acc.state.dynamo_plugin.backend.value,
+      "out", out.dtype)
 """
 
 
@@ -212,7 +213,8 @@ def test_an_accelerate_config_file(tmp_path, dynamo, mp, ok):
     the file into the environment nanorl checks."""
     cfg = tmp_path / "accelerate.yaml"
     cfg.write_text(CONFIG.format(dynamo=dynamo, mp=mp))
-    res = run_check({}, [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)], tmp_path)
+    res = run_check({}, [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg)],
+                    tmp_path)
     if ok:
         assert res.returncode == 0, res.stderr[-2000:]
         assert "mixed_precision no dynamo NO out torch.float32" in res.stdout, res.stdout

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train
-from nanorl import checkpoint, pipeline, update
+from nanorl import checkpoint, pipeline, stages, update
 from nanorl.config import Config
 from nanorl.offpolicy import is_weights
 from nanorl.policy import response_logprobs
@@ -49,8 +49,10 @@ def weights(out, step):
 
 
 def setup_run(task, out, **kw):
-    return train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"], quiet=True,
-                              out_dir=str(out), eval_every=0, threads=1, prompts_per_step=4, samples_per_prompt=2,
+    return train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
+                              quiet=True,
+                              out_dir=str(out), eval_every=0, threads=1, prompts_per_step=4,
+                              samples_per_prompt=2,
                               **kw))
 
 
@@ -94,7 +96,8 @@ def test_staleness_bound_and_each_version_is_the_engines(task, tmp_path):
             m = batch.response_mask > 0
 
             def gap(u):  # the largest |Δ logprob| between the rollout and version u's weights
-                return float((logprobs_under(run.model, versions[u], batch) - batch.rollout_logprobs)[m].abs().max())
+                return float((logprobs_under(run.model, versions[u], batch) -
+                              batch.rollout_logprobs)[m].abs().max())
             assert gap(v) < 1e-5
             if v + 1 in versions:
                 assert gap(v + 1) > 1e-3
@@ -133,7 +136,7 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
                     mask_offpolicy_in_partial_rollout=True)
     weights_ = pipeline.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
-    stop = train.stop_tokens(run)
+    stop = stages.stop_tokens(run)
     spec = pipeline.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
                                pipeline.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
     worker = pipeline.Worker(spec, weights_)
@@ -165,7 +168,8 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
     tv = torch.full(real.shape, -1)
     for b, s in enumerate(samples):
         tv[b, :s.response_length] = torch.tensor(s.metadata["token_versions"])
-    lp_old, lp_new = logprobs_under(run.model, old, batch), logprobs_under(run.model, new_model.state_dict(), batch)
+    lp_old, lp_new = logprobs_under(run.model, old, batch), logprobs_under(run.model, new_model.state_dict(),
+                                                                           batch)
     assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < 1e-5
     assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < 1e-5
     assert (lp_old - batch.rollout_logprobs)[tv == 1].abs().max() > 1e-3  # the new part is really new
@@ -181,7 +185,8 @@ def test_partial_rollout_run_keeps_the_bound(task, tmp_path):
     train.main(args(task, tmp_path, "--steps", "3", "--async-steps", "1", "--partial-rollout",
                     "--rollout-device", "cpu"))
     lines = step_lines(tmp_path)
-    assert len(lines) == 3 and all(x["rollout/async/staleness_max"] <= 1 and "rollout/async/partial_frac" in x for x in lines)
+    assert len(lines) == 3 and all(x["rollout/async/staleness_max"] <= 1
+                                   and "rollout/async/partial_frac" in x for x in lines)
 
 
 def test_spawned_worker_is_the_forked_one(task, tmp_path, monkeypatch):
@@ -193,7 +198,8 @@ def test_spawned_worker_is_the_forked_one(task, tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "start_method", lambda device: "spawn")
     train.main(args(task, tmp_path / "spawn", "--steps", "2", "--async-steps", "1"))
     forked, spawned = step_lines(tmp_path / "fork"), step_lines(tmp_path / "spawn")
-    assert len(forked) == 2 and [x["rollout/reward_mean"] for x in forked] == [x["rollout/reward_mean"] for x in spawned]
+    assert len(forked) == 2 and [x["rollout/reward_mean"] for x in forked] == [x["rollout/reward_mean"]
+                                                                               for x in spawned]
     assert forked == [pytest.approx(x, rel=1e-5, abs=1e-9) for x in spawned]
 
 

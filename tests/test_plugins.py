@@ -70,7 +70,8 @@ def test_a_faulted_reward_fills_trained_fields_only():
         return {"correct": 1.0, "_toy/conf": 0.5}
     runner = RewardRunner(flaky, log=lambda s: None)
     samples = [sample(), Sample(prompt_ids=[2], response_ids=[3, 4, 5])]
-    assert score_samples(runner, _Tok(), [_Prompt(), _Prompt()], samples) == [{"correct": 1.0}, {"correct": 0.0}]
+    assert score_samples(runner, _Tok(), [_Prompt(), _Prompt()], samples) == [{"correct": 1.0},
+                                                                              {"correct": 0.0}]
     assert "toy/conf" not in samples[1].metadata and runner.faults == {"RuntimeError": 1}
 
 
@@ -91,7 +92,7 @@ def test_signature_errors_name_the_expected_signature(tmp_path):
              ("policy_loss", "loss_extra", r"asks for bar")]
     for field, fn, message in cases:
         with pytest.raises(TypeError, match=message):
-            Config(**{field: f"{f}:{fn}"})
+            plugins.apply(Config(**{field: f"{f}:{fn}"}))
     with pytest.raises(ValueError, match="reward_postprocess must be module:function"):
         Config(reward_postprocess="nope")
     with pytest.raises(ValueError, match="remax is not supported"):
@@ -148,7 +149,8 @@ def _my_ppo(logp, old_logp, advantages, mask, *, clip_low, clip_high, metadata):
 def test_user_policy_loss_equals_the_builtin_it_wraps():
     torch.manual_seed(0)
     logp = torch.randn(3, 4, requires_grad=True)
-    old, adv, mask = torch.randn(3, 4), torch.randn(3, 4), torch.tensor([[1.0] * 4, [1, 1, 0, 0], [1, 0, 0, 0]])
+    old, adv, mask = torch.randn(3, 4), torch.randn(3,
+                                                    4), torch.tensor([[1.0] * 4, [1, 1, 0, 0], [1, 0, 0, 0]])
     meta = [{"row": i} for i in range(3)]
     mine, m1 = total_loss(LossConfig(policy=_my_ppo, dual_clip=None), logp, old, adv, mask, metadata=meta)
     ref, m2 = total_loss(LossConfig(policy="ppo", dual_clip=None), logp, old, adv, mask)
@@ -203,7 +205,8 @@ PLUGIN = """
     CONFIG = {"temperature": 0.9}
 
     def reward(prompt, response, label, sample):
-        return {"correct": float(response.strip() == label), "_toy/response_len": float(sample.response_length)}
+        return {"correct": float(response.strip() == label),
+                "_toy/response_len": float(sample.response_length)}
 
     def reward_postprocess(samples):
         for s in samples:
@@ -224,16 +227,16 @@ PLUGIN = """
 
 def test_plugin_fills_flags_left_at_defaults(tmp_path):
     f = write(tmp_path, "toy.py", PLUGIN)
-    cfg = Config(plugin=f)
+    cfg = plugins.apply(Config(plugin=f))
     assert (cfg.reward, cfg.advantage, cfg.policy_loss, cfg.log_metadata) == (
         f"{f}:reward", f"{f}:advantage", f"{f}:policy_loss", "toy/")
     assert cfg.temperature == 0.9  # CONFIG: any other field
     assert cfg.advantage_fn is plugins.load_object(f"{f}:advantage", "advantage")  # imported once
     with pytest.raises(ValueError, match="already 'rloo'"):  # a preset's value and the plugin's disagree
-        Config(plugin=f, advantage="rloo")
+        plugins.apply(Config(plugin=f, advantage="rloo"))
     bad = write(tmp_path, "bad_plugin.py", "CONFIG = {'no_such_field': 1}\n")
     with pytest.raises(ValueError, match="not a Config field"):
-        Config(plugin=bad)
+        plugins.apply(Config(plugin=bad))
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +250,8 @@ def test_train_runs_every_plug_in_point(task_dir, tmp_path, extra):
     f = write(tmp_path, "toy.py", PLUGIN)
     train.main(["--plugin", f, "--model", task_dir["model"], "--train-data", task_dir["train"],
                 "--test-data", task_dir["test"], "--out-dir", str(tmp_path / "run"), "--steps", "2",
-                "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "4",
+                "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit",
+                "4",
                 "--pass-k", "2", "--quiet", "--threads", "1", *extra])
     steps = [x for x in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "toy/postprocessed" in x]
     assert len(steps) == 2

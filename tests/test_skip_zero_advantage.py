@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from nanorl import update
+from nanorl import stages, update
 from nanorl.config import parse_args
 from nanorl.task import make_default
 
@@ -41,7 +41,8 @@ def task(tmp_path_factory):
 
 def setup_run(task, out, *extra):
     return train.setup(parse_args([
-        "--model", task["model"], "--train-data", task["train"], "--test-data", task["test"], "--out-dir", str(out),
+        "--model", task["model"], "--train-data", task["train"], "--test-data", task["test"], "--out-dir",
+        str(out),
         "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "6", "--grad-clip", "0",
         "--eval-every", "0", "--threads", "1", "--quiet", *extra]))
 
@@ -52,7 +53,8 @@ def first_step(task, out, monkeypatch, *extra, steps=1):
     run = setup_run(task, out, "--reward", task["half"], *extra)
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     grads, rows, real = [], [], update.micro_step
-    run.optimizer.register_step_pre_hook(lambda *_: grads.append(torch.cat([p.grad.flatten().clone() for p in params])))
+    run.optimizer.register_step_pre_hook(
+        lambda *_: grads.append(torch.cat([p.grad.flatten().clone() for p in params])))
 
     def counted(run_, mb, *a):
         rows.append(mb.input_ids.shape[0])
@@ -88,7 +90,8 @@ def test_a_step_with_every_row_skipped_still_moves_adam(task, tmp_path):
     final = {}
     for name, extra in {"full": ("--no-skip-zero-advantage",), "skip": ()}.items():
         run = setup_run(task, tmp_path / name, "--reward", task["then_flat"], "--kl-coef", "0", *extra)
-        for m in [m for k, m in sys.modules.items() if k.startswith("nanorl_user_") and hasattr(m, "then_flat")]:
+        for m in [m for k, m in sys.modules.items() if k.startswith("nanorl_user_")
+                  and hasattr(m, "then_flat")]:
             m.CALLS[0] = 0  # each run sees signal in its first step only (the file is imported once)
         before = [p.detach().clone() for p in run.model.parameters()]
         metrics = []
@@ -112,8 +115,10 @@ def test_with_a_kl_loss_skipping_drops_only_the_skipped_rows_kl(task, tmp_path, 
     Compared at step 2: at step 1 the policy IS the reference, where the K3 KL's gradient is 0."""
     refs = []
     real = update.score_rows
-    monkeypatch.setattr(train, "score_rows", lambda run, m, b, s, rows: refs.append(int(rows.sum())) or real(run, m, b, s, rows))
-    full, _, _ = first_step(task, tmp_path / "full", monkeypatch, "--kl-coef", "0.5", "--no-skip-zero-advantage",
+    monkeypatch.setattr(stages, "score_rows", lambda run, m, b, s,
+                        rows: refs.append(int(rows.sum())) or real(run, m, b, s, rows))
+    full, _, _ = first_step(task, tmp_path / "full", monkeypatch, "--kl-coef", "0.5",
+                            "--no-skip-zero-advantage",
                             steps=2)
     assert refs == []  # unskipped: the reference scored every row, before the advantage
     skip, rows_skip, _ = first_step(task, tmp_path / "skip", monkeypatch, "--kl-coef", "0.5", steps=2)

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import train
-from nanorl import update
+from nanorl import build, update
 from nanorl.config import parse_args
 from nanorl.rewards import RewardRunner
+from nanorl.rollout import HFEngine
 from nanorl.task import make_default
 
 # A reward with variance in (nearly) every group whatever the model says, so GRPO advantages, and the
@@ -57,7 +58,8 @@ def args(task, out, *extra, test_data=True):
 
 
 def metric_lines(out) -> list[dict]:
-    return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "rollout/reward_mean" in r]
+    return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl")))
+            if "rollout/reward_mean" in r]
 
 
 # ----------------------------------------------------------------------------- (1) micro-batch split
@@ -67,7 +69,8 @@ def first_step_gradient(task, out, monkeypatch, *extra):
     """The gradient one real step (train.setup → rl_step → train_on) hands to the optimizer, flat,
     and the sizes of the micro-batches it was accumulated over."""
     run = train.setup(parse_args(args(task, out, "--reward", task["digits"], "--grad-clip", "0",
-                                      "--max-new-tokens", "6", "--no-skip-zero-advantage", *extra)))  # all 16 rows
+                                      # all 16 rows
+                                      "--max-new-tokens", "6", "--no-skip-zero-advantage", *extra)))
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     grads, sizes = [], []
     real_micro_step = update.micro_step
@@ -98,7 +101,9 @@ def test_step_gradient_does_not_depend_on_micro_batching(mode, task, tmp_path, m
     whole, sizes, m = first_step_gradient(task, tmp_path / "whole", monkeypatch, "--loss-agg", mode)
     assert sizes == [16]
     assert whole.norm() > 0.1, whole.norm()  # GRPO groups with signal: a real gradient, not zero
-    assert m["train/advantage_abs_mean"] > 0.1 and m["rollout/response_length_max"] > m["rollout/response_length_mean"]  # ragged
+    # ragged
+    assert (m["train/advantage_abs_mean"] > 0.1
+            and m["rollout/response_length_max"] > m["rollout/response_length_mean"])
     variants = {"fixed": ("--micro-batch-size", "2"), "budget": ("--max-tokens-per-micro-batch", "24")}
     for name, extra in variants.items():
         g, sizes, m2 = first_step_gradient(task, tmp_path / name, monkeypatch, "--loss-agg", mode, *extra)
@@ -115,12 +120,14 @@ def test_gradient_checkpointing_changes_no_gradient(task, tmp_path, monkeypatch)
     plain, _, _ = first_step_gradient(task, tmp_path / "plain", monkeypatch)
     assert plain.norm() > 0.1
     for name, extra in {"ckpt": (), "ckpt+budget": ("--max-tokens-per-micro-batch", "24")}.items():
-        g, sizes, _ = first_step_gradient(task, tmp_path / name, monkeypatch, "--gradient-checkpointing", *extra)
+        g, sizes, _ = first_step_gradient(task, tmp_path / name, monkeypatch, "--gradient-checkpointing",
+                                          *extra)
         rel = float((g - plain).norm() / plain.norm())
         assert rel < 1e-5, f"{name}: gradient differs by {rel:.2e}"
 
 
-@pytest.mark.parametrize("extra", [("--algo", "ppo", "--dtype", "bfloat16"), ("--algo", "grpo", "--gradient-checkpointing")],
+@pytest.mark.parametrize("extra", [("--algo", "ppo", "--dtype", "bfloat16"),
+                                   ("--algo", "grpo", "--gradient-checkpointing")],
                          ids=["ppo-bf16", "grpo-checkpointing"])
 def test_builtin_task_runs_in_bf16_and_with_checkpointing(extra, task, tmp_path):
     """Issue 15's two commands on the built-in task: PPO's critic in bf16 (an fp32 value head on a bf16
@@ -190,7 +197,7 @@ def test_engine_holds_each_steps_weight_version(task, tmp_path, monkeypatch):
     a resumed run's engine starts at the checkpoint's step."""
     loaded, calls, after_step = {}, [], []
 
-    class Recording(train.HFEngine):
+    class Recording(HFEngine):
         def update_weights(self, model, version):
             super().update_weights(model, version)
             loaded[version] = fingerprint(model)
@@ -206,10 +213,11 @@ def test_engine_holds_each_steps_weight_version(task, tmp_path, monkeypatch):
         metrics = real_step(run)
         after_step.append((run.step + 1, run.engine.version))  # main counts the step after rl_step
         return metrics
-    monkeypatch.setattr(train, "HFEngine", Recording)
+    monkeypatch.setattr(build, "HFEngine", Recording)
     monkeypatch.setattr(train, "rl_step", checked_step)
     out = tmp_path / "run"
-    train.main(args(task, out, "--reward", task["digits"], "--steps", "3", "--lr", "1e-3", "--warmup-steps", "0"))
+    train.main(args(task, out, "--reward", task["digits"], "--steps", "3", "--lr", "1e-3", "--warmup-steps",
+                    "0"))
     assert after_step == [(1, 1), (2, 2), (3, 3)]
     rollouts = [c for c in calls if c[0] == 4]  # the training rollouts (evaluation samples 1 or 2)
     assert [c[1] for c in rollouts] == [0, 1, 2]  # step k samples from the weights of step k - 1
@@ -222,7 +230,8 @@ def test_engine_holds_each_steps_weight_version(task, tmp_path, monkeypatch):
     saved = loaded[3]
     for record in (loaded, calls, after_step):
         record.clear()
-    train.main(args(task, out, "--reward", task["digits"], "--steps", "4", "--lr", "1e-3", "--warmup-steps", "0",
+    train.main(args(task, out, "--reward", task["digits"], "--steps", "4", "--lr", "1e-3", "--warmup-steps",
+                    "0",
                     "--resume", "latest"))
     assert loaded.get(3) == saved, f"resumed engine: versions {sorted(loaded)}, not step 3's weights"
     assert after_step == [(4, 4)]

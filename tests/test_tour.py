@@ -106,7 +106,8 @@ def test_guide_snippet_runs(doc, heading, line, code):
         exec(compile("\n" * (line - 1) + code, str(doc), "exec"), {"__name__": "__tour__"})
     except Exception as e:  # which snippet broke, where (the doc's own line numbers), and why
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        pytest.fail(f"docs/{doc.name} snippet in section '{heading}' (line {line}) failed: {e}\n{tb}", pytrace=False)
+        pytest.fail(f"docs/{doc.name} snippet in section '{heading}' (line {line}) failed: {e}\n{tb}",
+                    pytrace=False)
 
 
 def test_tour_has_a_snippet_per_concept():
@@ -200,6 +201,7 @@ def test_metric_table_names_are_logged():
     quoted = [q for q in re.findall(r'"([^"\s<>]+)"', src) if not q.startswith("{")]
     logged = {re.sub(r"\{[^}]*\}", "<>", name(q)) for q in {*loss_metrics, *quoted}}
     templates = [re.compile(re.escape(t).replace("<>", r"[\w@./-]+") + "$") for t in logged if "<>" in t]
-    missing = [n for n in names if re.sub(r"<[^>]*>", "<>", n) not in logged and not any(t.match(n) for t in templates)]
+    missing = [n for n in names if re.sub(r"<[^>]*>", "<>", n) not in logged
+               and not any(t.match(n) for t in templates)]
     assert not missing, f"metrics in the tour's table that nothing logs: {missing}"
     assert all(n.startswith(NAMESPACES) for n in names), [n for n in names if not n.startswith(NAMESPACES)]

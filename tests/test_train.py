@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import train
-from nanorl import update
+from nanorl import build, stages, update
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import AGG_MODES
+from nanorl.rollout import HFEngine, SamplingConfig
 from nanorl.trajectory import collate
 
 TINY = ["--steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0",
@@ -57,7 +58,8 @@ def test_every_preset_runs(algo, task_dir, tmp_path):
     assert res["step"] == 2
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     steps = [x for x in lines if "train/loss" in x]
-    assert len(steps) == 2 or (filtered and len(steps) >= 1), len(steps)  # a filter that trains on nothing fails
+    # a filter that trains on nothing fails
+    assert len(steps) == 2 or (filtered and len(steps) >= 1), len(steps)
     if filtered:
         kept = [x["rollout/groups_kept_frac"] for x in lines if "rollout/groups_kept_frac" in x]
         assert len(kept) == 2 and max(kept) > 0, kept
@@ -104,19 +106,20 @@ def _grads(run, batch, rows_list, lcfg):
 def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
     """One optimizer step's gradient is the same whether its batch is one micro-batch or several
     (TRL #3021): denominators come from the whole step, not from each micro-batch."""
-    cfg = parse_args(args(task_dir, tmp_path, "--loss-agg", mode, "--kl-coef", "0.01", "--entropy-coef", "0.01",
+    cfg = parse_args(args(task_dir, tmp_path, "--loss-agg", mode, "--kl-coef", "0.01", "--entropy-coef",
+                          "0.01",
                           "--max-new-tokens", "6"))
     run = train.setup(cfg)
-    samples = run.engine.generate([p.ids for p in run.loader.next_batch()], 4, train.SamplingConfig(
-        max_new_tokens=6, stop_token_ids=train.stop_tokens(run)))
+    samples = run.engine.generate([p.ids for p in run.loader.next_batch()], 4, SamplingConfig(
+        max_new_tokens=6, stop_token_ids=stages.stop_tokens(run)))
     for i, s in enumerate(samples):
         s.reward = float(i % 3 == 0)
     batch = collate(samples, run.tokenizer.pad_token_id)
     assert len({s.response_length for s in samples}) > 1  # ragged lengths make the test meaningful
     with torch.no_grad():
-        batch.token_data["ref_logprobs"] = run.ref(batch, None)[0]
-        batch.token_data["old_logprobs"] = update.forward(run.cfg, run.model, batch, None)[0] - 0.05
-    batch.token_data["advantages"] = torch.randn_like(batch.rollout_logprobs)
+        batch.tensors.ref_logprobs = run.ref(batch, None)[0]
+        batch.tensors.old_logprobs = update.forward(run.cfg, run.model, batch, None)[0] - 0.05
+    batch.tensors.advantages = torch.randn_like(batch.rollout_logprobs)
     lcfg = update.loss_config(run)
     whole = _grads(run, batch, [list(range(16))], lcfg)
     split = _grads(run, batch, [[0, 5, 9], [1, 2, 3, 4, 6], [7, 8], [10, 11, 12, 13, 14, 15]], lcfg)
@@ -138,7 +141,7 @@ def test_engine_sleeps_through_training_and_wakes_for_the_sync(task_dir, tmp_pat
     the engine itself, weights first and KV cache after the stream (tests/test_vllm_engine.py)."""
     events = []
 
-    class SleepyEngine(train.HFEngine):
+    class SleepyEngine(HFEngine):
         def generate(self, *a, **k):
             assert not events or events[-1] != "sleep", "generated while asleep"
             events.append("generate")
@@ -155,8 +158,9 @@ def test_engine_sleeps_through_training_and_wakes_for_the_sync(task_dir, tmp_pat
             super().update_weights(model, version)
 
     real_train = train.train_on
-    monkeypatch.setattr(train, "HFEngine", SleepyEngine)
-    monkeypatch.setattr(train, "train_on", lambda run, batch: events.append("train") or real_train(run, batch))
+    monkeypatch.setattr(build, "HFEngine", SleepyEngine)
+    monkeypatch.setattr(train, "train_on", lambda run,
+                        batch: events.append("train") or real_train(run, batch))
     train.main(args(task_dir, tmp_path, "--sleep-level", "2"))
     step = ["generate", "sleep2", "train", "update_weights"]
     evaluation = ["generate", "generate"]  # held-out greedy + pass@k, before and after, engine awake
@@ -180,10 +184,12 @@ def test_kl_in_the_reward_reaches_grpo_and_is_logged(task_dir, tmp_path):
     runs = {}
     for beta in ("0.1", "1e-12"):
         out = tmp_path / beta
-        train.main(args(task_dir, out, "--algo", "grpo", "--kl-in-reward", "--kl-coef", beta, "--threads", "1"))
+        train.main(args(task_dir, out, "--algo", "grpo", "--kl-in-reward", "--kl-coef", beta, "--threads",
+                        "1"))
         runs[beta] = (_metrics(out), _weights(out))
     steps = runs["0.1"][0]
-    assert steps[0]["train/kl_ref"] == 0.0 and steps[1]["train/kl_ref"] > 0.0 and steps[1]["train/kl_loss"] == 0.0
+    assert (steps[0]["train/kl_ref"] == 0.0 and steps[1]["train/kl_ref"] > 0.0
+            and steps[1]["train/kl_loss"] == 0.0)
     w_kl, w_0 = runs["0.1"][1], runs["1e-12"][1]
     assert any(not torch.equal(w_kl[k], w_0[k]) for k in w_kl)
 
@@ -228,22 +234,22 @@ def test_otb_reads_sum_sq_probs_from_the_logprob_pass(task_dir, tmp_path, monkey
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append((run, batch)) or {})
     train.main(args(task_dir, tmp_path, "--algo", "otb", "--steps", "1", "--threads", "1"))
     run, batch = seen[0]
-    td, mask = batch.token_data, batch.response_mask
+    td, mask = batch.tensors, batch.response_mask
     P, T = batch.prompt_width, mask.shape[1]
     with torch.no_grad():
         logits = run.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                            position_ids=batch.position_ids).logits[:, P - 1:P - 1 + T].float()
     p = (logits / run.cfg.temperature).softmax(-1)
     valid = mask > 0
-    assert torch.allclose(td["sum_sq_probs"][valid], (p * p).sum(-1)[valid], atol=1e-5)
-    assert torch.allclose(td["old_logprobs"][valid],
+    assert torch.allclose(td.sum_sq_probs[valid], (p * p).sum(-1)[valid], atol=1e-5)
+    assert torch.allclose(td.old_logprobs[valid],
                           p.gather(-1, batch.response_ids[..., None])[..., 0].log()[valid], atol=1e-4)
     G = batch.rewards[:, None] * mask
-    hand = _otb_by_hand(G, td["old_logprobs"], td["sum_sq_probs"], mask, batch.group_ids)
-    assert torch.allclose(td["advantages"], hand, atol=1e-5)
+    hand = _otb_by_hand(G, td.old_logprobs, td.sum_sq_probs, mask, batch.group_ids)
+    assert torch.allclose(td.advantages, hand, atol=1e-5)
     from nanorl.advantage import otb
     fallback, _ = otb(mask=mask, index=batch.group_ids, scores=batch.rewards)  # w = 1
-    assert not torch.allclose(td["advantages"], fallback, atol=1e-3)
+    assert not torch.allclose(td.advantages, fallback, atol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["gae", "gae_chunked"])
@@ -251,8 +257,9 @@ def test_both_gae_estimators_are_whitened(name, task_dir, tmp_path, monkeypatch)
     """Issue 19: `gae_chunked` chosen as the advantage skipped the whitening (train.py tested == "gae")."""
     seen = []
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or {})
-    train.main(args(task_dir, tmp_path, "--algo", "ppo", "--advantage", name, "--steps", "1", "--threads", "1"))
-    adv, mask = seen[0].token_data["advantages"], seen[0].response_mask
+    train.main(args(task_dir, tmp_path, "--algo", "ppo", "--advantage", name, "--steps", "1", "--threads",
+                    "1"))
+    adv, mask = seen[0].tensors.advantages, seen[0].response_mask
     v = adv[mask > 0]
     assert abs(float(v.mean())) < 1e-5 and abs(float(v.var()) - 1) < 1e-3
 
@@ -263,10 +270,12 @@ def test_off_policy_flags_reach_the_step(task_dir, tmp_path):
     kl = {}
     for extra in ((), ("--unbiased-kl",)):
         out = tmp_path / ("u" if extra else "plain")
-        train.main(args(task_dir, out, "--kl-coef", "0.1", "--ppo-epochs", "2", "--tis-cap", "1.5", "--tis-low",
+        train.main(args(task_dir, out, "--kl-coef", "0.1", "--ppo-epochs", "2", "--tis-cap", "1.5",
+                        "--tis-low",
                         "0.5", "--is-level", "sequence", "--opsm-delta", "1e-6", "--threads", "1", *extra))
         steps = _metrics(out)
-        assert {f"train/{k}" for k in ("is_weight_mean", "is_weight_max", "is_clipfrac", "is_ess", "is_ratio_var",
+        assert {f"train/{k}" for k in ("is_weight_mean", "is_weight_max", "is_clipfrac", "is_ess",
+                                       "is_ratio_var",
                 "is_ratio_tail", "opsm_maskfrac", "kl_ref", "mismatch/ratio_ess")} <= set(steps[0])
         kl[bool(extra)] = steps[0]["train/kl_ref"]
     assert kl[True] != kl[False]

@@ -7,9 +7,17 @@ import re
 import pytest
 import torch
 
-from nanorl.trajectory import (Sample, chat_tokens_and_mask, collate, pack,
-                               packed_response_index, padding_mask, response_mask_from_eos, unpack,
-                               valid_mask)
+from nanorl.trajectory import (
+    Sample,
+    chat_tokens_and_mask,
+    collate,
+    pack,
+    packed_response_index,
+    padding_mask,
+    response_mask_from_eos,
+    unpack,
+    valid_mask,
+)
 
 # --------------------------------------------------------------------------------- Sample
 
@@ -81,7 +89,8 @@ def test_valid_mask_combinations():
     step_tok = torch.tensor([[1, 0, 1], [1, 1, 0], [0, 1, 1]])
     assert torch.equal(valid_mask(rm, step_mask=step_tok), torch.tensor([[1.0, 0, 0], [1, 1, 0], [0, 0, 0]]))
     step_row = torch.tensor([1, 1, 0])
-    assert torch.equal(valid_mask(rm, trunc, True, step_row), torch.tensor([[1.0, 1, 0], [0, 0, 0], [0, 0, 0]]))
+    assert torch.equal(valid_mask(rm, trunc, True, step_row),
+                       torch.tensor([[1.0, 1, 0], [0, 0, 0], [0, 0, 0]]))
     # NaN in the incoming mask can never leak out.
     nan_rm = torch.tensor([[1.0, float("nan"), 0]])
     assert torch.equal(valid_mask(nan_rm), torch.tensor([[1.0, 0, 0]]))
@@ -134,7 +143,7 @@ def test_collate_every_position():
     assert torch.equal(b.group_ids, torch.tensor([0, 0, 1, 1]))
     assert torch.equal(b.weight_versions, torch.tensor([3, 3, 2, 4]))
     assert b.num_tokens.item() == 6
-    assert b.routed_experts is None and b.sampling_support is None and b.token_data == {}
+    assert b.routed_experts is None and b.sampling_support is None and b.tensors.items() == []
     # response token t of row b is input_ids[b, P + t]
     P = b.prompt_width
     assert torch.equal(b.input_ids[:, P:], b.response_ids)
@@ -153,26 +162,26 @@ def test_collate_errors_and_scalar_rewards():
     assert b0.response_ids.shape == (2, 0) and b0.num_tokens.item() == 0
 
 
-def test_select_trims_and_keeps_token_data_aligned():
+def test_select_trims_and_keeps_step_tensors_aligned():
     b = collate(ragged_samples(), pad_id=0)
-    b.token_data["advantages"] = torch.arange(16, dtype=torch.float32).view(4, 4)
+    b.tensors.advantages = torch.arange(16, dtype=torch.float32).view(4, 4)
     s = b.select([0, 1])  # longest prompt 3, longest response 2
     assert s.prompt_width == 3
     assert torch.equal(s.input_ids, torch.tensor([[11, 12, 13, 21, 22], [0, 0, 14, 0, 0]]))
     assert torch.equal(s.attention_mask, torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 0, 0]]))
     assert torch.equal(s.position_ids, torch.tensor([[0, 1, 2, 3, 4], [0, 0, 0, 0, 0]]))
     assert torch.equal(s.response_ids, torch.tensor([[21, 22], [0, 0]]))
-    assert torch.equal(s.token_data["advantages"], torch.tensor([[0.0, 1], [4, 5]]))
+    assert torch.equal(s.tensors.advantages, torch.tensor([[0.0, 1], [4, 5]]))
     assert torch.equal(s.rollout_logprobs, torch.tensor([[-0.5, -1.0], [0, 0]]))
     assert torch.equal(s.rewards, torch.tensor([1.5, 0.0]))
     assert torch.equal(s.reward_components["fmt"], torch.tensor([0.5, 0.0]))
     # reordering, a bool mask, and a row with an empty response
     r = b.select([3, 2])
     assert r.prompt_width == 4 and torch.equal(r.input_ids, b.input_ids[[3, 2]])
-    assert torch.equal(r.token_data["advantages"], b.token_data["advantages"][[3, 2]])
+    assert torch.equal(r.tensors.advantages, b.tensors.advantages[[3, 2]])
     m = b.select(torch.tensor([False, True, False, False]))
     assert m.input_ids.tolist() == [[14]] and m.response_ids.shape == (1, 0)
-    assert m.token_data["advantages"].shape == (1, 0)
+    assert m.tensors.advantages.shape == (1, 0)
     # invariant: trimmed columns were padding in every selected row
     for rows in ([0], [2], [0, 3], [1, 2]):
         s = b.select(rows)
@@ -180,18 +189,20 @@ def test_select_trims_and_keeps_token_data_aligned():
         assert torch.equal(s.input_ids[:, s.prompt_width:], s.response_ids)
     with pytest.raises(ValueError, match="no rows"):
         b.select([])
-    b.token_data["bad"] = torch.zeros(4, 3)
-    with pytest.raises(ValueError, match="bad"):
+    b.tensors.returns = torch.zeros(4, 3)  # [B, T-1]: not aligned with the responses
+    with pytest.raises(ValueError, match="tensors.returns"):
         b.select([0])
 
 
 def test_to_moves_every_tensor():
     b = collate([Sample([1], [2, 3], routed_experts=torch.zeros(2, 1, 1, dtype=torch.uint8),
                         sampling_support=torch.zeros(2, 3, dtype=torch.int32))], pad_id=0)
-    b.token_data["adv"] = torch.zeros(1, 2)
+    b.tensors.advantages = torch.zeros(1, 2)
     m = b.to("meta")
+    assert m.tensors.advantages.device.type == "meta"
     for name, v in vars(m).items():
-        for t in (v.values() if isinstance(v, dict) else [v]):
+        for t in (v.values() if isinstance(v, dict) else [x for _, x in v.items()] if hasattr(v, "items")
+                  else [v]):
             if isinstance(t, torch.Tensor):
                 assert t.device.type == "meta", name
     assert m.prompt_width == 1
@@ -379,7 +390,8 @@ def test_chat_mask_template_that_rewrites_scaffolding(char_tok):
     # Qwen3-like: reasoning is re-printed in a fixed <think> block, so an empty-content probe renders
     # different scaffolding and the search fallback must find the content verbatim.
     tmpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role == 'assistant' %}"
-            "{% set parts = m.content.split('</think>') %}{% set r = parts[0].split('<think>')[-1].strip('\n') "
+            "{% set parts = m.content.split('</think>') %}{% set r = "
+            "parts[0].split('<think>')[-1].strip('\n') "
             "if parts|length > 1 else '' %}<think>\n{{ r }}\n</think>\n\n{{ parts[-1].lstrip('\n') }}"
             "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}")
     old = char_tok.chat_template

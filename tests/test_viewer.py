@@ -30,14 +30,16 @@ PAYLOADS = ['<script>window.__pwned = 1</script>', '<img src=x onerror="window._
 
 def find_browser():
     """(chromium, chromedriver) paths, or a reason why not."""
-    binary = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    binary = next((shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")
+                   if shutil.which(b)), None)
     driver = shutil.which("chromedriver")
     try:
         import selenium  # noqa: F401
     except ImportError:
         return None, "selenium is not installed (pip install -r requirements.txt)"
     if not binary or not driver:
-        return None, "Chromium or chromedriver not found (Debian: apt-get install -y chromium chromium-driver)"
+        return None, ("Chromium or chromedriver not found (Debian: apt-get install -y chromium "
+                      "chromium-driver)")
     return (binary, driver), ""
 
 
@@ -52,7 +54,8 @@ def browser():
     from selenium.webdriver.chrome.service import Service
     opts = webdriver.ChromeOptions()
     opts.binary_location = found[0]
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1200,800"):
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--window-size=1200,800"):
         opts.add_argument(a)
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(found[1]), options=opts)  # a local binary: no driver download
@@ -125,7 +128,8 @@ def hostile_records() -> list[dict]:
     recs = []
     for i, p in enumerate(PAYLOADS):
         pieces = [p, "ok", p[::-1]]
-        recs.append({"step": p, "index": i, "group": i % 2, "prompt": f"{p} prompt", "response": "".join(pieces),
+        recs.append({"step": p, "index": i, "group": i % 2, "prompt": f"{p} prompt",
+                     "response": "".join(pieces),
                      "reward": 0.5 * i, "reward_components": {p: 1.0}, "status": p, "weight_version": p,
                      "tokens": {"id": [7, 8, 9], "text": pieces, "rollout_logprob": [-0.1, -0.2, -0.3],
                                 "trainer_logprob": [-0.1, -0.25, -0.3], "entropy": [0.1, 1.0, 2.0],
@@ -145,8 +149,10 @@ def test_hostile_text_is_shown_not_run(browser, tmp_path):
     for tok in browser.find_elements(By.CSS_SELECTOR, ".tok")[:6]:  # hovering renders a piece too
         ActionChains(browser).move_to_element(tok).perform()
     assert browser.execute_script("return window.__pwned") is None
-    tags = set(browser.execute_script("return [...document.querySelectorAll('*')].map(e => e.tagName.toLowerCase())"))
-    assert tags <= {"html", "head", "meta", "title", "style", "body", "header", "h1", "div", "label", "select",
+    tags = set(browser.execute_script("return [...document.querySelectorAll('*')].map(e => "
+                                      "e.tagName.toLowerCase())"))
+    assert tags <= {"html", "head", "meta", "title", "style", "body", "header", "h1", "div", "label",
+                    "select",
                     "option", "span", "main", "section", "b", "br", "script"}, tags
     assert count(browser, "script") == 2 and count(browser, "style") == 1  # the page's own, no more
     assert count(browser, "[onerror], [onload]") == 0

@@ -23,13 +23,14 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before 
 
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from nanorl.rollout import SamplingConfig  # noqa: E402
 from nanorl import vllm_engine  # noqa: E402
+from nanorl.rollout import SamplingConfig  # noqa: E402
 from nanorl.vllm_engine import SyncError, VLLMEngine, iter_checkpoint_tensors, sync_weights  # noqa: E402
 
 EOS = 1
 TOL = 1e-4  # fp32 engine vs fp32 trainer (measured ≈ 1e-6)
-MAX_MODEL_LEN, KV_BYTES = 256, 4 << 20  # the run's sizing (2 KV blocks of 128 on CPU): 8192 tokens of 512 B, not 32768
+# the run's sizing (2 KV blocks of 128 on CPU): 8192 tokens of 512 B, not 32768
+MAX_MODEL_LEN, KV_BYTES = 256, 4 << 20
 
 
 def tiny_model(seed: int) -> Qwen2ForCausalLM:
@@ -64,8 +65,10 @@ def test_request_that_cannot_fit_fails_before_start_up_naming_the_flag(tiny_dir,
     monkeypatch.setattr(vllm, "LLM", started)  # the check must come before the engine starts
     from transformers import AutoConfig
     text_config = AutoConfig.from_pretrained(tiny_dir).get_text_config()
-    assert vllm_engine.kv_bytes_per_token(text_config, "float32") == 2 * 2 * 1 * 32 * 4  # L x (K,V) x heads x dim x 4 B
-    with pytest.raises(ValueError, match=r"max_model_len=32768 \(unset: the model's full context\) needs 16\.1 MiB"
+    # L x (K,V) x heads x dim x 4 B
+    assert vllm_engine.kv_bytes_per_token(text_config, "float32") == 2 * 2 * 1 * 32 * 4
+    with pytest.raises(ValueError, match=r"max_model_len=32768 \(unset: the model's full context\) needs "
+                                         r"16\.1 MiB"
                                          r".*raise --kv-cache-gb, or lower --max-model-len"):
         VLLMEngine(tiny_dir, kv_cache_bytes=KV_BYTES)  # vLLM's default: the model's 32768 positions
     with pytest.raises(ValueError, match="exceeds the model's 32768 positions: lower --max-model-len"):
@@ -145,7 +148,8 @@ def test_weight_update_matches_trainer_and_check_catches_stale_weights(engine):
     m0, m1 = tiny_model(0), tiny_model(1)
     engine.update_weights(m1, 1)
     assert engine.check_sync(m1, tol=TOL)["max_abs_logprob_diff"] <= TOL
-    with pytest.raises(SyncError, match=r"max \|Δlogprob\| .* > bound 0.0001 .*vs trainer"):  # engine m1, trainer m0
+    # engine m1, trainer m0
+    with pytest.raises(SyncError, match=r"max \|Δlogprob\| .* > bound 0.0001 .*vs trainer"):
         engine.check_sync(m0, tol=TOL)
     with pytest.raises(SyncError, match=r"max \|Δlogprob\| .* > bound 0.001 \(torch.float32\)"):
         engine.check_sync(m0)  # fp32's own bound
@@ -249,7 +253,8 @@ def test_bf16_sync_check_passes_healthy_engine_and_fails_stale_weights(engine, t
     engine.close()
     m0, m1 = tiny_model(0), tiny_model(1)
     m0.save_pretrained(tmp_path)
-    eng = VLLMEngine(str(tmp_path), dtype="bfloat16", seed=0, kv_cache_bytes=KV_BYTES, max_model_len=MAX_MODEL_LEN)
+    eng = VLLMEngine(str(tmp_path), dtype="bfloat16", seed=0, kv_cache_bytes=KV_BYTES,
+                     max_model_len=MAX_MODEL_LEN)
     try:
         eng.update_weights(m1, 1)  # fp32 trainer tensors, cast by vLLM to its bf16 weights
         eng.generate([[0, 5, 6, 7] * 5, [0, 9] * 9], 2, SamplingConfig(max_new_tokens=16, seed=0))
@@ -285,7 +290,8 @@ def test_moe_weight_swap_repacks_experts(engine, tmp_path, caplog):
                          record_routing=True)
     try:
         assert not eng.records_routing and [r for r in caplog.records if "(R2)" in r.message]
-        assert all(s.routed_experts is None for s in eng.generate([[0, 3]], 2, SamplingConfig(max_new_tokens=2)))
+        assert all(s.routed_experts is None
+                   for s in eng.generate([[0, 3]], 2, SamplingConfig(max_new_tokens=2)))
         for version, m in enumerate([m1, m0, m1], start=1):
             eng.update_weights(m, version)
             assert eng.check_sync(m, tol=TOL)["max_abs_logprob_diff"] <= TOL

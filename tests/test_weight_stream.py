@@ -48,7 +48,8 @@ def _measure(init_file: str, rank: int, world: int) -> dict:
         with open("/proc/self/clear_refs", "w") as f:  # peak RSS from here on
             f.write("5")
         base, loaded = _peak_rss_mib(), 0
-        tensors = iter_checkpoint_tensors(model) if mode == "stream" else distributed.full_state_dict(model).items()
+        tensors = (iter_checkpoint_tensors(model) if mode == "stream"
+                   else distributed.full_state_dict(model).items())
         for name, t in tensors:  # the loader: copy into the engine's tensor, drop ours
             engine[name].copy_(t)
             loaded += 1
@@ -60,7 +61,8 @@ def _measure(init_file: str, rank: int, world: int) -> dict:
 
 def _run(tmp_path) -> dict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
            "MALLOC_MMAP_THRESHOLD_": "131072"}  # glibc: every large tensor its own mmap, so RSS tracks it
     ranks = [subprocess.Popen([sys.executable, __file__, str(tmp_path / "pg"), str(r), "2"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
@@ -87,12 +89,15 @@ def test_tied_weights_stream_once_per_gather_under_every_name():
 
     from nanorl.distributed import iter_full_tensors
 
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1,
+                                         tie_word_embeddings=True))
     items = list(iter_full_tensors(model))
     names = [n for n, _ in items]
     assert sorted(names) == sorted(model.state_dict())  # every name once
-    i = names.index("model.embed_tokens.weight")  # the alias follows at once: no tensor held across the stream
+    # the alias follows at once: no tensor held across the stream
+    i = names.index("model.embed_tokens.weight")
     assert names[i + 1] == "lm_head.weight" and items[i][1] is items[i + 1][1]
     state = model.state_dict()
     assert all(t.data_ptr() == state[n].data_ptr() for n, t in items)  # unsharded: the module's own, no copy

@@ -1,0 +1,118 @@
+"""What train.py's set-up builds, one function per piece: the task files, the policy, the rollout
+engine, the trained modules (critic, reference, the DDP/FSDP wrapper) and the optimizer.
+
+Read train.py's `setup` first: it calls these in chain order. Key choices: the HF engine samples from
+the policy module itself (no copy, no sync) unless --fsdp shards it; vLLM holds its own copy of the
+weights, loaded from the same path and synced after every step; the reference model is a frozen
+copy that exists only when a KL term is on; AdamW is fused (one kernel over every tensor).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import os
+
+import torch
+
+from nanorl import distributed, moe_replay, precision
+from nanorl.config import Config
+from nanorl.distributed import Trained
+from nanorl.plugins import plugin_task
+from nanorl.policy import ValueModel, frozen_copy, load_model
+from nanorl.rollout import HFEngine
+from nanorl.task import make_default
+from nanorl.tool_envs import make_calc_task
+from nanorl.update import forward
+
+
+def with_task_files(cfg: Config, rank: int, world: int) -> Config:
+    """Without --model or --train-data: the built-in task's files and model, made in code by rank 0
+    (--plugin's make_task, else --env calc's tool-using variant, else the arithmetic task)."""
+    if cfg.model and cfg.train_data:
+        return cfg
+    make = plugin_task(cfg.plugin) or (make_calc_task if cfg.env == "calc" else make_default)
+    default = make(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
+    if world > 1:  # rank 0 builds, the others read the same files
+        box = [default]
+        torch.distributed.broadcast_object_list(box, src=0)
+        default = box[0]
+    return dataclasses.replace(cfg, model=cfg.model or default["model"],
+                               train_data=cfg.train_data or default["train"],
+                               test_data=cfg.test_data or default["test"])
+
+
+def load_policy(cfg: Config, device, dtype):
+    """The policy (fp32 master weights, train mode) and its tokenizer, with the flags that patch it."""
+    # --fsdp: loaded (and copied) in host memory; fully_shard then moves only each rank's shards to the device
+    model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
+    if cfg.routing_replay:
+        if not moe_replay.is_moe(model):
+            raise ValueError("--routing-replay needs a mixture-of-experts model")
+        moe_replay.patch(model)
+    if cfg.fp32_lm_head:
+        precision.keep_lm_head_fp32(model)
+    if cfg.gradient_checkpointing:
+        precision.enable_gradient_checkpointing(model, routing_replay=cfg.routing_replay)
+    model.train()  # Hugging Face checkpoints only in train mode; dropout is 0 in these models
+    return model, tokenizer
+
+
+def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):
+    """The rollout engine: vLLM with its own copy of the weights (loaded from the same path, synced after
+    every step), or the HF engine sampling from the policy module itself (--fsdp: from a full copy)."""
+    if cfg.engine == "vllm":
+        from nanorl.vllm_engine import VLLMEngine
+        # the run's longest request, not the model's context (an episode: its prompt + every turn)
+        longest = max(len(p.ids) for p in prompts) + max(cfg.max_new_tokens, cfg.eval_max_new_tokens,
+                                                         cfg.episode_tokens)
+        # kv_cache_bytes None: vLLM's share of the GPU, or its CPU default
+        return VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
+                          max_model_len=cfg.max_model_len or longest,
+                          kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
+                          gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                          record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
+    sampler = frozen_copy(model, dtype).to(device) if cfg.fsdp else model
+    engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay,
+                      compute_dtype=dtype)
+    engine.generator.manual_seed(cfg.seed * 1000 + rank)
+    return engine
+
+
+def make_trained(cfg: Config, model, device, dtype):
+    """(critic, reference, trained): the critic when --vf-coef > 0, the frozen reference when a KL term
+    is on, and policy + critic behind one forward wrapped for DDP / FSDP (nanorl/distributed.py)."""
+    critic = ValueModel(model).to(model.device) if cfg.vf_coef > 0 else None
+    score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/update.py)
+    ref = Trained(frozen_copy(model, dtype), None, score, dtype) if cfg.uses_reference else None
+    if ref is not None and cfg.fsdp:
+        ref = distributed.shard(ref, device)
+    accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
+    return critic, ref, distributed.wrap(accelerator, Trained(model, critic, score, dtype), fsdp=cfg.fsdp)
+
+
+def make_optimizer(cfg: Config, model, critic):
+    """AdamW over the policy (and critic) parameters — after sharding, which swaps in sharded ones —
+    and the learning-rate schedule. Fused: one kernel over all tensors, no full-size temporaries (10x
+    faster than foreach on a 166M-parameter CPU model here); FSDP's DTensors keep the default."""
+    params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    if critic is not None:
+        params.append({"params": list(critic.parameters())})
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay,
+                                  fused=not cfg.fsdp)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
+
+
+def vllm_importable() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def lr_factor(cfg: Config, step: int) -> float:
+    """Linear warm-up, then constant or cosine decay to 10%."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))

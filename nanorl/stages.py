@@ -1,0 +1,297 @@
+"""The stages of one RL step, in chain order: train.py's `rl_step` calls them and reads on one screen.
+
+Start at `rollout` (links 1-2: sample, score, filter), then `recompute` (link 3: exactly what the
+step's plan needs, no gradient), `advantages` (link 4), and `sync` (link 8); links 5-7, the update,
+are nanorl/update.py's `train_on`. Each stage takes train.py's Run and the step's batch and writes
+named StepTensors fields (nanorl/trajectory.py), never string keys. Key choice: no stage names an
+algorithm; an estimator's and a loss's declared needs decide what runs (nanorl/plan.py).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from nanorl import dapo, distributed, dump, precision
+from nanorl.advantage import compute_advantages
+from nanorl.env import episode_metrics, turn_reward_tensor
+from nanorl.kl import kl_estimator, kl_penalized_rewards, masked_mean
+from nanorl.metrics import memory_metrics, namespaced, reward_metrics
+from nanorl.offpolicy import is_metrics, is_weights, mismatch_metrics
+from nanorl.rewards import score_samples
+from nanorl.rollout import SamplingConfig, stop_token_ids
+from nanorl.trajectory import collate
+from nanorl.update import (
+    old_policy_view,
+    routing_forward,
+    score_batch,
+    score_rows,
+    trains,
+    zero_weight_samples,
+)
+
+
+def generate(run, prompts, n: int, sampling: SamplingConfig) -> list:
+    """n samples per prompt, consecutive: the engine's responses, or with --env the episodes of the
+    multi-turn driver (the same Samples, with environment tokens masked out: nanorl/env.py)."""
+    if run.pipeline is not None:  # --async-steps: sampled and scored ahead by the worker (nanorl/pipeline.py)
+        return run.pipeline.take(run.step, prompts)
+    if run.episodes is not None:
+        return run.episodes.generate(prompts, n, sampling)
+    return run.engine.generate([p.ids for p in prompts], n, sampling)
+
+
+def score(run, prompts, samples) -> list:
+    """The reward of every sample (prompt i's n samples are consecutive)."""
+    if run.episodes is not None or run.pipeline is not None:  # the environment / the worker scored them
+        return [s.reward for s in samples]
+    return score_samples(run.rewards, run.tokenizer, prompts, samples)
+
+
+def stop_tokens(run) -> tuple[int, ...]:
+    return stop_token_ids(run.model, run.tokenizer)
+
+
+def support_of(run, batch):
+    """The kept sampling support [B, T, K] the trainer's forwards restrict to (--keep-sampling-mask)."""
+    return batch.sampling_support if run.cfg.keep_sampling_mask else None
+
+
+def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | None]:
+    """Links 1-2: (samples with their rewards, greedy baselines [B] when the plan needs them), the
+    rollout metrics, the filters (DAPO, overlong, plug-in post-processing)."""
+    cfg = run.cfg
+    with timer("generate"):
+        sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                  max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
+                                  keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
+        samples = generate(run, prompts, cfg.samples_per_prompt, sampling)
+    with timer("reward"):
+        for s, r in zip(samples, score(run, prompts, samples)):
+            s.reward = r
+        # --reward-postprocess: the whole step's groups (with --async-steps too)
+        run.hooks.postprocess(samples)
+    metrics.update(reward_metrics(samples))
+    if run.pipeline is not None:  # staleness and who waited for whom (nanorl/pipeline.py)
+        metrics.update(run.pipeline.metrics)
+    if run.episodes is not None:  # turns, tool use, how episodes ended; env faults as run totals
+        faults = {f"env_faults/{k}": v for k, v in run.episodes.faults.items()}
+        metrics.update(episode_metrics(samples), **faults)
+    baselines = greedy_baselines(run, prompts, samples, timer) if run.plan.greedy_baselines else None
+    if cfg.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
+        stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
+        metrics["ksm/support_bytes_per_token"] = stored / max(1, sum(s.response_length for s in samples))
+    metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
+    if cfg.filter_groups:  # DAPO: drop zero-variance groups, draw more prompts until the step is full
+        samples = refill_groups(run, prompts, samples, sampling, timer, metrics)
+    if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
+        metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
+            samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    return samples, baselines
+
+
+def to_batch(run, samples) -> tuple[list, object]:
+    """Samples → (samples, the padded batch on the training device), the engine's memory freed first."""
+    if not samples:  # none left here, some elsewhere: join the step with rows that weigh nothing
+        samples = zero_weight_samples(run.tokenizer.pad_token_id, run.cfg.samples_per_prompt)
+    if run.cfg.sleep_level and hasattr(run.engine, "sleep"):  # vLLM: free its GPU memory until the sync
+        run.engine.sleep(run.cfg.sleep_level)
+    device = next(run.model.parameters()).device
+    precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
+    batch = collate(samples, run.tokenizer.pad_token_id).to(device)
+    turns = turn_reward_tensor(samples, batch.response_ids.shape[1]) if run.episodes is not None else None
+    if turns is not None:  # an environment rewarded turns before the last (advantage_inputs)
+        batch.tensors.turn_rewards = turns.to(device)
+    return samples, batch
+
+
+def recompute(run, samples, batch, metrics: dict) -> None:
+    """Link 3: π_old, the critic's values, Σπ², π_old's entropy and the reference logprobs — each only
+    when the plan needs it — in one no-gradient pass of the policy (FSDP gathers its weights inside
+    `trained`; micro-batched as training) and one of the reference."""
+    plan, t, support = run.plan, batch.tensors, support_of(run, batch)
+    if run.cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
+        t.old_logprobs = routing_forward(run, batch, support, metrics)
+    elif run.cfg.old_logprobs == "rollout":
+        t.old_logprobs = batch.rollout_logprobs
+    again = plan.old_logprobs and t.old_logprobs is None
+    # a dump step scores every row too: the dumps show π before the update (nanorl/dump.py)
+    if again or plan.values or plan.sum_sq_probs or plan.old_entropy or dump_due(run):
+        old, values, ent, sum_sq = score_batch(run, run.trained, batch, support, sum_sq=plan.sum_sq_probs)
+        t.update(trainer_logprobs=old, trainer_entropy=ent, old_values=values,
+                 old_logprobs=old if again else t.old_logprobs,
+                 old_entropy=ent if plan.old_entropy else None, sum_sq_probs=sum_sq)
+    if plan.reference == "from the worker":  # --async-steps: the rollout worker scored them
+        t.ref_logprobs = run.pipeline.ref_logprobs(samples, batch)
+    elif plan.reference == "every row":
+        t.ref_logprobs = score_batch(run, run.ref, batch, support)[0]
+
+
+def reference_of_trained_rows(run, batch) -> None:
+    """KL as a loss with --skip-zero-advantage: reference logprobs only for the rows that train, after
+    the advantage has said which (a row with advantage 0 everywhere never reaches the loss)."""
+    if run.plan.reference == "trained rows":
+        batch.tensors.ref_logprobs = score_rows(run, run.ref, batch, support_of(run, batch), trains(batch))
+
+
+def advantages(run, batch, baselines, metrics: dict) -> None:
+    """Link 4: the off-policy weights of the step (known before the update; an estimator may read
+    them), the KL in the reward if it goes there, then the chosen estimator's advantages and returns."""
+    cfg, t, mask = run.cfg, batch.tensors, batch.response_mask  # mask: [B, T] valid response tokens
+    if run.plan.is_weights:  # TIS / MIS: π_old/π_rollout (nanorl/offpolicy.py)
+        w, changed, rho = is_weights(t.old_logprobs, batch.rollout_logprobs, mask, level=cfg.is_level,
+                                     tis=(cfg.tis_low, cfg.tis_cap) if cfg.tis_cap else None,
+                                     mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
+        t.is_weights = w
+        metrics.update(is_metrics(w, changed, rho, mask))
+    kl = None
+    if run.plan.kl_in_reward:  # KL as a per-token penalty in the reward (InstructGPT, REINFORCE++)
+        kl = kl_estimator(t.old_logprobs, t.ref_logprobs, cfg.kl_estimator, mask=mask)  # [B, T]
+        metrics["kl_ref"] = float(masked_mean(kl, mask))  # logged, and what --kl-target steers by
+    t.advantages, t.returns = compute_advantages(run.plan.estimator,
+                                                 **advantage_inputs(run, batch, kl, baselines))
+    if cfg.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
+        batch.response_mask = dapo.truncated_loss_mask(batch.response_mask, batch.truncated)
+
+
+def sync(run, metrics: dict) -> None:
+    """Link 8: the new weights into the engine (and the async worker), checked every
+    --sync-check-every steps; then the adaptive KL coefficient's update."""
+    cfg = run.cfg
+    try:  # vLLM asleep: it wakes its weights, streams them in, then wakes its KV cache
+        run.engine.update_weights(run.model, version=run.step + 1)
+    except Exception as e:  # going on would sample from stale weights: silent divergence
+        raise RuntimeError(f"step {run.step + 1}: the {cfg.engine} engine failed to load the new weights "
+                           f"({type(e).__name__}: {e}); resume from the last checkpoint with "
+                           "--resume latest") from e
+    if run.pipeline is not None:  # the worker samples batch step + 1 + K from this version
+        run.pipeline.publish(run.model, run.step + 1)
+    due = cfg.sync_check_every and (run.step + 1) % cfg.sync_check_every == 0
+    if due and hasattr(run.engine, "check_sync"):
+        # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
+        with distributed.root_gathered(run.trained):
+            metrics.update({f"sync/{k}": v for k, v in run.engine.check_sync(run.model).items()})
+
+
+def step_metrics(run, samples, batch, mask, timer, metrics: dict) -> dict:
+    """The step's metrics, namespaced (rollout/, train/, perf/: nanorl/metrics.py), with the
+    trainer-vs-engine mismatch, the adaptive β's update (one β for every rank) and the --log-metadata
+    fields. mask [B, T]: the batch's response tokens. batch None: no update was made."""
+    if batch is None:
+        timed = {f"time/{k}": v for k, v in timer.seconds.items()}
+        return run.hooks.with_metadata(namespaced({**metrics, **timed}), samples)
+    trainer_logp, _, scored = old_policy_view(batch)  # [B, T] the trainer's π_old, where it scored
+    metrics.update(mismatch_metrics(trainer_logp, batch.rollout_logprobs, mask * scored))
+    if run.cfg.kl_target:  # the per-token KL to the reference, in either placement
+        n_tok = float(mask.sum()) if "kl_ref" in metrics else 0.0  # a rank of pads only has none
+        kl_sum, n = distributed.all_reduce(torch.tensor([metrics.get("kl_ref", 0.0) * n_tok, n_tok])).tolist()
+        if n > 0 and math.isfinite(kl_sum / n):
+            run.kl_ctl.update(kl_sum / n, n_steps=len(samples))
+    step_time = sum(timer.seconds.values())
+    metrics.update({f"time/{k}": v for k, v in timer.seconds.items()}, **{"time/step": step_time})
+    metrics["tokens_per_s"] = float(mask.sum()) * run.world / max(step_time, 1e-9)
+    metrics["kl_beta"] = run.kl_ctl.beta
+    adv = batch.tensors.advantages  # [B, T]
+    metrics["advantage_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
+    metrics = namespaced({**metrics, **memory_metrics(mask.device)})
+    return run.hooks.with_metadata(metrics, samples)  # --log-metadata fields, under their own names
+
+
+def dump_due(run) -> bool:
+    return dump.due(run.cfg.dump_rollouts, run.step + 1)
+
+
+def dump_step(run, samples, batch) -> None:
+    """Every --dump-rollouts steps: this step's samples and per-token tensors (nanorl/dump.py)."""
+    cfg = run.cfg
+    dump.rollouts(samples, batch, run.tokenizer, run.step + 1, cfg.dump_rollouts, cfg.out_dir,
+                  cfg.dump_rollouts_mb, rank=run.rank, log=run.logger.print)
+
+
+def enough_to_train(run, n: int) -> bool:
+    """Whether this step updates: when any rank holds a sample (all ranks agree: an all-reduce). A
+    rank with none, or with fewer than mini-batches, still takes every pass of the step (zero-weight
+    rows and pads, nanorl/update.py), so the others' samples train as one process would train them."""
+    if run.world == 1:
+        return n > 0
+    return int(distributed.all_reduce(torch.tensor([n]))) > 0
+
+
+def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
+    """DAPO dynamic sampling (nanorl/dapo.py): keep the groups whose rewards differ and generate rounds
+    of fresh prompts until this rank holds len(prompts) of them, at most max_gen_batches rounds."""
+    cfg, first = run.cfg, [samples]
+
+    def draw(wanted: bool) -> list:
+        if first:
+            return first.pop()
+        more = run.loader.next_batch()  # every rank advances its prompt stream alike
+        if not wanted:
+            return []
+        with timer("generate"):
+            new = generate(run, more, cfg.samples_per_prompt, sampling)
+        with timer("reward"):
+            for s, r in zip(new, score(run, more, new)):
+                s.reward = r
+            run.hooks.postprocess(new)  # before the filter reads the rewards, as in the step
+        return new
+
+    def any_short(short: bool) -> bool:  # all ranks draw the same rounds
+        return short if run.world == 1 else int(distributed.all_reduce(torch.tensor([int(short)]))) > 0
+
+    kept, rounds, generated, gave_up = dapo.dynamic_sampling(draw, len(prompts), cfg.max_gen_batches,
+                                                             any_short)
+    found = len({s.group_id for s in kept})
+    metrics.update({"groups_kept_frac": found / max(generated, 1), "dapo/gen_rounds": rounds})
+    if gave_up:
+        run.counters["dapo_gave_up"] = run.counters.get("dapo_gave_up", 0) + 1
+        run.logger.print(f"step {run.step}: dynamic sampling found {found} of {len(prompts)} groups with "
+                         f"reward variance in {rounds} generation rounds (--max-gen-batches "
+                         f"{cfg.max_gen_batches}); training on those. Raise --max-gen-batches, or use "
+                         "easier data / a stronger start.")
+    return kept
+
+
+def greedy_baselines(run, prompts, samples, timer) -> torch.Tensor:
+    """The reward of one greedy response per prompt, the baseline of that prompt's samples [B] (ReMax)."""
+    cfg = run.cfg
+    with timer("generate"):
+        greedy = generate(run, prompts, 1, SamplingConfig(
+            temperature=0.0, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run)))
+    with timer("reward"):
+        for g, r in zip(greedy, score(run, prompts, greedy)):
+            g.reward = r
+    return torch.tensor([greedy[s.group_id].total_reward for s in samples])
+
+
+def advantage_inputs(run, batch, kl, baselines) -> dict:
+    """The chosen estimator's inputs. What every step has is passed where the estimator reads it; what a
+    flag asks for (KL in the reward, no whitening, GDPO weights, ReMax baselines) is passed as such, so an
+    estimator that cannot use it raises (nanorl/advantage.py compute_advantages)."""
+    cfg, t, mask = run.cfg, batch.tensors, batch.response_mask
+    uses = run.plan.estimator_inputs
+    comps = torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None
+    have = dict(mask=mask, index=batch.group_ids, values=t.old_values, components=comps,
+                old_logprobs=t.old_logprobs, sum_sq_probs=t.sum_sq_probs,
+                rollout_is_weights=t.is_weights, gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k,
+                metadata=batch.metadata)  # per-row Sample.metadata: for a user estimator
+    inputs = {k: v for k, v in have.items() if k in uses and v is not None}
+    # an environment rewarded turns (nanorl/env.py):
+    if t.turn_rewards is not None and "token_rewards" in uses:
+        beta = run.kl_ctl.beta
+        kl_part = 0 if kl is None else kl_penalized_rewards(torch.zeros_like(batch.rewards), kl, mask, beta)
+        # each on its turn's last token, −β·KL on every token
+        inputs["token_rewards"] = t.turn_rewards + kl_part
+    elif kl is None:
+        inputs["scores"] = batch.rewards
+    elif "kl_penalty" in uses:  # slime's REINFORCE++-baseline: the KL stays per token
+        inputs.update(scores=batch.rewards, kl_penalty=run.kl_ctl.beta * kl)
+    else:  # −β·KL per token + the score on the last one; outcome estimators score Σ_t of it (verl)
+        inputs["token_rewards"] = kl_penalized_rewards(batch.rewards, kl, mask, run.kl_ctl.beta)
+    if "whiten" in uses:  # the estimator's own batch whitening (GAE: off unless asked): the flag decides
+        inputs["whiten"] = cfg.whiten_advantages
+    if cfg.gdpo_weights:
+        inputs["component_weights"] = [float(x) for x in cfg.gdpo_weights.split(",")]
+    if baselines is not None:
+        inputs["baselines"] = baselines.to(mask.device)
+    return inputs
