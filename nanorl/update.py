@@ -3,7 +3,8 @@ advantages becomes new weights.
 
 `train_on` runs `ppo_epochs` passes over a rollout batch, each split into `mini_batches` optimizer
 steps, each of those into micro-batches that fit in memory (`micro_batches`: a sample count or a
-balanced token budget). Start there, then `micro_step` (one micro-batch's loss) and `sync_and_step`.
+balanced token budget). Start there, then `micro_step` (one micro-batch's loss) and `sync_and_step`;
+what they read of `run` is `Learner` (train.py's Run, or any object with those attributes).
 Key choices: every micro-batch's loss takes the denominators of the WHOLE optimizer step (summed over
 micro-batches and ranks), so the gradient does not depend on how the step was split (TRL #3021), and
 the token selections some losses make are made once per optimizer step (`select_tokens`); a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 from contextlib import nullcontext
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +29,25 @@ from nanorl.losses import POLICY_LOSSES, LossConfig, top_entropy_mask, total_los
 from nanorl.offpolicy import opsm_mask
 from nanorl.policy import record_sum_sq_probs, response_logprobs
 from nanorl.trajectory import PaddedBatch, Sample, collate, pack
+
+
+class Learner(Protocol):
+    """What this module reads of `run` (train.py's Run is one; any object with these attributes will
+    do, so the update can be lifted into another trainer: tests/test_module_inputs.py runs it on a
+    SimpleNamespace). train_on changes optimizer, scheduler, scaler and counters, nothing else."""
+    cfg: Any  # nanorl/config.py Config: the update's flags (epochs, mini-batches, the loss's knobs)
+    model: torch.nn.Module  # the policy, fp32 master weights
+    trained: torch.nn.Module  # policy (+ critic) behind one forward, DDP/FSDP-wrapped (nanorl/distributed.py)
+    ref: torch.nn.Module | None  # the frozen reference (a KL loss), else None
+    tokenizer: Any  # its pad_token_id pads the lockstep rows
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None  # fp16 only
+    kl_ctl: Any  # nanorl/kl.py controller: .beta, the KL loss's coefficient
+    counters: dict  # "skipped_updates" is counted here
+    logger: Any  # .print(str): a skipped update is reported
+    step: int  # seeds the per-step selections and the mini-batch order
+    world: int  # ranks (1: one process)
 
 
 def forward(cfg, model, batch, support):
@@ -46,7 +67,7 @@ def forward(cfg, model, batch, support):
 
 
 @torch.no_grad()
-def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
+def routing_forward(run: Learner, batch, support, metrics: dict) -> torch.Tensor:
     """The old-logprob forward of an MoE run with --routing-replay; returns logprobs [B, T].
 
     R3 (the engine recorded routing at rollout, as the HF engine does): replay it, and measure how
@@ -107,7 +128,7 @@ def routing_forward(run, batch, support, metrics: dict) -> torch.Tensor:
     return logp
 
 
-def micro_batches(run, batch: PaddedBatch | None) -> list[list[int]]:
+def micro_batches(run: Learner, batch: PaddedBatch | None) -> list[list[int]]:
     """Row groups of one batch (None: this rank holds no row of this optimizer step): by token budget
     (packed: real tokens, balanced; padded: padded size), by sample count, or all at once.
 
@@ -146,7 +167,7 @@ def zero_weight_samples(pad_id: int, n: int) -> list[Sample]:
             for _ in range(n)]
 
 
-def pad_batch(run) -> PaddedBatch:
+def pad_batch(run: Learner) -> PaddedBatch:
     """What an empty group runs forward: one zero-weight row."""
     pad = run.tokenizer.pad_token_id
     return collate(zero_weight_samples(pad, 1), pad).to(next(run.model.parameters()).device)
@@ -162,7 +183,7 @@ def pad_loss(outputs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def score_batch(run, module, batch, support, sum_sq: bool = False):
+def score_batch(run: Learner, module, batch, support, sum_sq: bool = False):
     """The recompute forwards (old policy + critic through `run.trained`, or the reference model),
     micro-batch by micro-batch as training will run them: (logprobs [B, T], values [B, T] or None,
     entropy [B, T], Σπ² [B, T] or None). sum_sq: also Σ_v π_v² per token, a by-product of the same
@@ -193,7 +214,7 @@ def score_batch(run, module, batch, support, sum_sq: bool = False):
     return out[0], out[1] if has_values else None, out[2], out[3] if sum_sq else None
 
 
-def score_rows(run, module, batch, support, rows: torch.Tensor) -> torch.Tensor:
+def score_rows(run: Learner, module, batch, support, rows: torch.Tensor) -> torch.Tensor:
     """score_batch's logprobs [B, T] for the rows marked in `rows` [B] only, 0 in the others (which no
     loss reads: --skip-zero-advantage skips them in training too)."""
     keep = rows.nonzero().flatten().tolist()
@@ -207,7 +228,7 @@ def score_rows(run, module, batch, support, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def loss_config(run) -> LossConfig:
+def loss_config(run: Learner) -> LossConfig:
     c = run.cfg
     # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
     return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
@@ -218,7 +239,7 @@ def loss_config(run) -> LossConfig:
                       kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
 
 
-def select_tokens(run, mini, step_index: int, lcfg: LossConfig) -> None:
+def select_tokens(run: Learner, mini, step_index: int, lcfg: LossConfig) -> None:
     """Token selections made once per optimizer step over the whole step (so micro-batching changes
     nothing), from the recompute pass (π_old: π_θ itself at the first pass): the 80/20 rule's top-q
     entropy tokens become the step's loss mask (denominators included, as the authors' fork does);
@@ -233,7 +254,7 @@ def select_tokens(run, mini, step_index: int, lcfg: LossConfig) -> None:
         t.cov_selected = loss.select(t.old_logprobs, t.advantages, mini.response_mask, lcfg, gen)
 
 
-def train_on(run, batch) -> dict:
+def train_on(run: Learner, batch) -> dict:
     """ppo_epochs × mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
     cfg, B = run.cfg, batch.input_ids.shape[0]
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
@@ -329,7 +350,7 @@ def old_policy_view(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return t.first_pass_logprobs, t.first_pass_entropy, t.first_pass_mask
 
 
-def micro_step(run, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
+def micro_step(run: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = run.cfg
     support = mb.sampling_support if cfg.keep_sampling_mask else None
     logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
@@ -388,7 +409,7 @@ def finish(stats: dict) -> dict:
     return out
 
 
-def sync_and_step(run, params) -> float:
+def sync_and_step(run: Learner, params) -> float:
     """Clip and step — unless the loss or a gradient is not finite. Gradients arrive summed over
     ranks (DDP, in the last backward), so every rank clips the same norm and takes the same step.
     fp16: the gradients are unscaled first; an overflow skips the step and lowers the loss scale.

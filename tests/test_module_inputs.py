@@ -1,5 +1,6 @@
-"""checkpoint.py, evaluation.py and dump.py take the objects they use (issue 31), not train.py's Run:
-each public function is called here with the documented objects, built in the test, and no Run.
+"""checkpoint.py, evaluation.py, dump.py and update.py take the objects they use (issue 31), not
+train.py's Run: each public function is called here with the documented objects, built in the test,
+and no Run.
 
 - checkpoint: save a State (a tiny Qwen2, AdamW after one step, scheduler, loader, KL controller,
   counters, reward faults, engine sampler), resume it into a fresh State with other weights: every
@@ -8,7 +9,8 @@ each public function is called here with the documented objects, built in the te
 - evaluation: evaluate with a scripted engine and EvalSampling: the metrics, the sampling each call
   got, a rank's slice, and a clear error when nothing can score the samples;
 - dump: due(every, step); rollouts of a collated batch writes the batch's tensors, only when due and
-  on rank 0; without a batch the trainer's fields are null; a cut is reported through `log`.
+  on rank 0; without a batch the trainer's fields are null; a cut is reported through `log`;
+- update: train_on on a SimpleNamespace of exactly update.Learner's attributes takes the trainer's step.
 
 Run: python -m pytest tests/test_module_inputs.py -q
 """
@@ -25,6 +27,7 @@ from nanorl.data import Prompt, PromptLoader
 from nanorl.evaluation import EvalSampling, EvalSet, evaluate
 from nanorl.kl import AdaptiveKLController
 from nanorl.rewards import RewardRunner, exact
+from nanorl.rollout import SamplingConfig
 from nanorl.task import build_model, build_tokenizer
 from nanorl.trajectory import Sample, collate
 
@@ -236,3 +239,35 @@ def test_dump_rollouts_of_a_batch_with_objects_and_no_run(tmp_path):
     assert len(back) == 1 and back[0]["tokens"]["trainer_logprob"] is None
     assert back[0]["tokens"]["rollout_logprob"] == samples[0].rollout_logprobs
     assert len(told) == 1 and "cut at 1 of 2 samples" in told[0]
+
+
+# ----------------------------------------------------------------------------- update
+
+
+def test_train_on_with_a_learner_and_no_run(tmp_path):
+    """update.train_on given only the attributes update.Learner documents (a SimpleNamespace, not
+    train.py's Run) takes the very step the trainer takes: the same weights, bit for bit."""
+    import train
+    from nanorl import update
+    from nanorl.config import parse_args
+    from nanorl.task import make_default
+    task = make_default(str(tmp_path / "task"), seed=0)
+    argv = ["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
+            "--prompts-per-step", "2", "--samples-per-prompt", "4", "--threads", "1", "--quiet",
+            "--kl-coef", "0.05", "--no-skip-zero-advantage", "--ppo-epochs", "2"]
+    weights = []
+    for lift in (False, True):
+        run = train.setup(parse_args(argv + ["--out-dir", str(tmp_path / str(lift))]))
+        samples = run.engine.generate([p.ids for p in run.loader.next_batch()], 4,
+                                      SamplingConfig(max_new_tokens=6, seed=5))
+        batch = collate(samples, run.tokenizer.pad_token_id)
+        g = torch.Generator().manual_seed(0)
+        batch.tensors.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
+        batch.tensors.ref_logprobs = run.ref(batch, None)[0].detach()
+        fields = update.Learner.__annotations__
+        learner = SimpleNamespace(**{k: getattr(run, k) for k in fields}) if lift else run
+        metrics = update.train_on(learner, batch)
+        assert metrics["grad_norm"] > 0 and metrics["kl_loss"] != 0  # a real step, the KL term in it
+        weights.append([p.detach().clone() for p in run.model.parameters()])
+        run.logger.close()
+    assert all(torch.equal(a, b) for a, b in zip(*weights))
