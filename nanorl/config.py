@@ -91,6 +91,9 @@ class Config:
     reward_postprocess: str = ""
     """module:function / file.py:function run on the step's scored Samples (groups in order): may write
     Sample.metadata and set rewards, in place."""
+    sample_filter: str = ""
+    """module:function / file.py:function fn(samples) -> list[bool]: True keeps a scored sample; run after
+    the rewards and before the advantages, on top of the default (failed samples never train)."""
     log_metadata: str = ""
     """Comma list of numeric Sample.metadata fields to log as step means under their own names; a name
     ending in "/" is a prefix (e.g. calib/)."""
@@ -196,6 +199,9 @@ class Config:
     """Put −β·KL in the per-token reward instead of the loss (outcome estimators: score = Σ rewards)."""
     unbiased_kl: bool = False
     """KL as a loss, weighted by π_θ/π_old: unbiased for off-policy tokens (DeepSeek-V3.2; slime's)."""
+    log_kl: bool = False
+    """With kl_coef 0: still score the reference and log the KL to it (train/kl_ref, train/kl_loss),
+    adding it to neither the loss nor the reward."""
     kl_target: float = 0.0
     """> 0: adapt β toward this KL per token (Ziegler et al. 2019), in either placement."""
     # --- DAPO: dynamic sampling and overlong responses (nanorl/dapo.py)
@@ -306,8 +312,9 @@ class Config:
 
         need(self.algo in PRESETS, f"unknown --algo {self.algo!r}; valid: {', '.join(PRESETS)}")
         # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
-        need(not self.reward_postprocess or ":" in self.reward_postprocess, "reward_postprocess must be "
-             f"module:function or file.py:function, got {self.reward_postprocess!r}")
+        for name in ("reward_postprocess", "sample_filter"):
+            need(not getattr(self, name) or ":" in getattr(self, name), f"{name} must be "
+                 f"module:function or file.py:function, got {getattr(self, name)!r}")
         need(all(x.strip() for x in self.log_metadata.split(",")) or not self.log_metadata,
              f"log_metadata: an empty name in {self.log_metadata!r}")
         for name, known in (("advantage", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
@@ -372,6 +379,8 @@ class Config:
         need(not self.unbiased_kl or (self.kl_coef > 0 and not self.kl_in_reward),
              "unbiased_kl weights the KL loss term: needs kl_coef > 0 without kl_in_reward")
         need(not self.kl_target or self.kl_coef > 0, "kl_target adapts β: needs kl_coef > 0")
+        need(not (self.log_kl and self.kl_coef > 0), "log_kl is for kl_coef 0: with a KL term the KL is "
+             "logged already")
         for name, loss in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"), ("dro_beta", "dro")):
             need(getattr(self, name) > 0, f"{name} must be > 0")
             need(not moved(name) or self.policy_loss == loss, f"{name} needs policy_loss {loss}")
@@ -501,8 +510,8 @@ class Config:
 
     @property
     def uses_reference(self) -> bool:
-        """A reference model exists only when a KL term is on."""
-        return self.kl_coef > 0
+        """A reference model exists only when a KL term is on, or --log-kl logs it."""
+        return self.kl_coef > 0 or self.log_kl
 
 
 def _user_fn(spec: str, what: str):

@@ -30,7 +30,7 @@ import torch
 from nanorl.trajectory import Sample
 
 ENDS = {"done": "completed", "truncated": "truncated", "token_cap": "truncated", "turn_cap": "truncated",
-        "env_error": "aborted", "tool_timeout": "aborted", "aborted": "aborted"}
+        "env_error": "env_error", "tool_timeout": "tool_timeout", "aborted": "aborted"}
 
 
 # ----------------------------------------------------------------------------- the interface
@@ -220,10 +220,11 @@ class EpisodeRunner:
       truncated    a turn ran out of max_new_tokens without a stop token    status truncated
       token_cap    the episode's response reached max_tokens                status truncated
       turn_cap     max_turns model turns and the environment not done       status truncated
-      env_error    reset/step raised (the first traceback is logged)        status aborted, counted
-      tool_timeout a tool call passed its time limit (its process killed)   status aborted, counted
+      env_error    reset/step raised (the first traceback is logged)        status env_error, counted
+      tool_timeout a tool call passed its time limit (its process killed)   status tool_timeout, counted
       aborted      the engine aborted the request                           status aborted
-    None of them raises: the step trains on every episode (a failed one keeps the rewards it had).
+    None of them raises. The last three do not train: the step drops them after scoring and counts
+    them (nanorl/stages.py, trajectory.TRAINS).
     """
 
     def __init__(self, engine, make_env, tokenizer, *, max_turns: int = 4, max_tokens: int = 256,

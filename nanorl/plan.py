@@ -76,7 +76,8 @@ def make_plan(cfg, estimator: Callable, policy_loss) -> Plan:
     reads_old = (cfg.kl_in_reward or is_weights or bool(cfg.top_entropy_quantile)
                  or "old_logprobs" in named or "old_logprobs" in loss_needs(policy_loss))
     old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or reads_old))
-    reference = ("" if cfg.kl_coef == 0 else "from the worker" if cfg.async_steps
+    # --log-kl scores it like a KL loss whose coefficient is 0: logged, never in the loss
+    reference = ("" if not (cfg.kl_coef > 0 or cfg.log_kl) else "from the worker" if cfg.async_steps
                  else "every row" if cfg.kl_in_reward or not cfg.skip_zero_advantage else "trained rows")
     return Plan(estimator=estimator, estimator_inputs=estimator_inputs(estimator), old_logprobs=old,
                 sum_sq_probs="sum_sq_probs" in named, old_entropy=bool(cfg.top_entropy_quantile),

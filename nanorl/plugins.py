@@ -89,6 +89,7 @@ def check_call(fn, what: str, expected: str, args: int = 0, available=frozenset(
 
 REWARD_SIGNATURE = "fn(prompt, response, label) or fn(prompt, response, label, sample)"
 POSTPROCESS_SIGNATURE = "fn(samples) -> None (edits the Samples in place)"
+FILTER_SIGNATURE = "fn(samples) -> list[bool] (True keeps the sample)"
 ADVANTAGE_SIGNATURE = "fn(*, mask, index, scores, metadata, ...) -> (advantages [B, T], returns [B, T])"
 POLICY_LOSS_SIGNATURE = ("fn(logp, old_logp, advantages, mask, *, metadata, <LossConfig fields>) "
                          "-> loss [B, T] or (loss [B, T], stats)")
@@ -101,6 +102,8 @@ def load_checked(spec: str, what: str):
         check_call(fn, f"--reward {spec}", REWARD_SIGNATURE, args=3, available={"sample"})
     elif what == "reward_postprocess":
         check_call(fn, f"--reward-postprocess {spec}", POSTPROCESS_SIGNATURE, args=1)
+    elif what == "sample_filter":
+        check_call(fn, f"--sample-filter {spec}", FILTER_SIGNATURE, args=1)
     elif what == "advantage":
         from nanorl.advantage import PLUGIN_INPUTS
         check_call(fn, f"--advantage {spec}", ADVANTAGE_SIGNATURE, available=PLUGIN_INPUTS)
@@ -115,7 +118,7 @@ def load_checked(spec: str, what: str):
 # ----------------------------------------------------------------------------- --plugin
 
 # the Config fields that name a user function, each with the plug-in point it is checked against
-USER_FUNCTIONS = ("reward", "advantage", "policy_loss", "reward_postprocess")
+USER_FUNCTIONS = ("reward", "advantage", "policy_loss", "reward_postprocess", "sample_filter")
 # --plugin module attribute -> the Config field it fills
 PLUGIN_FIELDS = {**{name: name for name in USER_FUNCTIONS}, "LOG_METADATA": "log_metadata"}
 
@@ -207,6 +210,8 @@ class Hooks:
     def __init__(self, cfg):
         post = cfg.reward_postprocess
         self.postprocess_fn = load_checked(post, "reward_postprocess") if post else None
+        keep = cfg.sample_filter
+        self.filter_fn = load_checked(keep, "sample_filter") if keep else None
         self.log_metadata = [x.strip() for x in cfg.log_metadata.split(",") if x.strip()]
 
     def postprocess(self, samples: list) -> None:
@@ -216,6 +221,17 @@ class Hooks:
             if out is not None:
                 raise TypeError(f"--reward-postprocess returned {type(out).__name__}; it must edit the "
                                 f"Samples in place and return None ({POSTPROCESS_SIGNATURE})")
+
+    def keeps(self, samples: list) -> list[bool]:
+        """--sample-filter's verdict on the step's scored samples (all True without one)."""
+        if self.filter_fn is None or not samples:
+            return [True] * len(samples)
+        out = self.filter_fn(samples)
+        if not (isinstance(out, (list, tuple)) and len(out) == len(samples)
+                and all(isinstance(x, bool) for x in out)):
+            raise TypeError(f"--sample-filter must return one bool per sample ({FILTER_SIGNATURE}), got "
+                            f"{type(out).__name__} for {len(samples)} samples")
+        return list(out)
 
     def with_metadata(self, metrics: dict, samples: list) -> dict:
         """`metrics` plus the step's metadata metrics, logged under their own names (a name that is

@@ -32,6 +32,7 @@ from concurrent.futures.process import BrokenProcessPool
 from nanorl import math_grader
 from nanorl.config import BOUNDED_REWARDS
 from nanorl.plugins import check_call, load_checked
+from nanorl.trajectory import TRAINS
 
 # ----------------------------------------------------------------------------- built-in rewards
 
@@ -96,6 +97,9 @@ def score_samples(runner, tokenizer, prompts, samples) -> list:
     out = runner([p.text for p in prompts for _ in range(n)], texts,
                  [p.label for p in prompts for _ in range(n)],
                  samples=samples if runner.wants_sample else None)
+    for s, failed in zip(samples, getattr(runner, "faulted", [])):
+        if failed and s.status in TRAINS:  # no reward to learn from: it leaves the step (stages.py)
+            s.status = "reward_fault"
     return [split_log_only(r, s) for r, s in zip(out, samples)]
 
 
@@ -229,6 +233,7 @@ class RewardRunner:
         self.faults = Counter()
         self._pool = None
         self._logged = False
+        self.faulted: list[bool] = []  # the last call's failed calls, in order
 
     def __call__(self, prompts: list[str], responses: list[str], labels: list,
                  samples=None) -> list[float | dict]:
@@ -242,12 +247,15 @@ class RewardRunner:
         else:
             results = self._in_workers(prompts, responses, labels, samples)
         out = [res[1] if res[0] == "ok" else self._fault(res[1], res[2]) for res in results]
+        # which calls failed (the last call's): score_samples marks those samples reward_fault
+        self.faulted = [res[0] != "ok" for res in results]
         names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r if k[:1] != "_"))
         # a failed sample scores a dict of zeros: one kind per batch
         if any(isinstance(r, dict) for r in out):
             for i, r in enumerate(out):
                 if isinstance(r, float):
                     self._fault("MixedTypes", f"reward returned {r!r} where other responses got a dict")
+                    self.faulted[i] = True
                 # trained names only
                 out[i] = r if isinstance(r, dict) else dict.fromkeys(names, 0.0)
         return [0.0 if r is None else r for r in out]
@@ -257,7 +265,8 @@ class RewardRunner:
         # the first traceback tells the user what is wrong; then just count
         if not self._logged:
             self._logged = True
-            self.log(f"reward function failed ({kind}); scoring 0 and counting. First error:\n{text}")
+            self.log(f"reward function failed ({kind}); the sample scores 0, leaves the step (status "
+                     f"reward_fault) and is counted. First error:\n{text}")
 
     def _in_workers(self, prompts, responses, labels, samples):
         """Each call gets `timeout` seconds from when it starts waiting; after a timeout or a dead

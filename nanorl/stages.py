@@ -20,7 +20,7 @@ from nanorl.metrics import memory_metrics, namespaced, reward_metrics
 from nanorl.offpolicy import is_metrics, is_weights, mismatch_metrics
 from nanorl.rewards import score_samples
 from nanorl.rollout import SamplingConfig, stop_token_ids
-from nanorl.trajectory import collate
+from nanorl.trajectory import TRAINS, collate
 from nanorl.update import (
     old_policy_view,
     routing_forward,
@@ -59,7 +59,7 @@ def support_of(run, batch):
 
 def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | None]:
     """Links 1-2: (samples with their rewards, greedy baselines [B] when the plan needs them), the
-    rollout metrics, the filters (DAPO, overlong, plug-in post-processing)."""
+    rollout metrics, the filters (failed samples, --sample-filter, DAPO, overlong, post-processing)."""
     cfg = run.cfg
     with timer("generate"):
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
@@ -71,12 +71,14 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
             s.reward = r
         # --reward-postprocess: the whole step's groups (with --async-steps too)
         run.hooks.postprocess(samples)
-    metrics.update(reward_metrics(samples))
     if run.pipeline is not None:  # staleness and who waited for whom (nanorl/pipeline.py)
         metrics.update(run.pipeline.metrics)
     if run.episodes is not None:  # turns, tool use, how episodes ended; env faults as run totals
         faults = {f"env_faults/{k}": v for k, v in run.episodes.faults.items()}
         metrics.update(episode_metrics(samples), **faults)
+    samples = keep_trainable(run, samples, metrics)
+    if samples:  # what trains was sampled and scored like this (a rank may have none left)
+        metrics.update(reward_metrics(samples))
     baselines = greedy_baselines(run, prompts, samples, timer) if run.plan.greedy_baselines else None
     if cfg.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
         stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
@@ -88,6 +90,22 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
         metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
             samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
     return samples, baselines
+
+
+def keep_trainable(run, samples, metrics: dict) -> list:
+    """The samples that train: failed ones (a status outside trajectory.TRAINS: aborted, env_error,
+    tool_timeout, reward_fault) and those --sample-filter rejects leave the step here, after the rewards
+    and before the advantages. Counted as rollout/dropped_frac (this step's share, summed over refill
+    rounds) and rollout/dropped/<why>. Ranks may keep unequal numbers: the update runs in lockstep anyway
+    (nanorl/update.py micro_batches)."""
+    keep = run.hooks.keeps(samples)
+    why = [s.status if s.status not in TRAINS else "filtered" if not k else None
+           for s, k in zip(samples, keep)]
+    dropped = [w for w in why if w is not None]
+    metrics["dropped_frac"] = metrics.get("dropped_frac", 0.0) + len(dropped) / max(1, len(samples))
+    for w in dropped:
+        metrics[f"dropped/{w}"] = metrics.get(f"dropped/{w}", 0) + 1
+    return [s for s, w in zip(samples, why) if w is None]
 
 
 def to_batch(run, samples) -> tuple[list, object]:
@@ -234,7 +252,7 @@ def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
             for s, r in zip(new, score(run, more, new)):
                 s.reward = r
             run.hooks.postprocess(new)  # before the filter reads the rewards, as in the step
-        return new
+        return keep_trainable(run, new, metrics)
 
     def any_short(short: bool) -> bool:  # all ranks draw the same rounds
         return short if run.world == 1 else int(distributed.all_reduce(torch.tensor([int(short)]))) > 0

@@ -19,7 +19,12 @@ from numbers import Real
 import torch
 from torch import Tensor
 
-STATUSES = ("completed", "truncated", "aborted")
+# How a sample ended. Only the first two train (TRAINS): an aborted request, an environment that
+# raised, a tool call past its limit and a reward that failed carry no reward worth learning from, so
+# the step drops them after scoring and counts them (nanorl/stages.py). Truncated samples train unless
+# --drop-truncated takes them out of the loss (DAPO's overlong filter).
+STATUSES = ("completed", "truncated", "aborted", "env_error", "tool_timeout", "reward_fault")
+TRAINS = ("completed", "truncated")
 
 
 # ------------------------------------------------------------------------------------ the sample
@@ -32,7 +37,7 @@ class Sample:
                                                  # support-renormalised) distribution the trainer scores
     loss_mask: list[int] | None = None            # per response token, None = all ones
     reward: float | dict[str, float] | None = None
-    status: str = "completed"                     # "completed" | "truncated" | "aborted"
+    status: str = "completed"                     # one of STATUSES; only TRAINS train
     weight_version: int = 0                       # version of the policy weights that sampled it
     group_id: int = 0                             # samples of the same prompt share a group id
     routed_experts: Tensor | None = None          # [n, L, k] expert ids of input positions 0..n-1

@@ -218,8 +218,8 @@ def run_flaky(tok, mode, length=2, max_tokens=64, max_turns=3):
 
 
 @pytest.mark.parametrize("mode,length,max_tokens,end,status", [
-    ("raise", 2, 64, "env_error", "aborted"),
-    ("hang", 2, 64, "tool_timeout", "aborted"),
+    ("raise", 2, 64, "env_error", "env_error"),
+    ("hang", 2, 64, "tool_timeout", "tool_timeout"),
     ("go_on", 2, 64, "turn_cap", "truncated"),
     ("go_on", -1, 64, "truncated", "truncated"),   # a turn without a stop token
     ("go_on", 2, 10, "token_cap", "truncated"),    # 3 + 3 env tokens, then no room for another turn
