@@ -26,6 +26,7 @@ import signal
 import time
 import traceback
 import types
+from typing import Any, Protocol
 
 import torch
 import torch.multiprocessing as mp
@@ -315,12 +316,26 @@ def _worker_main(spec: WorkerSpec, weights: SharedWeights, requests, results) ->
 # ----------------------------------------------------------------------------- the trainer side
 
 
+class Trainer(Protocol):
+    """What this module reads of `run` (train.py's Run is one). The worker gets copies of cfg and the
+    weights; the trainer's end takes prompts from a copy of loader and adds the worker's reward faults to
+    rewards.faults."""
+    cfg: Any  # nanorl/config.py Config (async_steps, sampling, reward, reference, rollout_device, ...)
+    model: torch.nn.Module  # the policy whose versions are published to the worker
+    tokenizer: Any  # stop tokens and the worker's decoding
+    loader: Any  # nanorl/data.py PromptLoader: the worker draws the same prompts, in the same order
+    rewards: Any  # nanorl/rewards.py RewardRunner: .faults, the run totals
+    logger: Any  # .print(str)
+    step: int  # the version the worker starts from
+    world: int  # ranks (the pipeline runs on one)
+
+
 class Pipeline:
     """The trainer's end: submits prompt batches, takes scored ones, publishes weights, saves what
     is in flight. Batches are taken in order, one per step. Batch t+K+1's prompts are submitted as t
     is taken: the worker then always holds its next request, so its idle time is waiting for weights."""
 
-    def __init__(self, run, restored: dict[int, dict]):
+    def __init__(self, run: Trainer, restored: dict[int, dict]):
         cfg, self.run, self.K = run.cfg, run, run.cfg.async_steps
         device = cfg.rollout_device or str(next(run.model.parameters()).device)
         ctx = mp.get_context(start_method(device))
@@ -472,7 +487,7 @@ def staleness_metrics(samples: list[Sample], step: int) -> dict:
     return m
 
 
-def start(run, resumed: str | None = None) -> Pipeline:
+def start(run: Trainer, resumed: str | None = None) -> Pipeline:
     """The pipeline of `run` (cfg.async_steps > 0), with the batches a checkpoint at `resumed` holds."""
     if run.world > 1:
         raise ValueError("--async-steps with several ranks is not supported yet (one worker per rank, and "
