@@ -252,3 +252,4 @@ def run_training(cfg: Config) -> dict:
 
 if __name__ == "__main__":
     main()
+    distributed.end_process()  # several ranks: exit without the interpreter's teardown (see there)

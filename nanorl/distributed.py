@@ -62,6 +62,21 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def end_process(code: int = 0) -> None:
+    """The last line of a multi-rank script (train.py, the test harnesses): once its work is done,
+    flushed and the group destroyed, the process ends with os._exit — without the interpreter's
+    teardown, where a rank still died with "terminate called without an active exception" (SIGABRT,
+    exit status -6) on CI under load, even after destroy_process_group: C++ objects of the gloo group
+    and its store destroyed during finalization (pytorch/pytorch#190489). One process (no group):
+    returns, and Python ends as usual."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def local_world_size(world: int) -> int:
     """Processes on this node (torchrun and accelerate set LOCAL_WORLD_SIZE); `world` when unset."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world))

@@ -98,3 +98,4 @@ else:
     moments = max(float(v.abs().max()) for k, v in ref["optimizer"].items() if k.endswith("exp_avg"))
     train.rl_step(run)  # and it trains on
     print(f"\nresharded max|Δ| {max(diffs):.3e} tensors {len(diffs)} max|exp_avg| {moments:.3e}", flush=True)
+distributed.end_process()  # without the teardown that can abort a gloo rank at exit

@@ -87,3 +87,4 @@ held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in para
 print(f"\nrank {rank} max|Δgrad| {diff:.3e} max|grad| {scale:.3e} held "
       f"{held / sum(r.numel() for r in reference):.3f}",
       flush=True)
+distributed.end_process()  # without the teardown that can abort a gloo rank at exit

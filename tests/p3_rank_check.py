@@ -149,4 +149,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     {"probes": probes, "scaler": scaler}[sys.argv[1]](dist.get_rank())
     dist.barrier()
-    dist.destroy_process_group()
+    from nanorl import distributed
+    distributed.end_process()  # destroys the group, then exits without the teardown that can abort

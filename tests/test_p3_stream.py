@@ -227,3 +227,4 @@ if __name__ == "__main__":
     from nanorl import distributed as _d
     _rank, _world, _ = _d.init()
     {"stream": _worker_stream, "ranks": _worker_ranks}[sys.argv[1]](_rank, _world)
+    _d.end_process()  # without the teardown that can abort a gloo rank at exit
