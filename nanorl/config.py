@@ -24,9 +24,11 @@ from nanorl.presets import PRESETS, pretrained_defaults
 
 # The built-in environments' names (their classes: nanorl/tool_envs.py BUILTIN_ENVS)
 BUILTIN_ENV_NAMES = ("calc", "python_tool")
-# Rewards whose verifier (SymPy) adversarial output can keep busy: run in worker processes with this
-# per-call timeout unless --reward-timeout says otherwise (nanorl/rewards.py reads it as BOUNDED)
-BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0}
+# Rewards run in worker processes with this per-call timeout unless --reward-timeout says otherwise
+# (nanorl/rewards.py reads it as BOUNDED): the math verifier (SymPy), which adversarial output can keep
+# busy; the code reward, which bounds each test case itself (5 s, nanorl/code_reward.py) — 120 s per
+# program, its cases run in parallel worker processes
+BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0, "code": 120.0}
 # Fields with a fixed set of values: argparse offers them as choices, __post_init__ checks them
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
            "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
@@ -87,7 +89,7 @@ class Config:
     # --- reward and plug-ins (nanorl/rewards.py, nanorl/plugins.py, docs/extending.md)
     reward_timeout: float = -1.0
     """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
-    them in-process; -1 = 10 s for the math rewards (BOUNDED_REWARDS), else 0."""
+    them in-process; -1 = 10 s for the math rewards, 120 s for code (BOUNDED_REWARDS), else 0."""
     reward_postprocess: str = ""
     """module:function / file.py:function run on the step's scored Samples (groups in order): may write
     Sample.metadata and set rewards, in place."""

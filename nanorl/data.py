@@ -179,9 +179,11 @@ def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str, m
         value, label = lookup(row, input_key, source, i), lookup(row, label_key, source, i)
         if label is None:
             raise DataError(f"{where}: {label_key!r} is null (every prompt needs a label)")
+        if isinstance(label, (list, dict)):  # e.g. MBPP's test_list: the code reward reads it as JSON
+            label = json.dumps(label)
         if isinstance(label, bool) or not isinstance(label, (str, int, float)):
-            raise DataError(f"{where}: the label {label_key!r} must be a string or a number, got "
-                            f"{type(label).__name__}")
+            raise DataError(f"{where}: the label {label_key!r} must be a string, a number, a list or a "
+                            f"dict, got {type(label).__name__}")
         if isinstance(value, str) and not value.strip():
             skipped["empty"] += 1
             continue

@@ -29,7 +29,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
-from nanorl import math_grader
+from nanorl import code_reward, math_grader
 from nanorl.config import BOUNDED_REWARDS
 from nanorl.plugins import check_call, load_checked
 from nanorl.trajectory import TRAINS
@@ -67,7 +67,7 @@ def exact_format(prompt: str, response: str, label: str) -> dict[str, float]:
 
 
 BUILTIN = {"exact": exact, "exact_format": exact_format, "math": math_reward, "format": format_reward,
-           "math_format": math_format}
+           "math_format": math_format, "code": code_reward.code_reward}
 # The verifier parses model output with SymPy, which adversarial output can keep busy for a long time:
 # these run in worker processes with this per-call timeout unless --reward-timeout says otherwise.
 BOUNDED = BOUNDED_REWARDS
