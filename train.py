@@ -74,6 +74,8 @@ class Run:
     hooks: Hooks | None = None  # user plug-ins: reward post-processing, metadata metrics (nanorl/plugins.py)
     pipeline: object | None = None  # --async-steps: the trainer's end of the worker (nanorl/pipeline.py)
     plan: Plan | None = None  # what each step computes: the estimator's and loss's needs (nanorl/plan.py)
+    scorers: dict = dataclasses.field(default_factory=dict)  # reward model / judge components (build.py)
+    reward_weights: dict | None = None  # --reward-weights: each component's weight in the total
     rank: int = 0
     world: int = 1
     step: int = 0
@@ -129,6 +131,9 @@ def setup(cfg: Config) -> Run:
         run.episodes = episode_runner(cfg, engine, tokenizer, fmt, log=logger.print)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
+    # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
+    run.scorers = build.make_scorers(cfg, device, dtype, logger.print)
+    run.reward_weights = build.reward_weights(cfg)
     engine.update_weights(model, version=0)
     return run
 
@@ -238,6 +243,8 @@ def run_training(cfg: Config) -> dict:
                          f"{' '.join(sys.argv[1:])} --resume latest")
     run.logger.close()
     run.rewards.close()
+    for scorer in run.scorers.values():
+        scorer.close()
     if run.episodes is not None:  # tool worker processes
         run.episodes.close()
     if hasattr(run.engine, "close"):  # vLLM: free the engine (one per process at a time)

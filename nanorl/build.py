@@ -116,3 +116,45 @@ def lr_factor(cfg: Config, step: int) -> float:
         return 1.0
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_scorers(cfg: Config, device, dtype, log=print) -> dict:
+    """The reward components scored beside --reward, each a scorer with
+    .score(prompts, responses, labels) -> list[float | None] (None: a failed call) and .close():
+    `rm`, a reward model on the trainer's device in its compute dtype (--reward-model), and `judge`,
+    an LLM judge behind an OpenAI-compatible endpoint (--judge-url) or in-process (--judge-model)."""
+    scorers = {}
+    if cfg.reward_model:
+        from nanorl.reward_models import RewardModel
+        rm = RewardModel(cfg.reward_model, device, dtype=dtype,
+                         max_tokens_per_batch=cfg.max_tokens_per_micro_batch or 8192)
+        scorers["rm"] = _Unlabelled(rm)
+    if cfg.judge:
+        from nanorl.judges import Judge, read_template
+        template = read_template(cfg.judge)
+        if cfg.judge_url:
+            scorers["judge"] = Judge(template, cfg.judge_url, cfg.judge_model, parse=cfg.judge_parse, log=log)
+        else:
+            model, tokenizer = load_model(cfg.judge_model, device, dtype)
+            engine = HFEngine(model.eval(), pad_id=tokenizer.pad_token_id, compute_dtype=dtype)
+            scorers["judge"] = Judge.local(engine, tokenizer, template, parse=cfg.judge_parse, log=log)
+    return scorers
+
+
+class _Unlabelled:
+    """A scorer that reads no label (a reward model) behind the scorers' common call."""
+
+    def __init__(self, scorer):
+        self.scorer, self.faults = scorer, {}
+
+    def score(self, prompts, responses, labels):
+        return self.scorer.score(prompts, responses)
+
+    def close(self):
+        self.scorer.close()
+
+
+def reward_weights(cfg: Config) -> dict[str, float] | None:
+    """--reward-weights as {component: weight} (None when not given: every component weighs 1)."""
+    pairs = [x.split("=") for x in cfg.reward_weights.split(",")] if cfg.reward_weights else []
+    return {k.strip(): float(v) for k, v in pairs} or None

@@ -93,6 +93,23 @@ class Config:
     reward_postprocess: str = ""
     """module:function / file.py:function run on the step's scored Samples (groups in order): may write
     Sample.metadata and set rewards, in place."""
+    reward_model: str = ""
+    """Hugging Face name or local path of a sequence-classification reward model (one label, e.g. a
+    Bradley-Terry RM): its score of each sample is the reward component `rm` (nanorl/reward_models.py)."""
+    judge: str = ""
+    """LLM-judge prompt template, or a file holding one, with {prompt}, {response}, {label}: the judge's
+    parsed answer is the reward component `judge`; a failed call leaves the sample out (nanorl/judges.py)."""
+    judge_url: str = ""
+    """OpenAI-compatible base URL of the judge (e.g. http://host:8000/v1, `vllm serve`); empty: the judge
+    model runs in-process in an HF engine."""
+    judge_model: str = ""
+    """The judge model: the served name with judge_url, else a Hugging Face name or local path to load."""
+    judge_parse: str = "number:0:10"
+    """How the judge's answer becomes a score in [0, 1]: number:LO:HI (its first number, mapped from
+    [LO, HI]) or yesno."""
+    reward_weights: str = ""
+    """Comma list name=weight of the reward components in the total the advantage reads (each 1 unless
+    named): e.g. correct=0,rm=1 trains on the reward model alone; `correct` is a number-valued reward."""
     sample_filter: str = ""
     """module:function / file.py:function fn(samples) -> list[bool]: True keeps a scored sample; run after
     the rewards and before the advantages, on top of the default (failed samples never train)."""
@@ -314,6 +331,18 @@ class Config:
 
         need(self.algo in PRESETS, f"unknown --algo {self.algo!r}; valid: {', '.join(PRESETS)}")
         # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
+        need(not self.judge or self.judge_model, "judge needs judge_model (the served or the local model)")
+        need(not (self.judge_url or self.judge_model) or self.judge, "judge_url / judge_model need judge")
+        need(not self.judge_url or self.judge_url.startswith(("http://", "https://")),
+             f"judge_url must start with http:// or https://, got {self.judge_url!r}")
+        need(self.judge_parse == "yesno" or self.judge_parse.startswith("number:"),
+             f"judge_parse must be number:LO:HI or yesno, got {self.judge_parse!r}")
+        pairs = [x.split("=") for x in self.reward_weights.split(",")] if self.reward_weights else []
+        need(all(len(p) == 2 and p[0].strip() and _is_float(p[1]) for p in pairs),
+             f"reward_weights must be name=number pairs, comma-separated, got {self.reward_weights!r}")
+        scorer = "reward_model" if self.reward_model else "judge" if self.judge else ""
+        need(not (scorer and (self.async_steps or self.env)),
+             f"{scorer} with --async-steps or --env is not supported: the worker / the environment scores")
         for name in ("reward_postprocess", "sample_filter"):
             need(not getattr(self, name) or ":" in getattr(self, name), f"{name} must be "
                  f"module:function or file.py:function, got {getattr(self, name)!r}")
@@ -475,6 +504,9 @@ class Config:
         need(not self.kl_in_reward or not getattr(fn, "raw_scores", False),
              f"kl_in_reward: {self.advantage} reads the raw scores (0/1 pass/fail or reward components), "
              "a KL penalty cannot enter them; put KL in the loss")
+        need(not (self.reward_weights and "components" in named),
+             f"reward_weights does nothing with advantage {self.advantage}: it reads the components one "
+             "by one (gdpo_weights weighs them)")
         # an estimator reading greedy baselines (ReMax) generates inside the step, per prompt group
         need(not (self.filter_groups and "baselines" in named),
              f"filter_groups with {self.advantage} is not supported: it reads greedy baselines, and a "

@@ -42,10 +42,40 @@ def generate(run, prompts, n: int, sampling: SamplingConfig) -> list:
 
 
 def score(run, prompts, samples) -> list:
-    """The reward of every sample (prompt i's n samples are consecutive)."""
+    """The reward of every sample (prompt i's n samples are consecutive): --reward's, and with a reward
+    model or a judge their components beside it (`with_components`)."""
     if run.episodes is not None or run.pipeline is not None:  # the environment / the worker scored them
         return [s.reward for s in samples]
-    return score_samples(run.rewards, run.tokenizer, prompts, samples)
+    rewards = score_samples(run.rewards, run.tokenizer, prompts, samples)
+    if not run.scorers:
+        return rewards
+    n = len(samples) // len(prompts)
+    texts = run.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    prompt_texts = [p.text for p in prompts for _ in range(n)]
+    labels = [p.label for p in prompts for _ in range(n)]
+    scored = {name: s.score(prompt_texts, texts, labels) for name, s in run.scorers.items()}
+    return with_components(rewards, scored, samples, run.reward_weights)
+
+
+def with_components(rewards, scored: dict, samples, weights: dict | None) -> list[dict]:
+    """Each sample's reward as named components: --reward's own (a number is the component `correct`,
+    which rollout/accuracy reads), then each scorer's (`rm`, `judge`), unweighted — the weights apply in
+    Sample.total_reward, so each component is logged as it was scored (rollout/reward/<name>). A scorer
+    that failed on a sample (None) makes it a reward_fault: it leaves the step (keep_trainable)."""
+    out = []
+    for i, (reward, s) in enumerate(zip(rewards, samples)):
+        comps = dict(reward) if isinstance(reward, dict) else {"correct": float(reward)}
+        for name, values in scored.items():
+            if values[i] is None and s.status in TRAINS:
+                s.status = "reward_fault"
+            comps[name] = 0.0 if values[i] is None else float(values[i])
+        unknown = sorted(set(weights or {}) - set(comps))
+        if unknown:
+            raise ValueError(f"--reward-weights names {unknown}, not components of the reward "
+                             f"({sorted(comps)})")
+        s.reward_weights = weights
+        out.append(comps)
+    return out
 
 
 def stop_tokens(run) -> tuple[int, ...]:
@@ -84,6 +114,8 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
         stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
         metrics["ksm/support_bytes_per_token"] = stored / max(1, sum(s.response_length for s in samples))
     metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
+    for name, scorer in run.scorers.items():  # a judge's failed calls, by kind, run totals
+        metrics.update({f"reward_faults/{name}/{k}": v for k, v in scorer.faults.items()})
     if cfg.filter_groups:  # DAPO: drop zero-variance groups, draw more prompts until the step is full
         samples = refill_groups(run, prompts, samples, sampling, timer, metrics)
     if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)

@@ -43,6 +43,8 @@ class Sample:
     routed_experts: Tensor | None = None          # [n, L, k] expert ids of input positions 0..n-1
     sampling_support: Tensor | None = None        # [R, K] kept token ids per response token, -1 pad
     metadata: dict = field(default_factory=dict)
+    # the weight of each reward component in total_reward (--reward-weights); None or a missing name: 1
+    reward_weights: dict[str, float] | None = None
 
     def __post_init__(self):
         P, R = len(self.prompt_ids), len(self.response_ids)
@@ -72,6 +74,9 @@ class Sample:
 
     @property
     def total_reward(self) -> float:
+        """The reward the advantage reads: a dict reward's components summed, each times its weight."""
+        if isinstance(self.reward, dict) and self.reward_weights:
+            return float(sum(self.reward_weights.get(k, 1.0) * v for k, v in self.reward.items()))
         if isinstance(self.reward, dict):
             return float(sum(self.reward.values()))
         return float(self.reward or 0.0)

@@ -1,0 +1,86 @@
+"""Reward components beside --reward (nanorl/stages.py score, with_components; nanorl/build.py
+make_scorers): a judge's and a reward model's scores join the rule reward as named components,
+weighed by --reward-weights in Sample.total_reward, each logged as it was scored; a failed judge
+call makes its sample a reward_fault, which leaves the step, and the run goes on.
+
+The judge is a real HTTP server on 127.0.0.1 speaking vLLM's OpenAI chat-completions shape
+(tests/test_judges.py JudgeServer), the run the real train.main.
+"""
+import json
+
+import pytest
+from test_judges import JudgeServer
+
+import train
+from nanorl.stages import with_components
+from nanorl.trajectory import Sample
+
+
+def test_components_statuses_and_weights():
+    samples = [Sample([1], [2]), Sample([1], [3]), Sample([1], [4], status="aborted")]
+    rewards = [1.0, {"a": 0.5, "b": 0.25}, 0.0]
+    out = with_components(rewards, {"judge": [0.75, None, None]}, samples, {"judge": 2.0})
+    assert out == [{"correct": 1.0, "judge": 0.75}, {"a": 0.5, "b": 0.25, "judge": 0.0},
+                   {"correct": 0.0, "judge": 0.0}]
+    # a failed judge call: reward_fault (leaves the step); an already failed sample keeps its status
+    assert [s.status for s in samples] == ["completed", "reward_fault", "aborted"]
+    for s, r in zip(samples, out):
+        s.reward = r
+    assert samples[0].total_reward == 1.0 + 2.0 * 0.75  # the weight applies in the total only
+    with pytest.raises(ValueError, match="names \\['rm'\\], not components"):
+        with_components([1.0], {"judge": [0.5]}, [Sample([1], [2])], {"rm": 1.0})
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    from nanorl.task import make_default
+    return make_default(str(tmp_path_factory.mktemp("task")), seed=0)
+
+
+def args(task, out, *extra):
+    return ["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
+            "--out-dir", str(out), "--prompts-per-step", "4", "--samples-per-prompt", "4",
+            "--eval-every", "0", "--eval-limit", "4", "--threads", "1", "--quiet", "--kl-coef", "0", *extra]
+
+
+def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monkeypatch, capsys):
+    """Steps 1-2 judged (score 7/10 when the response holds the label, else 2/10); the server stops
+    before step 3: step 3's samples are all reward faults, counted and logged once, and the run ends
+    normally. --reward-weights correct=0 trains on the judge alone."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    per_step = 16
+
+    def grade(body, n):
+        text = body["messages"][0]["content"]
+        response, label = text.split("Response: ", 1)[1].split("\nLabel: ")
+        return 200, "7" if label.strip() and label.strip() in response else "2"
+
+    server = JudgeServer(grade)
+    real_rl_step = train.rl_step
+
+    def rl_step(run):
+        if run.step == 2:  # as a killed `vllm serve`: nothing listens any more
+            server.stop()
+        return real_rl_step(run)
+
+    monkeypatch.setattr(train, "rl_step", rl_step)
+    template = "Grade 0-10.\nQuestion: {prompt}\nResponse: {response}\nLabel: {label}"
+    try:
+        res = train.main(args(task, tmp_path, "--steps", "3", "--judge", template, "--judge-url", server.url,
+                              "--judge-model", "judge", "--reward-weights", "correct=0"))
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
+    assert len(rows) == 3 and res["step"] == 3
+    assert len(server.requests) == 2 * per_step  # every sample of steps 1-2 was judged, none of step 3
+    for r in rows[:2]:
+        assert r["rollout/dropped_frac"] == 0.0
+        # each sample 0.2 or 0.7: the mean is (0.7 − 0.5·k/16) for k samples graded 2
+        k = (0.7 - r["rollout/reward/judge"]) / 0.5 * per_step
+        assert abs(k - round(k)) < 1e-4 and 0 <= round(k) <= per_step
+        # correct weighs 0: the reward the advantage reads is the judge's alone
+        assert r["rollout/reward_mean"] == pytest.approx(r["rollout/reward/judge"])
+    assert rows[2]["rollout/dropped_frac"] == 1.0 and rows[2]["rollout/dropped/reward_fault"] == per_step
+    assert rows[2]["rollout/reward_faults/judge/unreachable"] == per_step
+    assert capsys.readouterr().out.count("unreachable") == 1  # one clear line, not one per sample
