@@ -84,3 +84,18 @@ def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monk
     assert rows[2]["rollout/dropped_frac"] == 1.0 and rows[2]["rollout/dropped/reward_fault"] == per_step
     assert rows[2]["rollout/reward_faults/judge/unreachable"] == per_step
     assert capsys.readouterr().out.count("unreachable") == 1  # one clear line, not one per sample
+
+
+def test_an_in_process_judge_runs_in_the_step(task, tmp_path):
+    """Without --judge-url the judge model is loaded in-process (an HF engine, greedy): here the task's
+    own tiny model judges "{prompt}{response}=" — it answers with digits, a number on the 0-99 scale
+    or nothing usable. Every sample of the step is either judged (a `judge` component in [0, 1]) or a
+    counted reward fault; nothing else, and the run finishes."""
+    res = train.main(args(task, tmp_path, "--steps", "1", "--judge", "{prompt}{response}=", "--judge-model",
+                          task["model"], "--judge-parse", "number:0:99"))
+    row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line][0]
+    faults = sum(v for k, v in row.items() if k.startswith("rollout/reward_faults/judge/"))
+    assert res["step"] == 1
+    assert row["rollout/dropped_frac"] * 16 == pytest.approx(faults)  # each failed call, one dropped sample
+    if faults < 16:  # some were judged: their component is a score in [0, 1]
+        assert 0.0 <= row["rollout/reward/judge"] <= 1.0
