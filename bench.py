@@ -193,7 +193,7 @@ class Bench(StepEntries):
     ENTRIES = ("gae", "group_adv", "policy_loss", "logprob", "scaling",
                # steps: bench_steps.py
                "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",
-               "eval_sharded", "padding", "ksm", "routing_replay", "async_steps", "default",
+               "eval_sharded", "padding", "ksm", "routing_replay", "reward_model", "async_steps", "default",
                "default_threads")
 
     def pick(self, full, quick):
@@ -398,6 +398,39 @@ class Bench(StepEntries):
             model.zero_grad(set_to_none=True)
         self.compare("routing_replay", f"{case}, train fwd+bwd",
                      {"plain": partial(step, plain, False), "replay": partial(step, patched, True)})
+
+
+    def reward_model(self):
+        """Reward-model scoring (nanorl/reward_models.py): the step's samples in one batched call,
+        micro-batched by a token budget, vs one call per sample; the scores must agree (≤ 1e-5)."""
+        import random
+
+        from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+        from nanorl.reward_models import RewardModel
+        from nanorl.task import build_tokenizer
+        tok = build_tokenizer()
+        shape = self.pick(dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4),
+                          dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+        torch.manual_seed(0)
+        rm_cfg = Qwen2Config(vocab_size=len(tok), num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                             pad_token_id=tok.pad_token_id, **shape)
+        path = os.path.join(self.workdir, "bench_rm")
+        Qwen2ForSequenceClassification(rm_cfg).save_pretrained(path)
+        tok.save_pretrained(path)
+        rm = RewardModel(path, self.device)
+        rng, n = random.Random(0), self.pick(256, 16)
+        prompts = [f"{rng.randint(1, 9)}+{rng.randint(1, 9)}+{rng.randint(1, 9)}=" for _ in range(n)]
+        responses = [str(rng.randint(0, 10 ** rng.randint(1, self.pick(40, 4)))) for _ in range(n)]
+        one_by_one = lambda: [rm.score([p], [r])[0] for p, r in zip(prompts, responses)]  # noqa: E731
+        diff = max(abs(a - b) for a, b in zip(rm.score(prompts, responses), one_by_one()))
+        self.check(diff <= 1e-5, f"reward model, {n} samples: batched vs one by one max|Δ| = {diff:.1e}")
+        case = f"{n} samples, Qwen2 RM h={rm_cfg.hidden_size} L={rm_cfg.num_hidden_layers}"
+        self.compare("reward_model", case, {"one by one": one_by_one,
+                                            "batched": partial(rm.score, prompts, responses)})
+        for row in self.rows[-2:]:
+            row["note"] = f"{n / row['median']:.0f} samples/s"
+        rm.close()
 
 
 # ----------------------------------------------------------------------------- report

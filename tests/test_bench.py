@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
-           "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay",
+           "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay", "reward_model",
            "async_steps", "default", "default_threads"}
 
 

@@ -99,3 +99,39 @@ def test_an_in_process_judge_runs_in_the_step(task, tmp_path):
     assert row["rollout/dropped_frac"] * 16 == pytest.approx(faults)  # each failed call, one dropped sample
     if faults < 16:  # some were judged: their component is a score in [0, 1]
         assert 0.0 <= row["rollout/reward/judge"] <= 1.0
+
+
+def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
+    """--reward-model: the RM's score of every sample is the component `rm`, computed in one batched
+    call over the step's samples (what RewardModel.score gives for them); --reward-weights correct=0
+    trains on it alone, while eval/accuracy still checks the labels with --reward."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from nanorl import reward_models
+    from nanorl.task import build_tokenizer
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                      pad_token_id=tok.pad_token_id)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    calls, real_score = [], reward_models.RewardModel.score
+
+    def score(self, prompts, responses):
+        out = real_score(self, prompts, responses)
+        calls.append((list(prompts), list(responses), out))
+        return out
+
+    monkeypatch.setattr(reward_models.RewardModel, "score", score)
+    res = train.main(args(task, tmp_path / "run", "--steps", "2", "--reward-model", str(tmp_path / "rm"),
+                          "--reward-weights", "correct=0,rm=1"))
+    assert len(calls) == 2 and all(len(c[0]) == 16 for c in calls)  # one call per step, all 16 samples
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
+            if "rollout/reward/rm" in line]
+    for row, (_, _, out) in zip(rows, calls):
+        assert row["rollout/reward/rm"] == pytest.approx(sum(out) / 16, rel=1e-5)
+        assert row["rollout/reward_mean"] == pytest.approx(row["rollout/reward/rm"], rel=1e-5)  # correct=0
+        assert 0.0 <= row["rollout/reward/correct"] <= 1.0  # the rule reward, still logged
+    assert 0.0 <= res["after"]["eval/accuracy"] <= 1.0  # eval checks labels with --reward (exact)

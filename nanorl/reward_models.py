@@ -1,0 +1,144 @@
+"""Reward models: score (prompt, response) pairs with a trained sequence classifier.
+
+Link 2 of the chain (reward), the RLHF kind: instead of a program that checks the label, a model
+trained on human (or synthetic) preferences — a Bradley–Terry reward model, P(a ≻ b) = σ(r(a) − r(b)) —
+reads the conversation and returns one number. Any Hugging Face `AutoModelForSequenceClassification`
+with `num_labels == 1` loads (a Skywork, InternLM or ArmoRM-style RM, or one trained in code: tests/
+test_reward_models.py), with its OWN tokenizer and chat template: the RM was trained on conversations
+rendered by its template, so the sample is re-rendered as [user: prompt, assistant: response] with it.
+Start at `RewardModel.score`.
+
+Key choices:
+- The score is read at the last REAL token of each row, found from the attention mask, never from the
+  pad id. Hugging Face's decoder classifiers (GenericForSequenceClassification, transformers 5.19:
+  Qwen2, Llama, Mistral, Gemma, ...) pool at "the rightmost token that is not pad_token_id": a row that
+  really ends in the pad id (pad = eos, or an unknown character mapped to the pad id) is then read one
+  token early, and with no pad_token_id in the config any batch of 2+ rows raises. For those classes
+  the backbone runs with the mask and the score head is applied to the gathered hidden state (the same
+  numbers: the head is a per-position linear layer). Any other classifier (an encoder's [CLS] pooler)
+  runs its own forward on right-padded rows, which is what it was trained on.
+- Right padding with the attention mask: a real token's position ids are 0, 1, ... as when the row is
+  scored alone, so batching changes no input of any real token.
+- Micro-batches by a padded-token budget (batching.make_padded_micro_batches: rows sorted longest
+  first, rows × longest row <= max_tokens_per_batch), so memory is bounded whatever the mix of lengths;
+  results come back in the input order.
+- Stored in the compute dtype (it never trains: no fp32 master copy, as the reference policy) and run
+  under torch.no_grad and the run's autocast (nanorl/precision.py); scores leave as Python floats.
+"""
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from nanorl.batching import make_padded_micro_batches
+from nanorl.policy import best_attn_implementation
+from nanorl.precision import autocast
+
+
+class RewardModel:
+    """A frozen scalar reward model and its tokenizer.
+
+    path: a Hugging Face name or local directory holding a sequence classifier with num_labels == 1.
+    device, dtype: where and in what compute dtype it runs (the trainer's device and --dtype).
+    max_tokens_per_batch: cap on rows × longest row of one forward (a longer sample runs alone).
+    template: True = render with the RM tokenizer's chat template (error if it has none), False = plain
+        prompt + response text, None = the template when the tokenizer has one.
+    """
+
+    def __init__(self, path: str, device, dtype: torch.dtype = torch.float32,
+                 max_tokens_per_batch: int = 8192, template: bool | None = None):
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.modeling_layers import GenericForSequenceClassification
+
+        if max_tokens_per_batch < 1:
+            raise ValueError(f"reward model: max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "num_labels", None) != 1:
+            raise ValueError(f"reward model {path!r}: needs a sequence classifier with one output "
+                             f"(num_labels == 1), got num_labels={getattr(config, 'num_labels', None)} "
+                             f"({type(config).__name__}); a causal LM or a multi-class classifier is not "
+                             "a scalar reward model")
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        has_template = bool(getattr(self.tokenizer, "chat_template", None))
+        if template and not has_template:
+            raise ValueError(f"reward model {path!r}: template=True but its tokenizer has no chat template")
+        self.template = has_template if template is None else bool(template)
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_tokens = int(max_tokens_per_batch)
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, dtype=dtype, attn_implementation=best_attn_implementation(dtype))
+        self.model.to(self.device)
+        self.model.requires_grad_(False)
+        self.model.eval()
+        # scoring never decodes: no KV cache
+        self.model.config.use_cache = False
+        self.generic = isinstance(self.model, GenericForSequenceClassification)
+        # padding value of input_ids: masked out for the generic classes; for the others, their
+        # own pooling may look for it, so it is the config's pad id when there is one
+        pad = self.model.config.pad_token_id
+        self.pad_id = pad if pad is not None else (self.tokenizer.pad_token_id or 0)
+
+    def render(self, prompt: str, response: str) -> str:
+        """The text the RM reads: its chat template over [user: prompt, assistant: response], or
+        prompt + response."""
+        if not self.template:
+            return prompt + response
+        conversation = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False)
+
+    def encode(self, prompt: str, response: str) -> list[int]:
+        """Token ids of one sample. A rendered template already holds its special tokens (BOS), so
+        none are added; plain text gets the tokenizer's usual ones."""
+        ids = self.tokenizer(self.render(prompt, response), add_special_tokens=not self.template)["input_ids"]
+        if not ids:
+            raise ValueError(f"reward model: sample renders to no tokens (prompt {prompt!r}, "
+                             f"response {response!r})")
+        return ids
+
+    def score(self, prompts: list[str], responses: list[str]) -> list[float]:
+        """One scalar per (prompt, response), in the input order, scored in token-budget micro-batches."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"reward model: {len(prompts)} prompts but {len(responses)} responses")
+        if self.model is None:
+            raise RuntimeError("reward model: score() after close()")
+        rows = [self.encode(p, r) for p, r in zip(prompts, responses)]
+        out = [0.0] * len(rows)
+        if not rows:
+            return out
+        lengths = [len(r) for r in rows]
+        for mb in make_padded_micro_batches(lengths, [0] * len(rows), self.max_tokens):
+            for i, s in zip(mb, self._forward([rows[i] for i in mb])):
+                out[i] = s
+        return out
+
+    @torch.no_grad()
+    def _forward(self, rows: list[list[int]]) -> list[float]:
+        # the generic pooling below needs no pad id; another class with none cannot take a batch
+        if not self.generic and self.model.config.pad_token_id is None and len(rows) > 1:
+            return [s for r in rows for s in self._forward([r])]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)  # [B, S] right-padded
+        mask = torch.zeros((len(rows), width), dtype=torch.long)  # [B, S] 1 = real token
+        for b, r in enumerate(rows):
+            ids[b, :len(r)] = torch.tensor(r)
+            mask[b, :len(r)] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        with autocast(self.device, self.dtype):
+            if self.generic:
+                base = getattr(self.model, self.model.base_model_prefix)
+                out = base(input_ids=ids, attention_mask=mask, use_cache=False)
+                hidden = out.last_hidden_state  # [B, S, H]
+                last = mask.sum(-1) - 1  # [B] index of each row's last real token
+                pooled = hidden[torch.arange(len(rows), device=self.device), last]  # [B, H]
+                logits = self.model.score(pooled)  # [B, 1]
+            else:
+                logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, 1]
+        return logits[:, 0].float().cpu().tolist()
+
+    def close(self) -> None:
+        """Free the model (and its device memory)."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

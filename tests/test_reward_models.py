@@ -1,0 +1,266 @@
+"""Reward models (nanorl/reward_models.py): a tiny Bradley–Terry RM trained in code on the built-in task
+prefers the right sum on held-out problems; batching and micro-batching change no score; the RM's
+chat template renders the conversation; a classifier with two labels is refused.
+
+The RM is a real Qwen2ForSequenceClassification with nanorl.task's character tokenizer, saved with
+save_pretrained and loaded back by RewardModel (AutoConfig / AutoTokenizer / AutoModel...), so the
+real loading path runs. `make_rm(tmp_path)` is reusable: it trains and saves the preference RM.
+
+No GRPO learning test yet: measured with train.py's GRPO (100 steps, reward = this RM's score through a
+file.py:fn plug-in, true accuracy by `greedy_accuracy`), from the RM's own 90-step warm start 76.5% ->
+60.0% (the policy learned what the RM misjudges: 0.86 on off-by-one sums), from a 60-step start
+27.5% -> 30.0% and, with a 250-step RM, 27.5% -> 32.5%: within noise (±3.5 points at 200 problems).
+The run's own eval/accuracy is reward >= 1 under the run's reward, i.e. the RM's score, not correctness
+(it rose in every one of these runs).
+"""
+import random
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanorl import task
+from nanorl.reward_models import RewardModel
+
+
+def wrong_sum(item: dict, rng: random.Random) -> str:
+    """A wrong sum: half the time a near miss (off by 1-3, the policy's usual mistake), else any other
+    sum of three digits (0-27)."""
+    right = int(item["answer"])
+    if rng.random() < 0.5:
+        near = [v for v in range(right - 3, right + 4) if v != right and 0 <= v <= 27]
+        return str(rng.choice(near))
+    return str(rng.choice([v for v in range(28) if v != right]))
+
+
+def preference_pairs(items: list[dict], seed: int = 0, per_item: int = 1) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected), `per_item` per problem: chosen = the right sum, rejected = a wrong one."""
+    rng = random.Random(seed)
+    return [(x["prompt"], x["answer"], wrong_sum(x, rng)) for x in items for _ in range(per_item)]
+
+
+def _rows(tokenizer, texts: list[str], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # [N, S] right-padded
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [N, S]
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+def train_preference_rm(model, tokenizer, pairs, steps: int, lr: float, batch_size: int = 128,
+                        warmup: int = 20, seed: int = 0) -> None:
+    """Bradley–Terry: minimise −log σ(r(prompt+chosen) − r(prompt+rejected)) over random mini-batches
+    of pairs, AdamW with `warmup` steps of linear warm-up then linear decay to 0. Scores are read at
+    the last real token (the pair texts never end in the pad id, so the model's own pad-id pooling
+    reads the token RewardModel reads)."""
+    width = max(len(tokenizer(p + a)["input_ids"]) for p, c, r in pairs for a in (c, r))
+    chosen = _rows(tokenizer, [p + c for p, c, _ in pairs], width)
+    rejected = _rows(tokenizer, [p + r for p, _, r in pairs], width)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * (1 - s / steps))
+    model.train()
+    for _ in range(steps):
+        pick = torch.randint(len(pairs), (batch_size,), generator=gen)
+        # chosen and rejected in one forward (same width: both are right-padded to the longest text)
+        ids = torch.cat([chosen[0][pick], rejected[0][pick]])  # [2b, S]
+        mask = torch.cat([chosen[1][pick], rejected[1][pick]])  # [2b, S]
+        r = model(input_ids=ids, attention_mask=mask).logits[:, 0]  # [2b]
+        loss = -F.logsigmoid(r[:batch_size] - r[batch_size:]).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+
+
+def build_rm(num_labels: int = 1, seed: int = 0, hidden: int = 64, layers: int = 2):
+    """A tiny randomly initialised Qwen2 sequence classifier over nanorl.task's character vocabulary."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = task.build_tokenizer()
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=4 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64, pad_token_id=0, eos_token_id=1, bos_token_id=1,
+                         num_labels=num_labels)
+    return Qwen2ForSequenceClassification(config), tokenizer
+
+
+def make_rm(tmp_path, steps: int = 150, lr: float = 1e-3, seed: int = 0) -> str:
+    """Train the preference RM and save it (model + tokenizer) under tmp_path/rm; returns the directory,
+    loadable by RewardModel(path, ...). As real RMs start from the SFT model, it starts from the built-in
+    task's warm-started policy (nanorl.task.make_default(tmp_path/"task"), reused when already there),
+    with a fresh scalar head, and trains on the TRAIN problems only, 6 wrong sums per problem (150 steps
+    of 128 pairs). Measured (1 thread, 2-core machine busy with CI): held-out preference accuracy 0.95
+    in ~22 s of training; from a random init (hidden 64) 300 steps stayed near chance (0.5-0.6)."""
+    from transformers import Qwen2ForSequenceClassification
+    from transformers.utils import logging
+
+    sft = task.make_default(str(tmp_path / "task"))["model"]
+    verbosity = logging.get_verbosity()
+    # the fresh score head's "newly initialized" report is expected here
+    logging.set_verbosity_error()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification.from_pretrained(sft, num_labels=1)
+    finally:
+        logging.set_verbosity(verbosity)
+    tokenizer = task.build_tokenizer()
+    train_items, _ = task.problems(seed=0)
+    train_preference_rm(model, tokenizer, preference_pairs(train_items, seed, per_item=6), steps=steps, lr=lr,
+                        seed=seed)
+    path = str(tmp_path / "rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def rm_path(tmp_path_factory):
+    return make_rm(tmp_path_factory.mktemp("rm"))
+
+
+def held_out_accuracy(rm: RewardModel, pairs) -> float:
+    chosen = rm.score([p for p, _, _ in pairs], [c for _, c, _ in pairs])
+    rejected = rm.score([p for p, _, _ in pairs], [r for _, _, r in pairs])
+    return sum(c > r for c, r in zip(chosen, rejected)) / len(pairs)
+
+
+def test_rm_prefers_the_right_sum_on_held_out_problems(rm_path):
+    """The 200 held-out problems were never trained on; wrong sums drawn as in training (seed 1)."""
+    rm = RewardModel(rm_path, "cpu")
+    _, test_items = task.problems(seed=0)
+    acc = held_out_accuracy(rm, preference_pairs(test_items, seed=1))
+    print(f"held-out preference accuracy {acc:.3f}")
+    assert acc > 0.9, acc
+
+
+def samples():
+    """Held-out prompts with responses of mixed lengths (1 to 9 tokens, one empty)."""
+    _, test_items = task.problems(seed=0)
+    responses = ["16", "7", "", "123456789", "27", "3", "10-1", "0", "99", "5"]
+    return [x["prompt"] for x in test_items[:len(responses)]], responses
+
+
+def test_batched_equals_one_by_one_and_micro_batching_changes_nothing(rm_path):
+    """Right padding keeps every real token's inputs and positions; the score is gathered at the last
+    real token. Equal to a few fp32 ulps (rel 1e-6; measured 1.4e-6 on a score of 4.7, 3 ulps), not
+    bitwise: a padded batch runs attention through a masked kernel over a wider matrix, whose float
+    sums are ordered differently from an unpadded row's."""
+    rm = RewardModel(rm_path, "cpu")
+    prompts, responses = samples()
+    alone = [rm.score([p], [r])[0] for p, r in zip(prompts, responses)]
+    batched = rm.score(prompts, responses)
+    assert batched == pytest.approx(alone, rel=1e-6, abs=1e-6)
+    # the scores differ from each other: equality above is not a constant model
+    assert max(alone) - min(alone) > 0.1
+    longest = max(len(rm.encode(p, r)) for p, r in zip(prompts, responses))
+    for budget in (longest, 2 * longest):
+        tiny = RewardModel(rm_path, "cpu", max_tokens_per_batch=budget)
+        assert tiny.score(prompts, responses) == pytest.approx(alone, rel=1e-6, abs=1e-6), budget
+    # results come back in the input order
+    order = [3, 0, 9, 1, 8, 2, 7, 4, 6, 5]
+    assert rm.score([prompts[i] for i in order], [responses[i] for i in order]) == pytest.approx(
+        [alone[i] for i in order], rel=1e-6, abs=1e-6)
+    assert rm.score([], []) == []
+    with pytest.raises(ValueError, match="2 prompts but 1 responses"):
+        rm.score(prompts[:2], responses[:1])
+
+
+def test_score_is_read_at_the_last_real_token_even_when_it_is_the_pad_id(rm_path):
+    """Hugging Face's Qwen2ForSequenceClassification pools at the rightmost token != pad_token_id, so a
+    row that really ends in the pad id (here the <pad> token; in real RMs pad = eos) is read a token
+    early. RewardModel reads the last real token, alone and in a batch."""
+    rm = RewardModel(rm_path, "cpu")
+    ids = rm.encode("3+4+9=", "16<pad>")
+    assert ids[-1] == rm.model.config.pad_token_id
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        last = rm.model.score(rm.model.model(input_ids=x).last_hidden_state[:, -1])[0, 0].item()
+        hf = rm.model(input_ids=x).logits[0, 0].item()
+    alone = rm.score(["3+4+9="], ["16<pad>"])[0]
+    assert alone == pytest.approx(last, abs=1e-6) and abs(hf - last) > 1e-3
+    prompts, responses = samples()
+    assert rm.score(prompts + ["3+4+9="], responses + ["16<pad>"])[-1] == pytest.approx(alone, abs=1e-6)
+
+
+TEMPLATE = ("{% for m in messages %}{{ ('-' if m['role'] == 'user' else '=') + m['content'] }}{% endfor %}"
+            "{{ eos_token }}")
+
+
+def test_chat_template_renders_the_conversation(rm_path, tmp_path):
+    """An RM whose tokenizer has a chat template scores the sample re-rendered as [user: prompt,
+    assistant: response] by that template; template=False and a tokenizer without one use plain text."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path / "rm_chat"
+    tok = AutoTokenizer.from_pretrained(rm_path)
+    tok.chat_template = TEMPLATE
+    tok.save_pretrained(path)
+    RewardModel(rm_path, "cpu").model.save_pretrained(path)
+    chat = RewardModel(str(path), "cpu")
+    assert chat.template
+    assert chat.render("3+4+9=", "16") == "-3+4+9==16<eos>"
+    plain = RewardModel(str(path), "cpu", template=False)
+    assert plain.render("3+4+9=", "16") == "3+4+9=16"
+    # the same model on the rendered text: the template decides what is scored
+    prompts, responses = samples()
+    assert chat.score(prompts, responses) == pytest.approx(
+        plain.score(["-" + p for p in prompts], ["=" + r + "<eos>" for r in responses]), abs=1e-6)
+    assert not RewardModel(rm_path, "cpu").template
+    with pytest.raises(ValueError, match="no chat template"):
+        RewardModel(rm_path, "cpu", template=True)
+
+
+def test_a_model_with_two_labels_or_a_causal_lm_is_refused(rm_path, tmp_path):
+    model, tokenizer = build_rm(num_labels=2)
+    model.save_pretrained(tmp_path / "two")
+    tokenizer.save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match="num_labels == 1.*num_labels=2"):
+        RewardModel(str(tmp_path / "two"), "cpu")
+    # the policy checkpoint the RM started from: a causal LM, no scalar head
+    with pytest.raises(ValueError, match="num_labels == 1"):
+        RewardModel(task.make_default(str(Path(rm_path).parent / "task"))["model"], "cpu")
+
+
+def test_bf16_compute_dtype(rm_path):
+    """Stored in the compute dtype (it never trains) and run under autocast: close to the fp32 scores."""
+    fp32, bf16 = RewardModel(rm_path, "cpu"), RewardModel(rm_path, "cpu", dtype=torch.bfloat16)
+    assert next(bf16.model.parameters()).dtype == torch.bfloat16
+    prompts, responses = samples()
+    a, b = fp32.score(prompts, responses), bf16.score(prompts, responses)
+    spread = max(a) - min(a)
+    assert all(isinstance(s, float) for s in b)
+    assert max(abs(x - y) for x, y in zip(a, b)) < 0.1 * spread, (a, b)
+
+
+def test_close_frees_the_model(rm_path):
+    rm = RewardModel(rm_path, "cpu")
+    rm.close()
+    assert rm.model is None
+    with pytest.raises(RuntimeError, match="after close"):
+        rm.score(["1+2+3="], ["6"])
+
+
+def greedy_accuracy(model_dir: str) -> float:
+    """For a learning test with an RM reward (not run here: see the module's note). Greedy exact-match
+    accuracy on the 200 held-out problems, checked against the labels here: the
+    run's own eval/accuracy scores with the run's reward (score >= 1), which for an RM is not
+    correctness. Every prompt "a+b+c=" is 6 tokens: one unpadded batch."""
+    from transformers import AutoModelForCausalLM
+
+    tok = task.build_tokenizer()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    _, test_items = task.problems(seed=0)
+    ids = torch.tensor([tok(x["prompt"])["input_ids"] for x in test_items])  # [N, 6]
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                             do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    hits = 0
+    for row, x in zip(out[:, ids.shape[1]:].tolist(), test_items):
+        # the answer then EOS, as the exact reward wants
+        hits += tok.eos_token_id in row and tok.decode(row[:row.index(tok.eos_token_id)]) == x["answer"]
+    return hits / len(test_items)
