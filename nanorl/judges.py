@@ -1,31 +1,15 @@
-"""LLM judges: a generative model asked to grade each response, its answer parsed into a score.
+"""LLM judges, link 2 of the chain (reward): a generative model grades each response, its answer parsed
+into a score in [0, 1] — the reward component `judge` (--judge, nanorl/stages.py with_components).
 
-A judge is a prompt template with {prompt}, {response} and {label} (str.format; {response} is required,
-an unknown field is an error) and a parse rule that turns the judge's answer into a score in [0, 1]:
-
-    "number:LO:HI"  the first number in the answer (an optional minus sign, optional decimals: "7",
-                    "Score: 7/10" → 7, "-1.5"), mapped to (x - LO) / (HI - LO); a number outside
-                    [LO, HI] is unparsable, not clipped (a judge answering 12 on a 0-10 scale has not
-                    answered the question asked)
-    "yesno"         the first word (leading punctuation skipped, case ignored): yes → 1, no → 0
-
-The judge runs either behind any OpenAI-compatible endpoint (`vllm serve MODEL`, ...) at `url`
-(POST {url}/chat/completions, greedy, `max_tokens` tokens; the way a large judge runs on other machines)
-or in-process on an engine with nanorl's engine interface (`Judge.local`: the HF engine or a second vLLM
-engine, nanorl/rollout.py). Start at `Judge.score`.
-
-Key choice: a judge that cannot give a score gives None for that sample, never a silent 0 that trains.
-Every failed sample is counted in `faults` by kind ("unreachable", "timeout", "http_<code>",
-"bad_response", "unparsable", "aborted", "engine_error") and each kind logs ONE line per `score` call
-naming the judge and the first error; nothing raises. The caller decides what a None does (the sample
-leaves the loss). Errors in the caller's own configuration (template, parse rule, mismatched lists)
-do raise, at construction or on the first call.
-
-The endpoint client is the standard library (urllib.request and a thread pool): a judge request is one
-small JSON POST, which needs neither an async runtime nor the `openai`/`requests` packages, so nanorl
-adds no dependency and the client's behaviour (retries, timeouts, what counts as which fault) is all
-here to read. Each request opens its own connection (no keep-alive): fine for a grader whose answer
-takes far longer than a TCP connect on the same network.
+A judge is a str.format template with {prompt}, {response} (required) and {label}, and a parse rule
+(`make_parser`: "number:LO:HI" or "yesno"). It runs behind any OpenAI-compatible endpoint (`vllm serve`,
+POST {url}/chat/completions, greedy: how a large judge runs on other machines) or in-process on
+nanorl's engine interface (`Judge.local`). Start at `Judge.score`.
+Key choices: a judge that cannot give a score gives None for that sample, never a silent 0 that
+trains; each failed sample is counted in `faults` by kind and each kind logs ONE line per call, and
+nothing raises but the caller's own configuration errors. The client is the standard library
+(urllib.request + a thread pool, retries with backoff on 5xx, 429 and connection errors): one small
+JSON POST needs no `openai`/`requests`, and every retry and fault rule is here to read (`_Endpoint`).
 """
 from __future__ import annotations
 
@@ -77,7 +61,13 @@ def check_template(template: str) -> set[str]:
 
 
 def make_parser(rule: str):
-    """The parse rule `rule` as a function answer -> score in [0, 1], or None when unparsable."""
+    """The parse rule `rule` as a function answer -> score in [0, 1], or None when unparsable:
+
+    "number:LO:HI"  the first number in the answer (an optional minus sign, optional decimals: "7",
+                    "Score: 7/10" → 7, "-1.5"), mapped to (x - LO) / (HI - LO); a number outside
+                    [LO, HI] is unparsable, not clipped (a judge answering 12 on a 0-10 scale has not
+                    answered the question asked)
+    "yesno"         the first word (leading punctuation skipped, case ignored): yes → 1, no → 0"""
     if rule == "yesno":
         def yesno(answer: str) -> float | None:
             m = _FIRST_WORD.match(answer)
@@ -110,7 +100,10 @@ class _Fault(Exception):
 
 
 class _Endpoint:
-    """An OpenAI-compatible chat-completions endpoint, called from a pool of `concurrency` threads."""
+    """An OpenAI-compatible chat-completions endpoint, called from a pool of `concurrency` threads.
+    Faults by kind: "unreachable", "timeout", "http_<code>", "bad_response" (and, in-process,
+    "aborted", "engine_error"; any backend: "unparsable"). Each request opens its own connection (no
+    keep-alive): fine for a grader whose answer takes far longer than a TCP connect."""
 
     def __init__(self, url, model, concurrency, timeout_s, retries, backoff_s, max_tokens):
         if concurrency < 1 or retries < 0 or timeout_s <= 0 or backoff_s < 0 or max_tokens < 1:

@@ -1,29 +1,13 @@
-"""Reward models: score (prompt, response) pairs with a trained sequence classifier.
+"""Reward models, link 2 of the chain (reward), the RLHF kind: a model trained on preferences — a
+Bradley–Terry reward model, P(a ≻ b) = σ(r(a) − r(b)) — reads the conversation and returns one number,
+the reward component `rm` (--reward-model, nanorl/build.py make_scorers).
 
-Link 2 of the chain (reward), the RLHF kind: instead of a program that checks the label, a model
-trained on human (or synthetic) preferences — a Bradley–Terry reward model, P(a ≻ b) = σ(r(a) − r(b)) —
-reads the conversation and returns one number. Any Hugging Face `AutoModelForSequenceClassification`
-with `num_labels == 1` loads (a Skywork, InternLM or ArmoRM-style RM, or one trained in code: tests/
-test_reward_models.py), with its OWN tokenizer and chat template: the RM was trained on conversations
-rendered by its template, so the sample is re-rendered as [user: prompt, assistant: response] with it.
-Start at `RewardModel.score`.
-
-Key choices:
-- The score is read at the last REAL token of each row, found from the attention mask, never from the
-  pad id. Hugging Face's decoder classifiers (GenericForSequenceClassification, transformers 5.19:
-  Qwen2, Llama, Mistral, Gemma, ...) pool at "the rightmost token that is not pad_token_id": a row that
-  really ends in the pad id (pad = eos, or an unknown character mapped to the pad id) is then read one
-  token early, and with no pad_token_id in the config any batch of 2+ rows raises. For those classes
-  the backbone runs with the mask and the score head is applied to the gathered hidden state (the same
-  numbers: the head is a per-position linear layer). Any other classifier (an encoder's [CLS] pooler)
-  runs its own forward on right-padded rows, which is what it was trained on.
-- Right padding with the attention mask: a real token's position ids are 0, 1, ... as when the row is
-  scored alone, so batching changes no input of any real token.
-- Micro-batches by a padded-token budget (batching.make_padded_micro_batches: rows sorted longest
-  first, rows × longest row <= max_tokens_per_batch), so memory is bounded whatever the mix of lengths;
-  results come back in the input order.
-- Stored in the compute dtype (it never trains: no fp32 master copy, as the reference policy) and run
-  under torch.no_grad and the run's autocast (nanorl/precision.py); scores leave as Python floats.
+Any Hugging Face `AutoModelForSequenceClassification` with `num_labels == 1` loads, with its OWN
+tokenizer and chat template (the sample re-rendered as [user: prompt, assistant: response]). Start at
+`RewardModel.score`. Key choices: the score is read at the last REAL token, found from the attention
+mask, never from the pad id (why: `RewardModel._forward`); right padding, so batching changes no input
+of a real token; micro-batches by a padded-token budget, results in input order; weights in the compute
+dtype (it never trains), run under no_grad and the run's autocast. Test: tests/test_reward_models.py.
 """
 from __future__ import annotations
 
@@ -114,6 +98,14 @@ class RewardModel:
 
     @torch.no_grad()
     def _forward(self, rows: list[list[int]]) -> list[float]:
+        """Scores of token rows, batched. Hugging Face's decoder classifiers
+        (GenericForSequenceClassification, transformers 5.19: Qwen2, Llama, Mistral, Gemma, ...) pool
+        at "the rightmost token that is not pad_token_id": a row that really ends in the pad id (pad =
+        eos, or an unknown character mapped to the pad id) is then read one token early, and with no
+        pad_token_id any batch of 2+ rows raises. For those classes the backbone runs with the mask
+        and the score head (a per-position linear layer) is applied to the gathered hidden state; any
+        other classifier (an encoder's [CLS] pooler) runs its own forward on right-padded rows, which
+        is what it was trained on."""
         # the generic pooling below needs no pad id; another class with none cannot take a batch
         if not self.generic and self.model.config.pad_token_id is None and len(rows) > 1:
             return [s for r in rows for s in self._forward([r])]
