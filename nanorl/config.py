@@ -7,8 +7,9 @@ order: each `# --- title` comment line is an argument group (`help_layout` reads
 An `--algo` preset (nanorl/presets.py) is a named set of field values; flags given override it.
 
 `__post_init__` rejects out-of-range values and flags that would do nothing, with a message naming the
-field. It reads fields only: user code (--plugin, file.py:fn) is loaded and checked at set-up, by
-nanorl/plugins.py `apply`, which returns the config with the plug-in's values filled in.
+field (the rules: nanorl/config_checks.py). It reads fields only: user code (--plugin, file.py:fn) is
+loaded and checked at set-up, by nanorl/plugins.py `apply`, which returns the config with the plug-in's
+values filled in.
 
     python train.py --help        # the flags by section, then every preset
 """
@@ -20,19 +21,16 @@ import inspect
 import json
 from dataclasses import dataclass, fields
 
+from nanorl import config_checks
+from nanorl.config_checks import BUILTIN_ENV_NAMES, CHOICES  # noqa: F401 (read from here too)
 from nanorl.presets import PRESETS, pretrained_defaults
 
-# The built-in environments' names (their classes: nanorl/tool_envs.py BUILTIN_ENVS)
-BUILTIN_ENV_NAMES = ("calc", "python_tool")
 # Rewards run in worker processes with this per-call timeout unless --reward-timeout says otherwise
 # (nanorl/rewards.py reads it as BOUNDED): the math verifier (SymPy), which adversarial output can keep
 # busy; the code reward, which bounds each test case itself (5 s, nanorl/code_reward.py) — 120 s per
 # program, its cases run in parallel worker processes
 BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0, "code": 120.0}
 # Fields with a fixed set of values: argparse offers them as choices, __post_init__ checks them
-CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
-           "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
-           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16")}
 
 
 @dataclass
@@ -322,201 +320,15 @@ class Config:
     """Rollout + reward (+ metrics, + dumps) each step and no update: to check a reward function or data."""
 
     def __post_init__(self):
-        from nanorl.advantage import ADVANTAGE_ESTIMATORS
-        from nanorl.losses import AGG_MODES, POLICY_LOSSES
-
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise ValueError(f"config: {msg}")
-
-        need(self.algo in PRESETS, f"unknown --algo {self.algo!r}; valid: {', '.join(PRESETS)}")
-        # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
-        need(not self.judge or self.judge_model, "judge needs judge_model (the served or the local model)")
-        need(not (self.judge_url or self.judge_model) or self.judge, "judge_url / judge_model need judge")
-        need(not self.judge_url or self.judge_url.startswith(("http://", "https://")),
-             f"judge_url must start with http:// or https://, got {self.judge_url!r}")
-        need(self.judge_parse == "yesno" or self.judge_parse.startswith("number:"),
-             f"judge_parse must be number:LO:HI or yesno, got {self.judge_parse!r}")
-        pairs = [x.split("=") for x in self.reward_weights.split(",")] if self.reward_weights else []
-        need(all(len(p) == 2 and p[0].strip() and _is_float(p[1]) for p in pairs),
-             f"reward_weights must be name=number pairs, comma-separated, got {self.reward_weights!r}")
-        scorer = "reward_model" if self.reward_model else "judge" if self.judge else ""
-        need(not (scorer and (self.async_steps or self.env)),
-             f"{scorer} with --async-steps or --env is not supported: the worker / the environment scores")
-        for name in ("reward_postprocess", "sample_filter"):
-            need(not getattr(self, name) or ":" in getattr(self, name), f"{name} must be "
-                 f"module:function or file.py:function, got {getattr(self, name)!r}")
-        need(all(x.strip() for x in self.log_metadata.split(",")) or not self.log_metadata,
-             f"log_metadata: an empty name in {self.log_metadata!r}")
-        for name, known in (("advantage", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
-            value = getattr(self, name)
-            need(value in known or ":" in value,
-                 f"unknown {name} {value!r}; valid: {', '.join(known)} or file.py:fn")
-        need(self.loss_agg in AGG_MODES, f"unknown loss_agg {self.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
-        for name, choices in CHOICES.items():
-            need(getattr(self, name) in choices,
-                 f"{name} must be one of {', '.join(map(str, choices))}, got {getattr(self, name)!r}")
-        need(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
-        need(self.kv_cache_gb >= 0, f"kv_cache_gb must be >= 0, got {self.kv_cache_gb}")
-        need(self.max_model_len == 0 or self.max_model_len > self.max_new_tokens,
-             f"max_model_len {self.max_model_len} leaves no room for a prompt plus max_new_tokens "
-             f"{self.max_new_tokens} (0 = sized from the data)")
-        for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
-                     "mini_batches", "max_prompt_len", "pass_k", "keep_checkpoints"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         if self.reward_timeout == -1:
             self.reward_timeout = BOUNDED_REWARDS.get(self.reward, 0.0)
             # plugins.apply resolves it again when a plug-in changes the reward
             self._auto_reward_timeout = True
-        need(not self.prompt_template or "{prompt}" in self.prompt_template, "prompt_template must contain "
-             f"{{prompt}} (where the user's text goes), got {self.prompt_template!r}")
-        need(not self.chat_template_kwargs or isinstance(self.chat_template_dict, dict),
-             f"chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}")
-        for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
-                     "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef",
-                     "vf_coef", "tis_cap", "tis_low", "mis_low", "mis_high", "opsm_delta", "kl_target",
-                     "reward_timeout", "weight_decay", "top_k", "grad_clip", "eval_temperature",
-                     "eval_max_new_tokens", "dump_rollouts"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        need(self.dump_rollouts_mb > 0, f"dump_rollouts_mb must be > 0, got {self.dump_rollouts_mb}")
-        # the rollout worker would wait for new weights forever
-        need(not (self.debug_rollout_only and self.async_steps),
-             "debug_rollout_only makes no update, so --async-steps has no new weights to wait for: drop one")
-        need(self.temperature > 0, f"temperature must be > 0 for RL sampling, got {self.temperature}")
-        need(self.lr > 0, f"lr must be > 0, got {self.lr}")
-        need(self.dual_clip == 0 or self.dual_clip > 1,
-             f"dual_clip must be 0 (off) or > 1, got {self.dual_clip}")
-        need(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
-        self._check_advantage_and_loss(need)
-        self._check_env(need)
-        self._check_async(need)
-        need(not (self.fsdp and self.routing_replay), "--fsdp with --routing-replay is not supported: routing"
-             " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
-        need(self.prompts_per_step * self.samples_per_prompt >= self.mini_batches,
-             "mini_batches cannot exceed the number of samples per step")
-
-    def _check_advantage_and_loss(self, need) -> None:
-        """The advantage / loss / KL / off-policy / DAPO group: ranges, and no flag that does nothing."""
-        from nanorl.advantage import ADVANTAGE_ESTIMATORS
-        from nanorl.losses import COV_LOSSES
-        defaults = {f.name: f.default for f in fields(Config)}
-        moved = lambda name: getattr(self, name) != defaults[name]  # noqa: E731
-        if ":" not in self.advantage:  # a user estimator is checked when it is loaded (plugins.apply)
-            self.check_estimator(ADVANTAGE_ESTIMATORS[self.advantage])
-        need(self.gdpo_weights == "" or all(_is_float(x) for x in self.gdpo_weights.split(",")),
-             f"gdpo_weights must be comma-separated numbers, got {self.gdpo_weights!r}")
-        need(not self.kl_in_reward or self.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
-        need(not self.unbiased_kl or (self.kl_coef > 0 and not self.kl_in_reward),
-             "unbiased_kl weights the KL loss term: needs kl_coef > 0 without kl_in_reward")
-        need(not self.kl_target or self.kl_coef > 0, "kl_target adapts β: needs kl_coef > 0")
-        need(not (self.log_kl and self.kl_coef > 0), "log_kl is for kl_coef 0: with a KL term the KL is "
-             "logged already")
-        for name, loss in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"), ("dro_beta", "dro")):
-            need(getattr(self, name) > 0, f"{name} must be > 0")
-            need(not moved(name) or self.policy_loss == loss, f"{name} needs policy_loss {loss}")
-        for name in ("cov_ratio", "cov_kl_coef"):
-            need(not moved(name) or self.policy_loss in COV_LOSSES,
-                 f"{name} needs a policy loss with a token selection: {' or '.join(COV_LOSSES)}")
-        need(0 < self.cov_ratio <= 1, f"cov_ratio must be in (0, 1], got {self.cov_ratio}")
-        need(0 <= self.top_entropy_quantile <= 1, "top_entropy_quantile must be in [0, 1]")
-        need(not self.tis_cap or self.tis_cap > 1 > self.tis_low, "TIS needs tis_low < 1 < tis_cap")
-        need(not self.tis_low or self.tis_cap, "tis_low needs tis_cap")
-        need(not (self.mis_low or self.mis_high) or 0 <= self.mis_low < 1 < self.mis_high,
-             "masked IS needs 0 <= mis_low < 1 < mis_high")
-        need(self.is_level in ("token", "sequence"),
-             f"is_level must be token or sequence, got {self.is_level!r}")
-        need(self.is_level == "token" or self.tis_cap or self.mis_high, "is_level needs tis_cap or mis_high")
-        need(self.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {self.max_gen_batches}")
-        need(not moved("max_gen_batches") or self.filter_groups, "max_gen_batches needs filter_groups")
-        need(0 <= self.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
-             f"{self.overlong_buffer}")
-        need(self.overlong_penalty > 0, "overlong_penalty must be > 0")
-        need(not moved("overlong_penalty") or self.overlong_buffer, "overlong_penalty needs overlong_buffer")
-
-
-    def _check_env(self, need) -> None:
-        """The --env group: ranges, and no flag that does nothing."""
-        defaults = {f.name: f.default for f in fields(self)}
-        moved = [k for k in ("env_max_turns", "env_max_tokens", "tool_timeout")
-                 if getattr(self, k) != defaults[k]]
-        need(self.env or not moved, f"{', '.join(moved)} only shape --env episodes: set --env")
-        need(not self.env or self.env in BUILTIN_ENV_NAMES or ":" in self.env, f"--env {self.env!r}: "
-             f"expected one of {sorted(BUILTIN_ENV_NAMES)}, 'module:Class' or 'file.py:Class'")
-        need(self.env_max_turns >= 1 and self.env_max_tokens >= 0,
-             "env_max_turns must be >= 1 and env_max_tokens >= 0")
-        need(self.tool_timeout >= 0 or self.tool_timeout == -1,
-             f"tool_timeout must be >= 0 or -1, got {self.tool_timeout}")
-        if not self.env:
-            return
-        # the environment scores its episodes: --reward is unused (a resolved reward_timeout of 0 is fine)
-        for k in ("reward", "reward_timeout"):
-            need(getattr(self, k) == defaults[k] or (k == "reward_timeout" and self.reward_timeout == 0),
-                 f"--{k.replace('_', '-')} does nothing with --env: the environment scores its episodes")
-        need(not self.overlong_buffer, "--overlong-buffer measures one response against max_new_tokens; an "
-             "episode's length is bounded by env_max_tokens instead: not supported with --env")
-        need(self.env != "calc" or self.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 "
-             f"(a call is up to 12 tokens: calc(9+9+9)<eos>), got {self.max_new_tokens}")
-
-    def _check_async(self, need) -> None:
-        """The --async-steps group: ranges, and no flag that does nothing or cannot work."""
-        on = self.async_steps > 0
-        need(self.async_steps >= 0, f"async_steps must be >= 0, got {self.async_steps}")
-        need(not self.partial_rollout or on, "partial_rollout needs async_steps >= 1")
-        need(not self.mask_offpolicy_in_partial_rollout or self.partial_rollout,
-             "mask_offpolicy_in_partial_rollout needs partial_rollout")
-        need(not self.rollout_device or on, "rollout_device needs async_steps >= 1")
-        if self.rollout_device:
-            import torch
-            try:
-                torch.device(self.rollout_device)
-            except RuntimeError:
-                need(False, f"rollout_device {self.rollout_device!r} is not a device "
-                     "(cpu, cuda, cuda:1, ...)")
-        # what generates inside the step, or needs the engine to be the trainer's own module
-        for bad, what in ((self.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
-                          (self.env, "--env (the multi-turn driver runs in the trainer)"),
-                          (self.routing_replay, "--routing-replay (not built: the worker records no "
-                           "routing)"),
-                          (self.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
-                          (self.engine == "vllm", "--engine vllm (not built: the worker runs an HF engine)")):
-            need(not (on and bad), f"--async-steps with {what} is not supported")
+        config_checks.check(self)
 
     def check_estimator(self, fn) -> None:
-        """The checks that read what the advantage estimator `fn` declares by its keyword parameters
-        (nanorl/plan.py): a flag it cannot use, an input the run cannot give it. Built-ins are checked
-        while the config is built; a user estimator when plugins.apply loads it."""
-        from nanorl.advantage import estimator_inputs
-        from nanorl.plan import explicit_inputs
-
-        def need(ok: bool, msg: str):
-            if not ok:
-                raise ValueError(f"config: {msg}")
-        uses, named = estimator_inputs(fn), explicit_inputs(fn)
-        need("values" not in named or self.vf_coef > 0,
-             f"advantage {self.advantage} needs a critic: set vf_coef > 0")
-        need(self.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {self.advantage}")
-        need(self.lam == 1 or "lam" in uses, f"lam does nothing with advantage {self.advantage}")
-        need(self.whiten_advantages or "whiten" in uses,
-             f"--no-whiten-advantages does nothing with advantage {self.advantage} (it never whitens)")
-        need(not self.gdpo_weights or "component_weights" in named,
-             f"gdpo_weights does nothing with advantage {self.advantage} (it takes no component_weights)")
-        need(not self.kl_in_reward or not getattr(fn, "raw_scores", False),
-             f"kl_in_reward: {self.advantage} reads the raw scores (0/1 pass/fail or reward components), "
-             "a KL penalty cannot enter them; put KL in the loss")
-        need(not (self.reward_weights and "components" in named),
-             f"reward_weights does nothing with advantage {self.advantage}: it reads the components one "
-             "by one (gdpo_weights weighs them)")
-        # an estimator reading greedy baselines (ReMax) generates inside the step, per prompt group
-        need(not (self.filter_groups and "baselines" in named),
-             f"filter_groups with {self.advantage} is not supported: it reads greedy baselines, and a "
-             "refilled group has none")
-        need(not (self.reward_postprocess and "baselines" in named),
-             f"reward_postprocess with advantage {self.advantage} is not supported: the greedy baseline "
-             "response is scored by --reward alone, outside any group")
-        need(not (self.async_steps and "baselines" in named),
-             f"--async-steps with --advantage {self.advantage} is not supported (its greedy baseline is "
-             "sampled in the step)")
+        """The checks that read what a user advantage estimator `fn` declares (plugins.apply)."""
+        config_checks.check_estimator(self, fn)
 
     @property
     def chat_template_dict(self) -> dict | None:
@@ -554,14 +366,6 @@ def _user_fn(spec: str, what: str):
     # user code: nanorl.plugins is imported only when a flag names a plug-in
     from nanorl.plugins import resolve
     return resolve(spec, what)
-
-
-def _is_float(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
 
 
 def help_layout() -> list[tuple[str, list[tuple[str, str]]]]:

@@ -1,0 +1,220 @@
+"""The rules Config.__post_init__ enforces (nanorl/config.py): ranges, choices, and no flag that would
+do nothing — each message names the field. One function per group of flags; `check` runs them all.
+They read the config's fields and the concept modules' registries (advantage, losses), never user
+code: a user estimator is checked by `check_estimator` when nanorl/plugins.py `apply` loads it.
+Test: python -m pytest tests/test_config.py -q
+"""
+from __future__ import annotations
+
+from dataclasses import fields
+
+from nanorl.presets import PRESETS
+
+# The built-in environments' names (their classes: nanorl/tool_envs.py BUILTIN_ENVS)
+BUILTIN_ENV_NAMES = ("calc", "python_tool")
+# Fields with a fixed set of values: argparse offers them as choices, `check` checks them
+CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
+           "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
+           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16")}
+
+
+def need(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ValueError(f"config: {msg}")
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check(cfg) -> None:
+    """Every rule, on a built Config."""
+    from nanorl.advantage import ADVANTAGE_ESTIMATORS
+    from nanorl.losses import AGG_MODES, POLICY_LOSSES
+
+    need(cfg.algo in PRESETS, f"unknown --algo {cfg.algo!r}; valid: {', '.join(PRESETS)}")
+    # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
+    need(not cfg.judge or cfg.judge_model, "judge needs judge_model (the served or the local model)")
+    need(not (cfg.judge_url or cfg.judge_model) or cfg.judge, "judge_url / judge_model need judge")
+    need(not cfg.judge_url or cfg.judge_url.startswith(("http://", "https://")),
+         f"judge_url must start with http:// or https://, got {cfg.judge_url!r}")
+    need(cfg.judge_parse == "yesno" or cfg.judge_parse.startswith("number:"),
+         f"judge_parse must be number:LO:HI or yesno, got {cfg.judge_parse!r}")
+    pairs = [x.split("=") for x in cfg.reward_weights.split(",")] if cfg.reward_weights else []
+    need(all(len(p) == 2 and p[0].strip() and _is_float(p[1]) for p in pairs),
+         f"reward_weights must be name=number pairs, comma-separated, got {cfg.reward_weights!r}")
+    scorer = "reward_model" if cfg.reward_model else "judge" if cfg.judge else ""
+    need(not (scorer and (cfg.async_steps or cfg.env)),
+         f"{scorer} with --async-steps or --env is not supported: the worker / the environment scores")
+    for name in ("reward_postprocess", "sample_filter"):
+        need(not getattr(cfg, name) or ":" in getattr(cfg, name), f"{name} must be "
+             f"module:function or file.py:function, got {getattr(cfg, name)!r}")
+    need(all(x.strip() for x in cfg.log_metadata.split(",")) or not cfg.log_metadata,
+         f"log_metadata: an empty name in {cfg.log_metadata!r}")
+    for name, known in (("advantage", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES)):
+        value = getattr(cfg, name)
+        need(value in known or ":" in value,
+             f"unknown {name} {value!r}; valid: {', '.join(known)} or file.py:fn")
+    need(cfg.loss_agg in AGG_MODES, f"unknown loss_agg {cfg.loss_agg!r}; valid: {', '.join(AGG_MODES)}")
+    for name, choices in CHOICES.items():
+        need(getattr(cfg, name) in choices,
+             f"{name} must be one of {', '.join(map(str, choices))}, got {getattr(cfg, name)!r}")
+    need(0 < cfg.gpu_memory_utilization < 1, "gpu_memory_utilization must be in (0, 1)")
+    need(cfg.kv_cache_gb >= 0, f"kv_cache_gb must be >= 0, got {cfg.kv_cache_gb}")
+    need(cfg.max_model_len == 0 or cfg.max_model_len > cfg.max_new_tokens,
+         f"max_model_len {cfg.max_model_len} leaves no room for a prompt plus max_new_tokens "
+         f"{cfg.max_new_tokens} (0 = sized from the data)")
+    for name in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "steps", "ppo_epochs",
+                 "mini_batches", "max_prompt_len", "pass_k", "keep_checkpoints"):
+        need(getattr(cfg, name) >= 1, f"{name} must be >= 1, got {getattr(cfg, name)}")
+    need(not cfg.prompt_template or "{prompt}" in cfg.prompt_template, "prompt_template must contain "
+         f"{{prompt}} (where the user's text goes), got {cfg.prompt_template!r}")
+    need(not cfg.chat_template_kwargs or isinstance(cfg.chat_template_dict, dict),
+         f"chat_template_kwargs must be a JSON object, got {cfg.chat_template_kwargs!r}")
+    for name in ("micro_batch_size", "max_tokens_per_micro_batch", "warmup_steps", "eval_every",
+                 "save_every", "threads", "sync_check_every", "eval_limit", "kl_coef", "entropy_coef",
+                 "vf_coef", "tis_cap", "tis_low", "mis_low", "mis_high", "opsm_delta", "kl_target",
+                 "reward_timeout", "weight_decay", "top_k", "grad_clip", "eval_temperature",
+                 "eval_max_new_tokens", "dump_rollouts"):
+        need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
+    need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
+    need(cfg.dump_rollouts_mb > 0, f"dump_rollouts_mb must be > 0, got {cfg.dump_rollouts_mb}")
+    # the rollout worker would wait for new weights forever
+    need(not (cfg.debug_rollout_only and cfg.async_steps),
+         "debug_rollout_only makes no update, so --async-steps has no new weights to wait for: drop one")
+    need(cfg.temperature > 0, f"temperature must be > 0 for RL sampling, got {cfg.temperature}")
+    need(cfg.lr > 0, f"lr must be > 0, got {cfg.lr}")
+    need(cfg.dual_clip == 0 or cfg.dual_clip > 1,
+         f"dual_clip must be 0 (off) or > 1, got {cfg.dual_clip}")
+    need(0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "gamma and lam must be in [0, 1]")
+    check_advantage_and_loss(cfg)
+    check_env(cfg)
+    check_async(cfg)
+    need(not (cfg.fsdp and cfg.routing_replay), "--fsdp with --routing-replay is not supported: routing"
+         " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
+    need(cfg.prompts_per_step * cfg.samples_per_prompt >= cfg.mini_batches,
+         "mini_batches cannot exceed the number of samples per step")
+
+
+def check_advantage_and_loss(cfg) -> None:
+    """The advantage / loss / KL / off-policy / DAPO group: ranges, and no flag that does nothing."""
+    from nanorl.advantage import ADVANTAGE_ESTIMATORS
+    from nanorl.losses import COV_LOSSES
+    defaults = {f.name: f.default for f in fields(cfg)}
+    moved = lambda name: getattr(cfg, name) != defaults[name]  # noqa: E731
+    if ":" not in cfg.advantage:  # a user estimator is checked when it is loaded (plugins.apply)
+        check_estimator(cfg, ADVANTAGE_ESTIMATORS[cfg.advantage])
+    need(cfg.gdpo_weights == "" or all(_is_float(x) for x in cfg.gdpo_weights.split(",")),
+         f"gdpo_weights must be comma-separated numbers, got {cfg.gdpo_weights!r}")
+    need(not cfg.kl_in_reward or cfg.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
+    need(not cfg.unbiased_kl or (cfg.kl_coef > 0 and not cfg.kl_in_reward),
+         "unbiased_kl weights the KL loss term: needs kl_coef > 0 without kl_in_reward")
+    need(not cfg.kl_target or cfg.kl_coef > 0, "kl_target adapts β: needs kl_coef > 0")
+    need(not (cfg.log_kl and cfg.kl_coef > 0), "log_kl is for kl_coef 0: with a KL term the KL is "
+         "logged already")
+    for name, loss in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"), ("dro_beta", "dro")):
+        need(getattr(cfg, name) > 0, f"{name} must be > 0")
+        need(not moved(name) or cfg.policy_loss == loss, f"{name} needs policy_loss {loss}")
+    for name in ("cov_ratio", "cov_kl_coef"):
+        need(not moved(name) or cfg.policy_loss in COV_LOSSES,
+             f"{name} needs a policy loss with a token selection: {' or '.join(COV_LOSSES)}")
+    need(0 < cfg.cov_ratio <= 1, f"cov_ratio must be in (0, 1], got {cfg.cov_ratio}")
+    need(0 <= cfg.top_entropy_quantile <= 1, "top_entropy_quantile must be in [0, 1]")
+    need(not cfg.tis_cap or cfg.tis_cap > 1 > cfg.tis_low, "TIS needs tis_low < 1 < tis_cap")
+    need(not cfg.tis_low or cfg.tis_cap, "tis_low needs tis_cap")
+    need(not (cfg.mis_low or cfg.mis_high) or 0 <= cfg.mis_low < 1 < cfg.mis_high,
+         "masked IS needs 0 <= mis_low < 1 < mis_high")
+    need(cfg.is_level in ("token", "sequence"),
+         f"is_level must be token or sequence, got {cfg.is_level!r}")
+    need(cfg.is_level == "token" or cfg.tis_cap or cfg.mis_high, "is_level needs tis_cap or mis_high")
+    need(cfg.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {cfg.max_gen_batches}")
+    need(not moved("max_gen_batches") or cfg.filter_groups, "max_gen_batches needs filter_groups")
+    need(0 <= cfg.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
+         f"{cfg.overlong_buffer}")
+    need(cfg.overlong_penalty > 0, "overlong_penalty must be > 0")
+    need(not moved("overlong_penalty") or cfg.overlong_buffer, "overlong_penalty needs overlong_buffer")
+
+
+def check_env(cfg) -> None:
+    """The --env group: ranges, and no flag that does nothing."""
+    defaults = {f.name: f.default for f in fields(cfg)}
+    moved = [k for k in ("env_max_turns", "env_max_tokens", "tool_timeout")
+             if getattr(cfg, k) != defaults[k]]
+    need(cfg.env or not moved, f"{', '.join(moved)} only shape --env episodes: set --env")
+    need(not cfg.env or cfg.env in BUILTIN_ENV_NAMES or ":" in cfg.env, f"--env {cfg.env!r}: "
+         f"expected one of {sorted(BUILTIN_ENV_NAMES)}, 'module:Class' or 'file.py:Class'")
+    need(cfg.env_max_turns >= 1 and cfg.env_max_tokens >= 0,
+         "env_max_turns must be >= 1 and env_max_tokens >= 0")
+    need(cfg.tool_timeout >= 0 or cfg.tool_timeout == -1,
+         f"tool_timeout must be >= 0 or -1, got {cfg.tool_timeout}")
+    if not cfg.env:
+        return
+    # the environment scores its episodes: --reward is unused (a resolved reward_timeout of 0 is fine)
+    for k in ("reward", "reward_timeout"):
+        need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
+             f"--{k.replace('_', '-')} does nothing with --env: the environment scores its episodes")
+    need(not cfg.overlong_buffer, "--overlong-buffer measures one response against max_new_tokens; an "
+         "episode's length is bounded by env_max_tokens instead: not supported with --env")
+    need(cfg.env != "calc" or cfg.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 "
+         f"(a call is up to 12 tokens: calc(9+9+9)<eos>), got {cfg.max_new_tokens}")
+
+def check_async(cfg) -> None:
+    """The --async-steps group: ranges, and no flag that does nothing or cannot work."""
+    on = cfg.async_steps > 0
+    need(cfg.async_steps >= 0, f"async_steps must be >= 0, got {cfg.async_steps}")
+    need(not cfg.partial_rollout or on, "partial_rollout needs async_steps >= 1")
+    need(not cfg.mask_offpolicy_in_partial_rollout or cfg.partial_rollout,
+         "mask_offpolicy_in_partial_rollout needs partial_rollout")
+    need(not cfg.rollout_device or on, "rollout_device needs async_steps >= 1")
+    if cfg.rollout_device:
+        import torch
+        try:
+            torch.device(cfg.rollout_device)
+        except RuntimeError:
+            need(False, f"rollout_device {cfg.rollout_device!r} is not a device "
+                 "(cpu, cuda, cuda:1, ...)")
+    # what generates inside the step, or needs the engine to be the trainer's own module
+    for bad, what in ((cfg.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
+                      (cfg.env, "--env (the multi-turn driver runs in the trainer)"),
+                      (cfg.routing_replay, "--routing-replay (not built: the worker records no "
+                       "routing)"),
+                      (cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
+                      (cfg.engine == "vllm", "--engine vllm (not built: the worker runs an HF engine)")):
+        need(not (on and bad), f"--async-steps with {what} is not supported")
+
+def check_estimator(cfg, fn) -> None:
+    """The checks that read what the advantage estimator `fn` declares by its keyword parameters
+    (nanorl/plan.py): a flag it cannot use, an input the run cannot give it. Built-ins are checked
+    while the config is built; a user estimator when plugins.apply loads it."""
+    from nanorl.advantage import estimator_inputs
+    from nanorl.plan import explicit_inputs
+
+    uses, named = estimator_inputs(fn), explicit_inputs(fn)
+    need("values" not in named or cfg.vf_coef > 0,
+         f"advantage {cfg.advantage} needs a critic: set vf_coef > 0")
+    need(cfg.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {cfg.advantage}")
+    need(cfg.lam == 1 or "lam" in uses, f"lam does nothing with advantage {cfg.advantage}")
+    need(cfg.whiten_advantages or "whiten" in uses,
+         f"--no-whiten-advantages does nothing with advantage {cfg.advantage} (it never whitens)")
+    need(not cfg.gdpo_weights or "component_weights" in named,
+         f"gdpo_weights does nothing with advantage {cfg.advantage} (it takes no component_weights)")
+    need(not cfg.kl_in_reward or not getattr(fn, "raw_scores", False),
+         f"kl_in_reward: {cfg.advantage} reads the raw scores (0/1 pass/fail or reward components), "
+         "a KL penalty cannot enter them; put KL in the loss")
+    need(not (cfg.reward_weights and "components" in named),
+         f"reward_weights does nothing with advantage {cfg.advantage}: it reads the components one "
+         "by one (gdpo_weights weighs them)")
+    # an estimator reading greedy baselines (ReMax) generates inside the step, per prompt group
+    need(not (cfg.filter_groups and "baselines" in named),
+         f"filter_groups with {cfg.advantage} is not supported: it reads greedy baselines, and a "
+         "refilled group has none")
+    need(not (cfg.reward_postprocess and "baselines" in named),
+         f"reward_postprocess with advantage {cfg.advantage} is not supported: the greedy baseline "
+         "response is scored by --reward alone, outside any group")
+    need(not (cfg.async_steps and "baselines" in named),
+         f"--async-steps with --advantage {cfg.advantage} is not supported (its greedy baseline is "
+         "sampled in the step)")
