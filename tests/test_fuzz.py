@@ -132,7 +132,12 @@ def flat(v) -> list:
     return list(v.values()) if isinstance(v, dict) else [v]
 
 
-@pytest.mark.parametrize("name", list(rewards.BUILTIN))
+# the code reward's label is a test specification: a malformed one is a data error it raises on (a
+# counted fault); it is fuzzed below with any response and a valid label
+TEXT_REWARDS = [name for name in rewards.BUILTIN if name != "code"]
+
+
+@pytest.mark.parametrize("name", TEXT_REWARDS)
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.tuples(st.text(max_size=40) | st.sampled_from(NASTY),
                           st.text(max_size=10) | st.integers().map(str) | st.sampled_from(NASTY)),
@@ -144,6 +149,17 @@ def test_builtin_rewards_never_fault(name, pairs):
     assert not runner.faults, dict(runner.faults)
     for v in out:
         assert all(isinstance(x, float) and 0.0 <= x <= 1.0 for x in flat(v)), v
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.text(max_size=60) | st.sampled_from(NASTY) | st.just("```python\nprint(2)\n```"),
+                min_size=1, max_size=4))
+def test_code_reward_scores_any_response_with_valid_tests(responses):
+    """Any response text against a valid test label: no fault, a score in [0, 1]."""
+    runner = rewards.RewardRunner(rewards.BUILTIN["code"], log=lambda s: None)
+    out = runner([""] * len(responses), responses, ['{"inputs": [""], "outputs": ["2"]}'] * len(responses))
+    assert not runner.faults, dict(runner.faults)
+    assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in out), out
 
 
 returned = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(),
