@@ -320,10 +320,11 @@ def crit_head(r: dict) -> list[str]:
 
 
 def step_rows(lines: list[dict]) -> dict[int, dict]:
-    """metrics.jsonl lines → {step: metrics} of the training steps (lines with a train/ metric)."""
+    """metrics.jsonl lines → {step: metrics} of the training steps (lines with a train/ or rollout/
+    metric: a step whose samples all left it — failed, filtered — logs no train/ metric but is a step)."""
     out = {}
     for x in lines:
-        if any(k.startswith("train/") for k in x):
+        if any(k.startswith(("train/", "rollout/")) for k in x):
             out.setdefault(x["step"], {}).update(x)
     return out
 
@@ -343,6 +344,10 @@ def crit_run(r: dict) -> list[str]:
             bad.append(f"step {s}: not finite: {nan[:5]}")
         if faults:
             bad.append(f"step {s}: reward faults {faults}")
+        if not any(k.startswith("train/") for k in m):
+            dropped = {k: v for k, v in m.items() if k.startswith("rollout/dropped")}
+            bad.append(f"step {s}: no update (every sample left the step: {dropped})")
+            continue
         mean, ess = m.get("train/mismatch/ratio_mean"), m.get("train/mismatch/ratio_ess")
         if not (finite(mean) and abs(mean - 1) <= MISMATCH_TOL and finite(ess) and ess >= ESS_MIN):
             bad.append(f"step {s}: mismatch ratio_mean {mean}, ess {ess} (want |mean − 1| <= {MISMATCH_TOL}, "

@@ -181,7 +181,8 @@ def test_attention_audit_sees_an_fp32_call():
 @pytest.mark.skipif(gpu_check.math_reward_or_skip() is not None, reason="math-verify not installed")
 def test_readme_stage_fails_when_every_reward_call_faults(tmp_path, monkeypatch):
     """End to end: the README stage's run with a reward that raises finishes its steps (the runner
-    counts faults instead of crashing) — and the stage fails on the counted faults."""
+    counts faults instead of crashing; the faulted samples leave each step, so no step updates) — and
+    the stage fails on the counted faults and the missing updates."""
     faulty = tmp_path / "faulty.py"
     faulty.write_text("def reward(prompt, response, label):\n    raise ValueError('planted')\n")
     real = gpu_check.rehearsal_argv
@@ -191,7 +192,8 @@ def test_readme_stage_fails_when_every_reward_call_faults(tmp_path, monkeypatch)
     r = gpu_check.readme_stage(c)
     assert r["rc"] == 0 and sorted(r["steps"]) == [1, 2, 3]  # "3 finite steps": the old check passed here
     bad = gpu_check.crit_run(r)
-    assert bad and all("reward faults" in why for why in bad), bad
+    assert bad and all("reward faults" in why or "no update" in why for why in bad), bad
+    assert sum("reward faults" in why for why in bad) == 3 and sum("no update" in why for why in bad) == 3
 
 
 # ----------------------------------------------------------------------------- stage 4
