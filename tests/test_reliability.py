@@ -317,7 +317,10 @@ def test_reward_faults_keep_the_run_going_and_are_counted(task, tmp_path, capsys
     faults = {k.split("/", 2)[2]: v for k, v in line.items() if k.startswith("rollout/reward_faults/")}
     assert faults == {"RuntimeError": 2, "ValueError": 2, "TypeError": 6, "SystemExit": 2, "Timeout": 2,
                       "WorkerCrash": 2}
-    assert line["rollout/reward_mean"] == pytest.approx(2 / 18)  # only the two "ok" samples scored 1
+    # the 16 faulted samples left the step (status reward_fault): what trains is the two "ok" samples
+    assert line["rollout/dropped/reward_fault"] == 16
+    assert line["rollout/dropped_frac"] == pytest.approx(16 / 18)
+    assert line["rollout/reward_mean"] == 1.0
     assert capsys.readouterr().out.count("reward function failed") == 1  # first traceback only
 
 
