@@ -19,6 +19,7 @@ from collections import Counter
 from types import SimpleNamespace
 
 import pytest
+import test_eval
 import torch
 
 from nanorl import checkpoint, dump
@@ -129,30 +130,8 @@ def test_isolated_rng_seeds_the_engine_and_restores_every_stream():
 # ----------------------------------------------------------------------------- evaluation
 
 
-class ScriptedEngine:
-    """Answers prompt "i" with str(i) greedily when i is even; a sampled draw j == 0 is always right."""
-
-    def __init__(self):
-        self.calls = []
-        self.generator = torch.Generator()
-
-    def generate(self, prompts, n, sampling):
-        self.calls.append((len(prompts), n, sampling))
-        out = []
-        for g, ids in enumerate(prompts):
-            i = ids[0]
-            for j in range(n):
-                right = (i % 2 == 0) if sampling.temperature == 0 else j == 0
-                response = [i if right else i + 1] + [0] * (i % 3)
-                out.append(Sample(prompt_ids=ids, response_ids=response, group_id=g))
-        return out
-
-
-class DigitTok:
-    eos_token_id = 0
-
-    def batch_decode(self, seqs, skip_special_tokens=True):
-        return [str(s[0]) for s in seqs]
+# the scripted engine and digit tokenizer of tests/test_eval.py (the same evaluation, without a Run)
+ScriptedEngine, DigitTok = test_eval.ScriptedEngine, test_eval.Tok
 
 
 def eval_prompts(ids):
