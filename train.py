@@ -143,8 +143,8 @@ def checkpoint_state(run: Run) -> checkpoint.State:
     return checkpoint.State(model=run.model, tokenizer=run.tokenizer, optimizer=run.optimizer,
                             scheduler=run.scheduler, loader=run.loader, kl_ctl=run.kl_ctl,
                             trained=run.trained, critic=run.critic, engine=run.engine, rewards=run.rewards,
-                            pipeline=run.pipeline, counters=run.counters, step=run.step, rank=run.rank,
-                            world=run.world)
+                            scorers=run.scorers, pipeline=run.pipeline, counters=run.counters, step=run.step,
+                            rank=run.rank, world=run.world)
 
 
 def resume_run(run: Run, path_or_latest: str) -> str | None:

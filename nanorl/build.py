@@ -133,7 +133,9 @@ def make_scorers(cfg: Config, device, dtype, log=print) -> dict:
         from nanorl.judges import Judge, read_template
         template = read_template(cfg.judge)
         if cfg.judge_url:
-            scorers["judge"] = Judge(template, cfg.judge_url, cfg.judge_model, parse=cfg.judge_parse, log=log)
+            scorers["judge"] = Judge(template, cfg.judge_url, cfg.judge_model, parse=cfg.judge_parse, log=log,
+                                     concurrency=cfg.judge_concurrency, timeout_s=cfg.judge_timeout,
+                                     retries=cfg.judge_retries)
         else:
             model, tokenizer = load_model(cfg.judge_model, device, dtype)
             engine = HFEngine(model.eval(), pad_id=tokenizer.pad_token_id, compute_dtype=dtype)

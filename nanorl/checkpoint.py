@@ -65,9 +65,11 @@ class State:
     from (train.py's policy + critic behind DDP / FSDP); None: `model`. critic: PPO's value model or None.
     engine: the rollout engine or None: its `generator` (a torch.Generator) is one of the random streams,
     and `update_weights(model, version=step)` syncs it after a resume. rewards: the reward runner or None:
-    its `faults` Counter is saved per rank. pipeline: --async-steps' trainer end (nanorl/pipeline.py) or
-    None: the batches in flight. counters: plain counts (restored by update, in place). step: the steps
-    done. rank, world: this process's rank and the number of ranks; every rank calls save and resume."""
+    its `faults` Counter is saved per rank. scorers: the reward model / judge components by name
+    (nanorl/build.py make_scorers): their `faults` Counters, per rank too. pipeline: --async-steps'
+    trainer end (nanorl/pipeline.py) or None: the batches in flight. counters: plain counts (restored
+    by update, in place). step: the steps done. rank, world: this process's rank and the number of
+    ranks; every rank calls save and resume."""
     model: torch.nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer
@@ -78,6 +80,7 @@ class State:
     critic: torch.nn.Module | None = None
     engine: object | None = None
     rewards: object | None = None
+    scorers: dict = field(default_factory=dict)
     pipeline: object | None = None
     counters: dict = field(default_factory=dict)
     step: int = 0
@@ -161,7 +164,8 @@ def save(state: State, cfg, logger=None) -> str:
     one copy (DDP replicas are identical). Every rank hashes a share of the files."""
     rank, world = state.rank, state.world
     faults = dict(state.rewards.faults) if state.rewards is not None else {}
-    local = {"rng": rng_state(state.engine), "reward_faults": faults}
+    local = {"rng": rng_state(state.engine), "reward_faults": faults,
+             "scorer_faults": {name: dict(s.faults) for name, s in state.scorers.items()}}
     # RNG streams differ by rank: collect them all
     ranks = [local] * world
     if world > 1:
@@ -283,6 +287,7 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
         "layout": "full" if sharded is None else "sharded", "sharded": sharded,
         "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
+        "scorer_faults": [r["scorer_faults"] for r in ranks],
         "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None})
 
 
@@ -457,6 +462,10 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
         set_rng_state(tensors["rng"][state.rank], state.engine)
         if state.rewards is not None:
             state.rewards.faults = Counter(saved["reward_faults"][state.rank])
+        # a checkpoint written before scorer faults were saved has none
+        for name, faults in saved.get("scorer_faults", [{}] * state.world)[state.rank].items():
+            if name in state.scorers:
+                state.scorers[name].faults = Counter(faults)
     if state.engine is not None:
         state.engine.update_weights(state.model, version=state.step)
     if saved.get("metrics_bytes") is not None:

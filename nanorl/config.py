@@ -105,6 +105,13 @@ class Config:
     judge_parse: str = "number:0:10"
     """How the judge's answer becomes a score in [0, 1]: number:LO:HI (its first number, mapped from
     [LO, HI]) or yesno."""
+    judge_concurrency: int = 8
+    """judge_url: requests in flight at once (what the server can batch; vLLM serves many at a time)."""
+    judge_timeout: float = 60.0
+    """judge_url: seconds for the connect and for each read of one request before it is retried."""
+    judge_retries: int = 2
+    """judge_url: retries of a request (after 0.5 s, 1 s, ...) on a connection error, a timeout, 429 or a
+    5xx; what still fails is a counted reward fault (the sample leaves the step)."""
     reward_weights: str = ""
     """Comma list name=weight of the reward components in the total the advantage reads (each 1 unless
     named): e.g. correct=0,rm=1 trains on the reward model alone; `correct` is a number-valued reward."""

@@ -42,6 +42,14 @@ def check(cfg) -> None:
     need(not (cfg.judge_url or cfg.judge_model) or cfg.judge, "judge_url / judge_model need judge")
     need(not cfg.judge_url or cfg.judge_url.startswith(("http://", "https://")),
          f"judge_url must start with http:// or https://, got {cfg.judge_url!r}")
+    need(cfg.judge_concurrency >= 1 and cfg.judge_timeout > 0 and cfg.judge_retries >= 0,
+         "judge_concurrency must be >= 1, judge_timeout > 0, judge_retries >= 0 (got "
+         f"{cfg.judge_concurrency}, {cfg.judge_timeout}, {cfg.judge_retries})")
+    defaults = {f.name: f.default for f in fields(cfg)}
+    endpoint = [n for n in ("judge_concurrency", "judge_timeout", "judge_retries")
+                if getattr(cfg, n) != defaults[n]]
+    need(cfg.judge_url or not endpoint, f"{', '.join(endpoint)}: settings of the calls to judge_url; the "
+         "in-process judge (no judge_url) makes none")
     need(cfg.judge_parse == "yesno" or cfg.judge_parse.startswith("number:"),
          f"judge_parse must be number:LO:HI or yesno, got {cfg.judge_parse!r}")
     pairs = [x.split("=") for x in cfg.reward_weights.split(",")] if cfg.reward_weights else []

@@ -237,6 +237,11 @@ MOVED_CHECKS = [
     (dict(reward_postprocess="nope"), "reward_postprocess must be module:function"),
     (dict(reward_postprocess="m:f", advantage="remax"), "reward_postprocess with advantage remax"),
     (dict(log_metadata="a,,b"), "log_metadata: an empty name"),
+    # the judge's endpoint settings
+    (dict(judge="{response}", judge_model="m", judge_retries=1), "judge_retries: settings of the calls to "
+     "judge_url"),
+    (dict(judge="{response}", judge_model="m", judge_url="http://h/v1", judge_concurrency=0),
+     "judge_concurrency must be >= 1"),
 ]
 
 

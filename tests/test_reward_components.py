@@ -46,7 +46,9 @@ def args(task, out, *extra):
 def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monkeypatch, capsys):
     """Steps 1-2 judged (score 7/10 when the response holds the label, else 2/10); the server stops
     before step 3: step 3's samples are all reward faults, counted and logged once, and the run ends
-    normally. --reward-weights correct=0 trains on the judge alone."""
+    normally. --reward-weights correct=0 trains on the judge alone. Resumed for a 4th step (the server
+    still down), the fault totals go on from the checkpoint's (red when they are not saved: 16, not
+    32)."""
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
     per_step = 16
@@ -67,8 +69,10 @@ def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monk
     monkeypatch.setattr(train, "rl_step", rl_step)
     template = "Grade 0-10.\nQuestion: {prompt}\nResponse: {response}\nLabel: {label}"
     try:
-        res = train.main(args(task, tmp_path, "--steps", "3", "--judge", template, "--judge-url", server.url,
-                              "--judge-model", "judge", "--reward-weights", "correct=0"))
+        judged = ["--judge", template, "--judge-url", server.url, "--judge-model", "judge",
+                  "--reward-weights", "correct=0", "--judge-concurrency", "2", "--judge-timeout", "5",
+                  "--judge-retries", "1"]
+        res = train.main(args(task, tmp_path, "--steps", "3", *judged))
     finally:
         server.stop()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
@@ -84,6 +88,10 @@ def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monk
     assert rows[2]["rollout/dropped_frac"] == 1.0 and rows[2]["rollout/dropped/reward_fault"] == per_step
     assert rows[2]["rollout/reward_faults/judge/unreachable"] == per_step
     assert capsys.readouterr().out.count("unreachable") == 1  # one clear line, not one per sample
+    train.main(args(task, tmp_path, "--steps", "4", *judged, "--resume", "latest"))
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
+    last = rows[-1]
+    assert last["rollout/reward_faults/judge/unreachable"] == 2 * per_step
 
 
 def test_an_in_process_judge_runs_in_the_step(task, tmp_path):
