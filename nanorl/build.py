@@ -121,13 +121,14 @@ def lr_factor(cfg: Config, step: int) -> float:
 def make_scorers(cfg: Config, device, dtype, log=print) -> dict:
     """The reward components scored beside --reward, each a scorer with
     .score(prompts, responses, labels) -> list[float | None] (None: a failed call) and .close():
-    `rm`, a reward model on the trainer's device in its compute dtype (--reward-model), and `judge`,
+    `rm`, a reward model on the trainer's device in its compute dtype, sharded like it with --fsdp
+    (--reward-model), and `judge`,
     an LLM judge behind an OpenAI-compatible endpoint (--judge-url) or in-process (--judge-model)."""
     scorers = {}
     if cfg.reward_model:
         from nanorl.reward_models import RewardModel
         rm = RewardModel(cfg.reward_model, device, dtype=dtype,
-                         max_tokens_per_batch=cfg.max_tokens_per_micro_batch or 8192)
+                         max_tokens_per_batch=cfg.max_tokens_per_micro_batch or 8192, shard=cfg.fsdp)
         scorers["rm"] = _Unlabelled(rm)
     if cfg.judge:
         from nanorl.judges import Judge, read_template

@@ -28,10 +28,13 @@ class RewardModel:
     max_tokens_per_batch: cap on rows × longest row of one forward (a longer sample runs alone).
     template: True = render with the RM tokenizer's chat template (error if it has none), False = plain
         prompt + response text, None = the template when the tokenizer has one.
+    shard: --fsdp: the RM's weights sharded over the ranks like the trainer's (FSDP2, each transformer
+        block a unit: nanorl/distributed.py shard); every rank must then call `score` at the same time
+        (each with its own samples: the ranks run the same number of forwards, see `score`).
     """
 
     def __init__(self, path: str, device, dtype: torch.dtype = torch.float32,
-                 max_tokens_per_batch: int = 8192, template: bool | None = None):
+                 max_tokens_per_batch: int = 8192, template: bool | None = None, shard: bool = False):
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
         from transformers.modeling_layers import GenericForSequenceClassification
 
@@ -62,6 +65,21 @@ class RewardModel:
         # own pooling may look for it, so it is the config's pad id when there is one
         pad = self.model.config.pad_token_id
         self.pad_id = pad if pad is not None else (self.tokenizer.pad_token_id or 0)
+        if self.generic and pad is None:
+            # the generic forward's own pooling (whose result `_forward` does not read) refuses a batch
+            # of 2+ rows without a pad id
+            self.model.config.pad_token_id = self.pad_id
+        self.sharded = bool(shard)
+        if self.sharded:
+            from nanorl import distributed
+            if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+                raise ValueError("reward model: shard=True needs the trainer's process group (--fsdp)")
+            if not self.generic:
+                # another class may run one forward per row (see _forward): no fixed count per rank
+                raise ValueError(f"reward model {path!r}: --fsdp shards Hugging Face's decoder "
+                                 f"classifiers (GenericForSequenceClassification), not "
+                                 f"{type(self.model).__name__}")
+            self.model = distributed.shard(self.model, self.device, dtype)
 
     def render(self, prompt: str, response: str) -> str:
         """The text the RM reads: its chat template over [user: prompt, assistant: response], or
@@ -88,11 +106,21 @@ class RewardModel:
             raise RuntimeError("reward model: score() after close()")
         rows = [self.encode(p, r) for p, r in zip(prompts, responses)]
         out = [0.0] * len(rows)
-        if not rows:
-            return out
         lengths = [len(r) for r in rows]
-        for mb in make_padded_micro_batches(lengths, [0] * len(rows), self.max_tokens):
-            for i, s in zip(mb, self._forward([rows[i] for i in mb])):
+        mbs = make_padded_micro_batches(lengths, [0] * len(rows), self.max_tokens) if rows else []
+        forwards = len(mbs)
+        if self.sharded:
+            # each forward all-gathers every rank's shards: the ranks agree on the count first, and a
+            # rank with fewer micro-batches (fewer or shorter samples) then runs one-token forwards,
+            # unread, until it has run as many
+            count = torch.tensor([forwards], device=self.device)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            forwards = int(count)
+        for k in range(forwards):
+            if k >= len(mbs):
+                self._forward([[self.pad_id]])
+                continue
+            for i, s in zip(mbs[k], self._forward([rows[i] for i in mbs[k]])):
                 out[i] = s
         return out
 
@@ -102,11 +130,11 @@ class RewardModel:
         (GenericForSequenceClassification, transformers 5.19: Qwen2, Llama, Mistral, Gemma, ...) pool
         at "the rightmost token that is not pad_token_id": a row that really ends in the pad id (pad =
         eos, or an unknown character mapped to the pad id) is then read one token early, and with no
-        pad_token_id any batch of 2+ rows raises. For those classes the backbone runs with the mask
-        and the score head (a per-position linear layer) is applied to the gathered hidden state; any
-        other classifier (an encoder's [CLS] pooler) runs its own forward on right-padded rows, which
-        is what it was trained on."""
-        # the generic pooling below needs no pad id; another class with none cannot take a batch
+        pad_token_id any batch of 2+ rows raises. For those classes the model's forward runs with the
+        mask and the score head's output (a per-position linear layer) is read at each row's last real
+        token, whatever its own pooling picked; any other classifier (an encoder's [CLS] pooler) runs
+        its own forward on right-padded rows, which is what it was trained on."""
+        # the generic path reads its own position; another class with no pad id cannot take a batch
         if not self.generic and self.model.config.pad_token_id is None and len(rows) > 1:
             return [s for r in rows for s in self._forward([r])]
         width = max(len(r) for r in rows)
@@ -118,12 +146,16 @@ class RewardModel:
         ids, mask = ids.to(self.device), mask.to(self.device)
         with autocast(self.device, self.dtype):
             if self.generic:
-                base = getattr(self.model, self.model.base_model_prefix)
-                out = base(input_ids=ids, attention_mask=mask, use_cache=False)
-                hidden = out.last_hidden_state  # [B, S, H]
+                # the score head (a per-position linear layer) read at every position, through the
+                # model's own forward (so --fsdp's hooks gather each unit's weights), then gathered here
+                captured = {}
+                hook = self.model.score.register_forward_hook(lambda m, i, o: captured.update(o=o))
+                try:
+                    self.model(input_ids=ids, attention_mask=mask, use_cache=False)
+                finally:
+                    hook.remove()
                 last = mask.sum(-1) - 1  # [B] index of each row's last real token
-                pooled = hidden[torch.arange(len(rows), device=self.device), last]  # [B, H]
-                logits = self.model.score(pooled)  # [B, 1]
+                logits = captured["o"][torch.arange(len(rows), device=self.device), last]  # [B, 1]
             else:
                 logits = self.model(input_ids=ids, attention_mask=mask).logits  # [B, 1]
         return logits[:, 0].float().cpu().tolist()
