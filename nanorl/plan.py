@@ -33,8 +33,11 @@ class Plan:
     """The critic's values before the update (a critic exists: --vf-coef > 0)."""
     greedy_baselines: bool
     """One greedy response per prompt, scored: its reward is the baseline (an estimator's `baselines`)."""
-    is_weights: bool
-    """Truncated / masked IS weights π_old/π_rollout (--tis-cap, --mis-high)."""
+    is_weights: str
+    """Truncated / masked IS weights π_old/π_rollout (--tis-cap, --mis-high): "" (none), "recompute"
+    (from the recomputed π_old, before the advantage, which may read them), or "first forward"
+    (on-policy with nothing reading π_old before the update: from the update's own forward, detached,
+    which IS π_old — the same weights without a second forward; nanorl/update.py micro_step)."""
     reference: str
     """Where the reference logprobs come from (a KL term: --kl-coef > 0): "" (no KL term), "from the
     worker" (--async-steps: scored with the rollout), "every row" (before the advantage: a KL in the
@@ -72,10 +75,13 @@ def make_plan(cfg, estimator: Callable, policy_loss) -> Plan:
     --old-logprobs rollout takes the engine's logprobs instead (no recompute)."""
     named = explicit_inputs(ADVANTAGE_ESTIMATORS[estimator] if isinstance(estimator, str) else estimator)
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
-    is_weights = bool(cfg.tis_cap or cfg.mis_high)
-    reads_old = (cfg.kl_in_reward or is_weights or bool(cfg.top_entropy_quantile)
+    reads_old = (cfg.kl_in_reward or bool(cfg.top_entropy_quantile)
                  or "old_logprobs" in named or "old_logprobs" in loss_needs(policy_loss))
-    old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or reads_old))
+    # TIS / MIS need π_old before the update only when something reads them (or it) first
+    is_early = cfg.old_logprobs != "auto" or not on_policy or reads_old or "rollout_is_weights" in named
+    is_weights = "" if not (cfg.tis_cap or cfg.mis_high) else "recompute" if is_early else "first forward"
+    old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or reads_old
+                                                                              or is_weights == "recompute"))
     # --log-kl scores it like a KL loss whose coefficient is 0: logged, never in the loss
     reference = ("" if not (cfg.kl_coef > 0 or cfg.log_kl) else "from the worker" if cfg.async_steps
                  else "every row" if cfg.kl_in_reward or not cfg.skip_zero_advantage else "trained rows")

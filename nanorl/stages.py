@@ -17,7 +17,7 @@ from nanorl.advantage import compute_advantages
 from nanorl.env import episode_metrics, turn_reward_tensor
 from nanorl.kl import kl_estimator, kl_penalized_rewards, masked_mean
 from nanorl.metrics import memory_metrics, namespaced, reward_metrics
-from nanorl.offpolicy import is_metrics, is_weights, mismatch_metrics
+from nanorl.offpolicy import is_metrics, mismatch_metrics
 from nanorl.rewards import score_samples
 from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.trajectory import TRAINS, collate
@@ -26,6 +26,7 @@ from nanorl.update import (
     routing_forward,
     score_batch,
     score_rows,
+    step_is_weights,
     trains,
     zero_weight_samples,
 )
@@ -188,10 +189,8 @@ def advantages(run, batch, baselines, metrics: dict) -> None:
     """Link 4: the off-policy weights of the step (known before the update; an estimator may read
     them), the KL in the reward if it goes there, then the chosen estimator's advantages and returns."""
     cfg, t, mask = run.cfg, batch.tensors, batch.response_mask  # mask: [B, T] valid response tokens
-    if run.plan.is_weights:  # TIS / MIS: π_old/π_rollout (nanorl/offpolicy.py)
-        w, changed, rho = is_weights(t.old_logprobs, batch.rollout_logprobs, mask, level=cfg.is_level,
-                                     tis=(cfg.tis_low, cfg.tis_cap) if cfg.tis_cap else None,
-                                     mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
+    if run.plan.is_weights == "recompute":  # TIS / MIS: π_old/π_rollout (nanorl/offpolicy.py)
+        w, changed, rho = step_is_weights(cfg, t.old_logprobs, batch.rollout_logprobs, mask)
         t.is_weights = w
         metrics.update(is_metrics(w, changed, rho, mask))
     kl = None
@@ -232,6 +231,9 @@ def step_metrics(run, samples, batch, mask, timer, metrics: dict) -> dict:
         return run.hooks.with_metadata(namespaced({**metrics, **timed}), samples)
     trainer_logp, _, scored = old_policy_view(batch)  # [B, T] the trainer's π_old, where it scored
     metrics.update(mismatch_metrics(trainer_logp, batch.rollout_logprobs, mask * scored))
+    if run.plan.is_weights == "first forward":  # the update weighed each token with these (micro_step)
+        metrics.update(is_metrics(*step_is_weights(run.cfg, trainer_logp, batch.rollout_logprobs,
+                                                   mask * scored), mask * scored))
     if run.cfg.kl_target:  # the per-token KL to the reference, in either placement
         n_tok = float(mask.sum()) if "kl_ref" in metrics else 0.0  # a rank of pads only has none
         kl_sum, n = distributed.all_reduce(torch.tensor([metrics.get("kl_ref", 0.0) * n_tok, n_tok])).tolist()

@@ -26,7 +26,7 @@ from nanorl import batching, moe_replay, precision
 from nanorl.distributed import loss_scale, sync_gradients_after
 from nanorl.kl import importance_weighted_kl, kl_estimator
 from nanorl.losses import POLICY_LOSSES, LossConfig, top_entropy_mask, total_loss
-from nanorl.offpolicy import opsm_mask
+from nanorl.offpolicy import is_weights, opsm_mask
 from nanorl.policy import record_sum_sq_probs, response_logprobs
 from nanorl.trajectory import PaddedBatch, Sample, collate, pack
 
@@ -350,6 +350,14 @@ def old_policy_view(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return t.first_pass_logprobs, t.first_pass_entropy, t.first_pass_mask
 
 
+def step_is_weights(cfg, old_logp, rollout_logp, mask):
+    """--tis-cap / --mis-high's weights ρ = π_old/π_rollout [B, T] (with `changed` and the raw `rho`,
+    for is_metrics), at --is-level (nanorl/offpolicy.py is_weights)."""
+    return is_weights(old_logp, rollout_logp, mask, level=cfg.is_level,
+                      tis=(cfg.tis_low, cfg.tis_cap) if cfg.tis_cap else None,
+                      mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
+
+
 def micro_step(run: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = run.cfg
     support = mb.sampling_support if cfg.keep_sampling_mask else None
@@ -363,7 +371,10 @@ def micro_step(run: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     if run.ref is not None and not cfg.kl_in_reward:
         kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl_estimator, mask=mask)
               if cfg.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl_estimator, mask=mask))
-    weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (train.py), detached
+    weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (nanorl/stages.py), detached
+    if weights is None and (cfg.tis_cap or cfg.mis_high):
+        # the plan left them to this forward: on-policy, its detached logprobs are π_old (nanorl/plan.py)
+        weights = step_is_weights(cfg, old, mb.rollout_logprobs, mask)[0]
     if cfg.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
         keep, masked = opsm_mask(logp, mb.rollout_logprobs, t.advantages, mask, cfg.opsm_delta)
         weights = keep if weights is None else weights * keep

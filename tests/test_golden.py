@@ -39,7 +39,10 @@ FEATURE_CASES = {
     "kl_target": (["--kl-coef", "0.05", "--kl-target", "0.01"], "default"),
     "unbiased_kl": (["--kl-coef", "0.05", "--unbiased-kl"], "default"),
     "tis": (["--tis-cap", "2.0", "--old-logprobs", "recompute"], "default"),
-    "mis_sequence": (["--mis-high", "2.0", "--is-level", "sequence"], "default"),
+    # recorded when MIS always recomputed π_old; on-policy it now comes from the update's forward, whose
+    # weights and loss are the same (tests/test_plan.py) but its metrics cover only the rows that train
+    "mis_sequence": (["--mis-high", "2.0", "--is-level", "sequence", "--old-logprobs", "recompute"],
+                     "default"),
     "ksm": (["--keep-sampling-mask", "--top-k", "8"], "default"),
     "micro_batch_size": (["--micro-batch-size", "3"], "default"),
     "token_budget": (["--max-tokens-per-micro-batch", "48"], "default"),

@@ -101,3 +101,46 @@ def test_the_trainer_names_no_algorithm():
         found = [node.value for node in ast.walk(tree)
                  if isinstance(node, ast.Constant) and node.value in names]
         assert not found, f"{path} names algorithms: {found}"
+
+
+def tis_step(task_dir, tmp_path, *flags):
+    """One GRPO step with --tis-cap 1.5 whose engine's logprobs are planted off the trainer's (token t
+    of each response shifted by ±0.6 alternately), so the weights ρ = π_old/π_rollout are far from 1
+    and clipped; returns (run, the step's metrics, its forwards: grad enabled or not)."""
+    argv = ["--model", task_dir["model"], "--train-data", task_dir["train"], "--test-data", task_dir["test"],
+            "--out-dir", str(tmp_path), "--prompts-per-step", "4", "--samples-per-prompt", "4",
+            "--eval-every", "0", "--threads", "1", "--quiet", "--kl-coef", "0", "--tis-cap", "1.5", *flags]
+    run = train.setup(parse_args(argv))
+    real_generate = run.engine.generate
+
+    def generate(*args, **kw):
+        samples = real_generate(*args, **kw)
+        for s in samples:
+            s.rollout_logprobs = [lp + (0.6 if t % 2 else -0.6) for t, lp in enumerate(s.rollout_logprobs)]
+        return samples
+
+    run.engine.generate = generate
+    forwards = []
+    run.trained.register_forward_hook(lambda mod, args, out: forwards.append(torch.is_grad_enabled()))
+    try:
+        metrics = train.rl_step(run)
+    finally:
+        run.logger.close()
+    return run, metrics, forwards
+
+
+def test_tis_on_policy_takes_its_weights_from_the_update_forward(task_dir, tmp_path):
+    """Issue 34: on-policy (one epoch, one mini-batch) π_old is the update's own forward, detached, so
+    TIS needs no scoring pass; the loss is the one the recomputed π_old gives, bit for bit (red check:
+    weights from the engine's logprobs instead — ρ = 1 — changed the loss)."""
+    run, first, forwards = tis_step(task_dir, tmp_path / "first")
+    assert run.plan.is_weights == "first forward" and not run.plan.old_logprobs
+    assert forwards.count(False) == 0
+    run, again, forwards = tis_step(task_dir, tmp_path / "recompute", "--old-logprobs", "recompute")
+    assert run.plan.is_weights == "recompute" and forwards.count(False) == 1
+    assert again["train/is_clipfrac"] > 0.1  # the planted mismatch is clipped: the weights matter
+    for k in ("train/loss", "train/pg_loss", "train/grad_norm"):
+        assert first[k] == again[k], (k, first[k], again[k])
+    # the diagnostics are over the tokens the update weighed (all of them here: no row skipped)
+    for k in ("train/is_weight_mean", "train/is_clipfrac", "train/is_ess"):
+        assert first[k] == pytest.approx(again[k], rel=1e-6), (k, first[k], again[k])
