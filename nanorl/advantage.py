@@ -469,7 +469,8 @@ def reverse_kl_advantage(old_logprobs, teacher_logprobs, mask):
     trajectories minimises the sequence-level reverse KL, which is mode-seeking — the student is pushed
     off the tokens the teacher finds unlikely rather than asked to cover all of the teacher's mass. The
     student term is π_old, the policy that sampled (detached, like every advantage: slime's
-    apply_opd_kl_to_advantages reads its old-policy log-probs the same way)."""
+    apply_opd_kl_to_advantages reads its old-policy log-probs the same way); with --async-steps the
+    trainer's weights are newer than the sampler's, so the config asks for --old-logprobs rollout."""
     m = mask > 0
     old = _check_tokens("old_logprobs", old_logprobs, m)
     teacher = _check_tokens("teacher_logprobs", teacher_logprobs, m)

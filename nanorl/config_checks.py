@@ -205,6 +205,13 @@ def check_estimator(cfg, fn) -> None:
          f"task-reward estimator's; advantage {cfg.advantage} is that advantage alone: drop one")
     need(not cfg.teacher or reads_teacher or cfg.distill_coef > 0, f"--teacher does nothing with "
          f"advantage {cfg.advantage} and distill_coef 0: use --algo distill, or --distill-coef > 0")
+    # stale samples: π_old (the trainer's newer weights) is not the policy that sampled, and the
+    # reverse-KL reward must be that one's (measured: docs/tour.md section 20)
+    need(not ((reads_teacher or cfg.distill_coef) and cfg.async_steps and cfg.old_logprobs != "rollout"),
+         "--async-steps with a teacher needs --old-logprobs rollout: the distillation reward "
+         "log π_teacher − log π_student must score the policy that sampled, not the trainer's newer one")
+    need(not (cfg.kl_in_reward and reads_teacher and "token_rewards" not in uses), f"kl_in_reward: "
+         f"advantage {cfg.advantage} reads no reward to put the KL into; put KL in the loss (the default)")
     need("scores" in uses or "token_rewards" in uses or reads_teacher, f"advantage {cfg.advantage} "
          "reads no reward (scores, token_rewards) and no teacher_logprobs: it has no signal to learn from")
     need("values" not in named or cfg.vf_coef > 0,

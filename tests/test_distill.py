@@ -82,6 +82,12 @@ def test_flags_that_would_do_nothing_are_refused(world):
         parse_args(["--algo", "grpo", "--teacher", world["teacher"]])
     with pytest.raises(ValueError, match="distill_coef needs --teacher"):
         parse_args(["--algo", "grpo", "--distill-coef", "0.5"])
+    with pytest.raises(ValueError, match="kl_in_reward: advantage opd reads no reward"):
+        parse_args(["--algo", "distill", "--teacher", world["teacher"], "--kl-coef", "0.1", "--kl-in-reward"])
+    with pytest.raises(ValueError, match="--async-steps with a teacher needs --old-logprobs rollout"):
+        parse_args(["--algo", "distill", "--teacher", world["teacher"], "--async-steps", "1"])
+    parse_args(["--algo", "distill", "--teacher", world["teacher"], "--async-steps", "1",
+                "--old-logprobs", "rollout"])
     with pytest.raises(ValueError, match="opd is that advantage alone"):
         parse_args(["--algo", "distill", "--teacher", world["teacher"], "--distill-coef", "0.5"])
 
