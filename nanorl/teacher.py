@@ -38,7 +38,7 @@ def check_vocabulary(policy_tokenizer, teacher_tokenizer, policy: str, teacher: 
     theirs = {t: i for t, i in teacher_tokenizer.get_vocab().items() if i < ids}
     if mine == theirs:
         return
-    diff = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: kv[1])
+    diff = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda kv: (kv[1], kv[0]))
     token = diff[0][0]
     where = (f"token {token!r} is id {mine.get(token, 'absent')} in the policy's and "
              f"{theirs.get(token, 'absent')} in the teacher's")
