@@ -11,7 +11,8 @@ One optimizer step of RL is one pass down the chain (`rl_step`, one stage per li
 
 1. rollout      the engine samples `samples_per_prompt` responses for each prompt (nanorl/rollout.py)
 2. reward       each response is scored against its label (nanorl/rewards.py)
-3. recompute    exactly what the step's plan needs, no gradient: π_old, reference, critic values, Σπ²
+3. recompute    exactly what the step's plan needs, no gradient: π_old, reference, critic values, Σπ²,
+                a teacher's log-probs of the sampled tokens (on-policy distillation: nanorl/teacher.py)
                 (the estimator and loss declare it: nanorl/plan.py)
 4. advantage    how much better each token did than expected (nanorl/advantage.py)
 5. loss         policy loss + KL + entropy (+ value loss), aggregated (nanorl/losses.py, nanorl/kl.py)
@@ -46,6 +47,7 @@ from nanorl.plan import Plan, make_plan
 from nanorl.plugins import Hooks, apply as apply_plugins
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import stop_token_ids
+from nanorl.teacher import load_teacher
 from nanorl.tool_envs import episode_runner
 from nanorl.update import train_on
 
@@ -67,6 +69,7 @@ class Run:
     kl_ctl: object
     logger: Logger
     ref: torch.nn.Module | None = None
+    teacher: torch.nn.Module | None = None  # --teacher: scores the sampled tokens (nanorl/teacher.py)
     critic: torch.nn.Module | None = None
     trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
     scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
@@ -101,6 +104,7 @@ def setup(cfg: Config) -> Run:
     precision.setup_device(device)  # TF32 on CUDA
     dtype = precision.compute_dtype(cfg.dtype)  # compute dtype; `model` holds the fp32 master weights
     model, tokenizer = build.load_policy(cfg, device, dtype)
+    teacher = load_teacher(cfg, model, tokenizer, device, dtype)  # first: a wrong vocabulary fails at start
     fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
     train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
                                    cfg.max_prompt_len, source=cfg.train_data, fmt=fmt)
@@ -123,7 +127,8 @@ def setup(cfg: Config) -> Run:
                            workers=workers)
     loader = PromptLoader(train, cfg.prompts_per_step, seed=cfg.seed, rank=rank, world=world)
     run = Run(cfg, model, tokenizer, engine, loader, eval_sets, rewards, optimizer, scheduler, kl_ctl, logger,
-              ref=ref, critic=critic, trained=trained, scaler=precision.grad_scaler(dtype, device),
+              ref=ref, teacher=teacher, critic=critic, trained=trained,
+              scaler=precision.grad_scaler(dtype, device),
               rank=rank, world=world, counters={"skipped_updates": 0,
                                                 "prompts_skipped_empty": skipped["empty"],
                                                 "prompts_skipped_too_long": skipped["too_long"]})

@@ -4,7 +4,8 @@ The policy gradient is E[Σ_t ∇log π(a_t|s_t)·Ψ_t]; with Ψ_t = G_t − b(s
 that does not depend on a_t, it stays unbiased and its variance shrinks: Ψ_t is the *advantage*. Each
 estimator answers the credit-assignment question its own way: a critic (gae), the group (grpo,
 dr_grpo, rloo, opo, gpg, grpo_passk), a greedy response (remax), the batch (reinforce_pp), a
-variance-optimal per-token baseline (otb), each reward component (gdpo). Their papers, and every
+variance-optimal per-token baseline (otb), each reward component (gdpo), a teacher's log-probs of the
+student's own tokens (opd: on-policy distillation). Their papers, and every
 place verl and slime differ with the choice made here: docs/from-slime-verl.md.
 Start at `grpo`, then `gae`. Each estimator is a keyword-only function registered with
 @register_advantage, which declares what it reads by its parameter names (nanorl/plan.py).
@@ -21,7 +22,8 @@ import torch
 # name -> estimator. Built-ins and plug-ins (--advantage file.py:fn, nanorl/plugins.py) register alike.
 # An estimator declares what it reads by its keyword parameters: `values` needs a critic,
 # `old_logprobs` the π_old recompute, `sum_sq_probs` Σπ² from that pass, `baselines` a greedy
-# response per prompt, `rollout_is_weights` TIS/MIS weights (nanorl/plan.py turns them into the step).
+# response per prompt, `rollout_is_weights` TIS/MIS weights, `teacher_logprobs` a teacher's scoring of
+# the sampled tokens (--teacher; nanorl/plan.py turns them into the step).
 ADVANTAGE_ESTIMATORS: dict = {}
 
 
@@ -455,6 +457,36 @@ def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_
     return _uncompact(adv, dest, m), _uncompact(ret, dest, m)
 
 
+# ----------------------------------------------------------------------------- on-policy distillation
+
+
+def reverse_kl_advantage(old_logprobs, teacher_logprobs, mask):
+    """log π_teacher(a_t|s_t) − log π_old(a_t|s_t) on the sampled tokens: −k1 of the reverse KL
+    KL(π_old ‖ π_teacher), one sample of it per token. [B, T] each; float32, 0 outside the mask.
+
+    The student's own samples make this the per-token reward of on-policy distillation (Agarwal et al.
+    2024, GKD; Qwen3's and Thinking Machines' recipes): maximising Σ_t of it over the student's
+    trajectories minimises the sequence-level reverse KL, which is mode-seeking — the student is pushed
+    off the tokens the teacher finds unlikely rather than asked to cover all of the teacher's mass. The
+    student term is π_old, the policy that sampled (detached, like every advantage: slime's
+    apply_opd_kl_to_advantages reads its old-policy log-probs the same way); with --async-steps the
+    trainer's weights are newer than the sampler's, so the config asks for --old-logprobs rollout."""
+    m = mask > 0
+    old = _check_tokens("old_logprobs", old_logprobs, m)
+    teacher = _check_tokens("teacher_logprobs", teacher_logprobs, m)
+    return torch.where(m, teacher - old, 0.0)
+
+
+@register_advantage("opd")
+def opd(*, mask, old_logprobs, teacher_logprobs):
+    """On-policy distillation: A_t = log π_teacher − log π_old per token (`reverse_kl_advantage`),
+    each token its own reward and its own return (no discounting over later tokens, as Thinking
+    Machines' recipe: discount 0). It reads no task reward: --distill-coef adds the same signal to a
+    reward estimator's advantages instead (nanorl/stages.py advantages)."""
+    adv = reverse_kl_advantage(old_logprobs, teacher_logprobs, mask)
+    return adv, adv.clone()
+
+
 # ----------------------------------------------------------------------------- registry
 
 # What the trainer can feed an estimator (train.py advantage_inputs), by name; a user estimator
@@ -462,7 +494,7 @@ def otb(*, mask, index, token_rewards=None, scores=None, old_logprobs=None, sum_
 # batch's per-sample Sample.metadata dicts, one per row (nanorl/trajectory.py collate).
 PLUGIN_INPUTS = frozenset({"mask", "index", "scores", "token_rewards", "values", "components", "old_logprobs",
                            "sum_sq_probs", "rollout_is_weights", "gamma", "lam", "pass_k", "kl_penalty",
-                           "whiten", "component_weights", "baselines", "metadata"})
+                           "whiten", "component_weights", "baselines", "metadata", "teacher_logprobs"})
 
 
 def estimator_inputs(name):

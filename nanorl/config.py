@@ -1,10 +1,11 @@
 """Configuration: one dataclass, a docstring per field; every flag of train.py is a field of `Config`.
 
 Read the class top to bottom. Its first section holds the flags a GRPO run sets first; then one section per
-concern (data, reward, sampling, engine, environments, async, advantage, loss and each loss's own knobs,
-KL, DAPO, off-policy, optimisation, memory, evaluation). `--help` shows the same sections in the same
-order: each `# --- title` comment line is an argument group (`help_layout` reads them from the source).
-An `--algo` preset (nanorl/presets.py) is a named set of field values; flags given override it.
+concern (data, reward, sampling, engine, environments, async, advantage, loss and each loss's own
+knobs, KL, distillation, DAPO, off-policy, optimisation, memory, evaluation). `--help` shows the same
+sections in the same order: each `# --- title` comment line is an argument group (`help_layout` reads
+them from the source). An `--algo` preset (nanorl/presets.py) is a named set of field values; flags
+given override it.
 
 `__post_init__` rejects out-of-range values and flags that would do nothing, with a message naming the
 field (the rules: nanorl/config_checks.py). It reads fields only: user code (--plugin, file.py:fn) is
@@ -228,6 +229,14 @@ class Config:
     adding it to neither the loss nor the reward."""
     kl_target: float = 0.0
     """> 0: adapt β toward this KL per token (Ziegler et al. 2019), in either placement."""
+    # --- on-policy distillation (nanorl/teacher.py): a teacher scores the student's own samples
+    teacher: str = ""
+    """Hugging Face name or local path of a teacher LM with the policy's tokenizer: each step it scores
+    the sampled tokens (train/teacher_kl logs KL(π_old ‖ π_teacher)); read by --advantage opd (the
+    distill preset) or --distill-coef."""
+    distill_coef: float = 0.0
+    """λ: add λ·(log π_teacher − log π_old) per token to a task-reward estimator's advantages (slime's
+    --opd-kl-coef); 0 = off. Not with --advantage opd, which is that signal alone."""
     # --- DAPO: dynamic sampling and overlong responses (nanorl/dapo.py)
     filter_groups: bool = False
     """Dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the

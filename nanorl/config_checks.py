@@ -118,6 +118,9 @@ def check_advantage_and_loss(cfg) -> None:
         check_estimator(cfg, ADVANTAGE_ESTIMATORS[cfg.advantage])
     need(cfg.gdpo_weights == "" or all(_is_float(x) for x in cfg.gdpo_weights.split(",")),
          f"gdpo_weights must be comma-separated numbers, got {cfg.gdpo_weights!r}")
+    need(cfg.distill_coef >= 0, f"distill_coef must be >= 0, got {cfg.distill_coef}")
+    need(not cfg.distill_coef or cfg.teacher, "distill_coef needs --teacher (the model whose log-probs "
+         "it distils)")
     need(not cfg.kl_in_reward or cfg.kl_coef > 0, "kl_in_reward needs kl_coef > 0")
     need(not cfg.unbiased_kl or (cfg.kl_coef > 0 and not cfg.kl_in_reward),
          "unbiased_kl weights the KL loss term: needs kl_coef > 0 without kl_in_reward")
@@ -202,6 +205,23 @@ def check_estimator(cfg, fn) -> None:
     from nanorl.plan import explicit_inputs
 
     uses, named = estimator_inputs(fn), explicit_inputs(fn)
+    # on-policy distillation (nanorl/teacher.py): the teacher, its estimator, and --distill-coef
+    reads_teacher = "teacher_logprobs" in named
+    need(not reads_teacher or cfg.teacher, f"advantage {cfg.advantage} reads teacher_logprobs: set "
+         "--teacher PATH_OR_NAME (a model with the policy's tokenizer)")
+    need(not (reads_teacher and cfg.distill_coef), f"distill_coef adds the distillation advantage to a "
+         f"task-reward estimator's; advantage {cfg.advantage} is that advantage alone: drop one")
+    need(not cfg.teacher or reads_teacher or cfg.distill_coef > 0, f"--teacher does nothing with "
+         f"advantage {cfg.advantage} and distill_coef 0: use --algo distill, or --distill-coef > 0")
+    # stale samples: π_old (the trainer's newer weights) is not the policy that sampled, and the
+    # reverse-KL reward must be that one's (measured: docs/tour.md section 20)
+    need(not ((reads_teacher or cfg.distill_coef) and cfg.async_steps and cfg.old_logprobs != "rollout"),
+         "--async-steps with a teacher needs --old-logprobs rollout: the distillation reward "
+         "log π_teacher − log π_student must score the policy that sampled, not the trainer's newer one")
+    need(not (cfg.kl_in_reward and reads_teacher and "token_rewards" not in uses), f"kl_in_reward: "
+         f"advantage {cfg.advantage} reads no reward to put the KL into; put KL in the loss (the default)")
+    need("scores" in uses or "token_rewards" in uses or reads_teacher, f"advantage {cfg.advantage} "
+         "reads no reward (scores, token_rewards) and no teacher_logprobs: it has no signal to learn from")
     need("values" not in named or cfg.vf_coef > 0,
          f"advantage {cfg.advantage} needs a critic: set vf_coef > 0")
     need(cfg.gamma == 1 or "gamma" in uses, f"gamma does nothing with advantage {cfg.advantage}")

@@ -8,11 +8,11 @@ Link: written after the update, from what the rollout, reward, recompute and adv
 Start at `rollouts` (the step's hook), then `records` (one JSON line per sample: step, index, group,
 prompt and response text, reward and its components, status, weight version, and per response token,
 as parallel lists under "tokens": id, text, rollout_logprob, trainer_logprob, entropy, advantage,
-loss_mask) and `write`. Key choices: floats are the float32 values exactly and a non-finite one is null
-(strict JSON); the trainer's π_old is the recompute pass or the update's first forward, and on a dump
-step the recompute always runs, so every row has one (`rollouts`); out_dir/rollouts stays under one
-byte budget, `--dump-rollouts-mb` (`write`); several ranks: rank 0 writes the samples it holds, with
-no collective in the dump path.
+loss_mask, teacher_logprob — null without --teacher) and `write`. Key choices: floats are the float32
+values exactly and a non-finite one is null (strict JSON); the trainer's π_old is the recompute pass or
+the update's first forward, and on a dump step the recompute always runs, so every row has one
+(`rollouts`); out_dir/rollouts stays under one byte budget, `--dump-rollouts-mb` (`write`); several
+ranks: rank 0 writes the samples it holds, with no collective in the dump path.
 
 Test: python -m pytest tests/test_dump.py -q
 """
@@ -25,7 +25,8 @@ import os
 
 import torch
 
-FIELDS = ("id", "text", "rollout_logprob", "trainer_logprob", "entropy", "advantage", "loss_mask")
+FIELDS = ("id", "text", "rollout_logprob", "trainer_logprob", "entropy", "advantage", "loss_mask",
+          "teacher_logprob")
 
 
 def _floats(values) -> list:
@@ -49,7 +50,7 @@ def records(samples, tokenizer, step: int, tokens: dict | None = None) -> list[d
         tok = {"id": list(s.response_ids), "text": [piece[i] for i in s.response_ids],
                "rollout_logprob": _floats(s.rollout_logprobs) if s.rollout_logprobs is not None else None,
                "loss_mask": list(s.loss_mask) if s.loss_mask is not None else [1] * R}
-        for k in ("trainer_logprob", "entropy", "advantage", "loss_mask"):
+        for k in ("trainer_logprob", "entropy", "advantage", "loss_mask", "teacher_logprob"):
             if k in tokens:
                 vals = _floats(tokens[k][row, :R].tolist())
                 tok[k] = [int(v) for v in vals] if k == "loss_mask" else vals
@@ -127,6 +128,8 @@ def rollouts(samples, batch, tokenizer, step: int, every: int, out_dir: str, max
         unscored = torch.where(scored > 0, 0.0, math.nan)
         tokens = {"trainer_logprob": logp + unscored, "entropy": ent + unscored,
                   "advantage": batch.tensors.advantages, "loss_mask": batch.response_mask}
+        if batch.tensors.teacher_logprobs is not None:  # --teacher: its log-probs of the sampled tokens
+            tokens["teacher_logprob"] = batch.tensors.teacher_logprobs
     recs = records(samples, tokenizer, step, tokens)
     path, n = write(os.path.join(out_dir, "rollouts"), step, recs, int(max_mb * 2**20))
     if n < len(recs):

@@ -2,7 +2,8 @@
 
 An advantage estimator declares what it reads by its keyword parameters (nanorl/advantage.py), a
 policy loss by its registered `needs` (nanorl/losses.py), and a few flags add their own (TIS/MIS
-weights read π_old, the 80/20 rule reads π_old's entropy, a KL term reads the reference). The plan
+weights read π_old, the 80/20 rule reads π_old's entropy, a KL term reads the reference, --distill-coef
+reads the teacher's log-probs and π_old). The plan
 is their union; the step (train.py) computes exactly what the plan says and names no algorithm.
 Start at `make_plan`. Test: python -m pytest tests/test_plan.py -q
 """
@@ -45,6 +46,9 @@ class Plan:
     a loss with --skip-zero-advantage, where a row with advantage 0 everywhere never reaches the loss)."""
     kl_in_reward: bool
     """The KL penalty goes into the rewards the estimator sees (else it is a loss term, if any)."""
+    teacher: bool = False
+    """log π_teacher of the sampled tokens, scored by --teacher (an estimator's `teacher_logprobs`, or
+    --distill-coef adding the distillation advantage to another estimator's)."""
 
     @property
     def scoring_pass(self) -> bool:
@@ -70,12 +74,16 @@ def make_plan(cfg, estimator: Callable, policy_loss) -> Plan:
 
     π_old is recomputed when the update is off-policy (several epochs or mini-batches), when
     --old-logprobs recompute asks for it, and when anything reads it before the update: a KL in the
-    reward, IS weights, the 80/20 entropy selection, or an estimator / loss that declares it. On-policy
-    and unread, the recompute is skipped: the update's first forward is π_old itself (nanorl/update.py).
+    reward, IS weights an estimator reads, the 80/20 entropy selection, a teacher's signal
+    (--distill-coef or an estimator reading `teacher_logprobs`), or an estimator / loss that declares
+    it. On-policy and unread, the recompute is skipped: the update's first forward is π_old itself
+    (nanorl/update.py), and TIS / MIS weights come from it too.
     --old-logprobs rollout takes the engine's logprobs instead (no recompute)."""
     named = explicit_inputs(ADVANTAGE_ESTIMATORS[estimator] if isinstance(estimator, str) else estimator)
     on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
-    reads_old = (cfg.kl_in_reward or bool(cfg.top_entropy_quantile)
+    # distillation: log π_teacher − log π_old, both before the update (nanorl/advantage.py opd)
+    teacher = "teacher_logprobs" in named or cfg.distill_coef > 0
+    reads_old = (cfg.kl_in_reward or bool(cfg.top_entropy_quantile) or teacher
                  or "old_logprobs" in named or "old_logprobs" in loss_needs(policy_loss))
     # TIS / MIS need π_old before the update only when something reads them (or it) first
     is_early = cfg.old_logprobs != "auto" or not on_policy or reads_old or "rollout_is_weights" in named
@@ -88,4 +96,4 @@ def make_plan(cfg, estimator: Callable, policy_loss) -> Plan:
     return Plan(estimator=estimator, estimator_inputs=estimator_inputs(estimator), old_logprobs=old,
                 sum_sq_probs="sum_sq_probs" in named, old_entropy=bool(cfg.top_entropy_quantile),
                 values=cfg.vf_coef > 0, greedy_baselines="baselines" in named, is_weights=is_weights,
-                reference=reference, kl_in_reward=cfg.kl_in_reward)
+                reference=reference, kl_in_reward=cfg.kl_in_reward, teacher=teacher)

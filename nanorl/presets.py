@@ -44,6 +44,8 @@ PRESETS: dict[str, tuple[str, dict]] = {
                dict(policy_loss="kl_cov", cov_ratio=2e-4, cov_kl_coef=1.0, loss_agg="token-mean")),
     "clip_cov": ("detach random high-covariance tokens (Clip-Cov, Cui et al. 2025; verl's defaults)",
                  dict(policy_loss="clip_cov", cov_ratio=2e-4, loss_agg="token-mean")),
+    "distill": ("on-policy distillation: reverse KL to --teacher on the student's own samples (opd)",
+                dict(advantage="opd", loss_agg="token-mean")),
     "gdpo": ("each reward component normalised in its group, then summed (GDPO)",
              dict(advantage="gdpo", reward="exact_format")),
 }

@@ -13,13 +13,14 @@ import math
 import torch
 
 from nanorl import dapo, distributed, dump, precision
-from nanorl.advantage import compute_advantages
+from nanorl.advantage import compute_advantages, reverse_kl_advantage
 from nanorl.env import episode_metrics, turn_reward_tensor
 from nanorl.kl import kl_estimator, kl_penalized_rewards, masked_mean
 from nanorl.metrics import memory_metrics, namespaced, reward_metrics
 from nanorl.offpolicy import is_metrics, mismatch_metrics
 from nanorl.rewards import score_samples
 from nanorl.rollout import SamplingConfig, stop_token_ids
+from nanorl.teacher import teacher_logprobs
 from nanorl.trajectory import TRAINS, collate
 from nanorl.update import (
     old_policy_view,
@@ -157,9 +158,9 @@ def to_batch(run, samples) -> tuple[list, object]:
 
 
 def recompute(run, samples, batch, metrics: dict) -> None:
-    """Link 3: π_old, the critic's values, Σπ², π_old's entropy and the reference logprobs — each only
-    when the plan needs it — in one no-gradient pass of the policy (FSDP gathers its weights inside
-    `trained`; micro-batched as training) and one of the reference."""
+    """Link 3: π_old, the critic's values, Σπ², π_old's entropy, the reference logprobs and the
+    teacher's — each only when the plan needs it — in one no-gradient pass of the policy (FSDP gathers
+    its weights inside `trained`; micro-batched as training), one of the reference, one of the teacher."""
     plan, t, support = run.plan, batch.tensors, support_of(run, batch)
     if run.cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
         t.old_logprobs = routing_forward(run, batch, support, metrics)
@@ -172,6 +173,8 @@ def recompute(run, samples, batch, metrics: dict) -> None:
         t.update(trainer_logprobs=old, trainer_entropy=ent, old_values=values,
                  old_logprobs=old if again else t.old_logprobs,
                  old_entropy=ent if plan.old_entropy else None, sum_sq_probs=sum_sq)
+    if plan.teacher:  # on-policy distillation: the teacher scores the student's own tokens
+        t.teacher_logprobs = teacher_logprobs(run, batch, support)
     if plan.reference == "from the worker":  # --async-steps: the rollout worker scored them
         t.ref_logprobs = run.pipeline.ref_logprobs(samples, batch)
     elif plan.reference == "every row":
@@ -187,7 +190,9 @@ def reference_of_trained_rows(run, batch) -> None:
 
 def advantages(run, batch, baselines, metrics: dict) -> None:
     """Link 4: the off-policy weights of the step (known before the update; an estimator may read
-    them), the KL in the reward if it goes there, then the chosen estimator's advantages and returns."""
+    them), the KL in the reward if it goes there, then the chosen estimator's advantages and returns,
+    plus --distill-coef × the distillation advantage, added after the estimator's own normalisation
+    (slime's --opd-kl-coef: A_t − λ·(log π_old − log π_teacher), on any estimator)."""
     cfg, t, mask = run.cfg, batch.tensors, batch.response_mask  # mask: [B, T] valid response tokens
     if run.plan.is_weights == "recompute":  # TIS / MIS: π_old/π_rollout (nanorl/offpolicy.py)
         w, changed, rho = step_is_weights(cfg, t.old_logprobs, batch.rollout_logprobs, mask)
@@ -199,6 +204,11 @@ def advantages(run, batch, baselines, metrics: dict) -> None:
         metrics["kl_ref"] = float(masked_mean(kl, mask))  # logged, and what --kl-target steers by
     t.advantages, t.returns = compute_advantages(run.plan.estimator,
                                                  **advantage_inputs(run, batch, kl, baselines))
+    if run.plan.teacher:  # KL(π_old ‖ π_teacher) per token, k1 on the sampled tokens: distillation lowers it
+        metrics["teacher_kl"] = float(masked_mean(t.old_logprobs - t.teacher_logprobs, mask))
+    if cfg.distill_coef:  # a task reward + distillation: A_t + λ·(log π_teacher − log π_old) (slime's OPD)
+        t.advantages = t.advantages + cfg.distill_coef * reverse_kl_advantage(
+            t.old_logprobs, t.teacher_logprobs, mask)  # [B, T]
     if cfg.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
         batch.response_mask = dapo.truncated_loss_mask(batch.response_mask, batch.truncated)
 
@@ -324,7 +334,7 @@ def advantage_inputs(run, batch, kl, baselines) -> dict:
     uses = run.plan.estimator_inputs
     comps = torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None
     have = dict(mask=mask, index=batch.group_ids, values=t.old_values, components=comps,
-                old_logprobs=t.old_logprobs, sum_sq_probs=t.sum_sq_probs,
+                old_logprobs=t.old_logprobs, sum_sq_probs=t.sum_sq_probs, teacher_logprobs=t.teacher_logprobs,
                 rollout_is_weights=t.is_weights, gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k,
                 metadata=batch.metadata)  # per-row Sample.metadata: for a user estimator
     inputs = {k: v for k, v in have.items() if k in uses and v is not None}
@@ -334,8 +344,9 @@ def advantage_inputs(run, batch, kl, baselines) -> dict:
         kl_part = 0 if kl is None else kl_penalized_rewards(torch.zeros_like(batch.rewards), kl, mask, beta)
         # each on its turn's last token, −β·KL on every token
         inputs["token_rewards"] = t.turn_rewards + kl_part
-    elif kl is None:
-        inputs["scores"] = batch.rewards
+    elif kl is None:  # (pure distillation, opd, reads no score: the rewards are only logged)
+        if "scores" in uses or "teacher_logprobs" not in uses:
+            inputs["scores"] = batch.rewards
     elif "kl_penalty" in uses:  # slime's REINFORCE++-baseline: the KL stays per token
         inputs.update(scores=batch.rewards, kl_penalty=run.kl_ctl.beta * kl)
     else:  # −β·KL per token + the score on the last one; outcome estimators score Σ_t of it (verl)

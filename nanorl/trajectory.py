@@ -147,6 +147,7 @@ class StepTensors:
     step's plan does not need it (nanorl/plan.py): nothing here is computed "just in case"."""
     old_logprobs: Tensor | None = None  # [B, T] log π_old: the policy before the update (recompute)
     ref_logprobs: Tensor | None = None  # [B, T] log π_ref: the reference model, for a KL term
+    teacher_logprobs: Tensor | None = None  # [B, T] log π_teacher of the sampled tokens (--teacher)
     old_values: Tensor | None = None  # [B, T] V_old: the critic before the update (GAE)
     old_entropy: Tensor | None = None  # [B, T] entropy of π_old (the 80/20 rule's token selection)
     sum_sq_probs: Tensor | None = None  # [B, T] Σ_v π_old(v)² over the vocabulary (OTB)

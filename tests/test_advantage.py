@@ -41,7 +41,8 @@ def full_inputs(B=6, T=5, mask=None):
     return dict(scores=torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0])[:B], mask=mask,
                 index=torch.tensor([5, 5, 5, 9, 9, 9])[:B], token_rewards=None,
                 values=torch.randn(B, T), components=torch.rand(B, 2),
-                old_logprobs=lp, sum_sq_probs=lp.exp() ** 2 + 0.1, gamma=1.0, lam=1.0,
+                old_logprobs=lp, sum_sq_probs=lp.exp() ** 2 + 0.1, teacher_logprobs=lp * 0.5,
+                gamma=1.0, lam=1.0,
                 norm_by_std=True, eps=1e-6, pass_k=1, chunk_size=4, baselines=torch.rand(B))
 
 

@@ -54,6 +54,8 @@ def test_every_preset_runs(algo, task_dir, tmp_path):
     # DAPO drops groups whose rewards are all equal: 8 samples per group keep some (seed 0: both steps train)
     filtered = PRESETS[algo][1].get("filter_groups")
     extra = ("--samples-per-prompt", "8") if filtered else ()
+    if PRESETS[algo][1].get("advantage") == "opd":  # distillation needs a teacher: the policy's own copy
+        extra += ("--teacher", task_dir["model"], "--no-skip-zero-advantage")  # (its advantages are 0)
     res = train.main(args(task_dir, tmp_path, "--algo", algo, *extra))
     assert res["step"] == 2
     lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
