@@ -94,19 +94,22 @@ def iter_checkpoint_tensors(model: torch.nn.Module,
     shards are gathered tensor by tensor (nanorl/distributed.py iter_full_tensors), so streaming into
     vLLM never holds a full state dict. transformers 5 fuses MoE experts in memory (gate_up_proj
     [E, 2I, H]); save_pretrained's reversal undoes that, here tensor by tensor (every reversal maps
-    one in-memory tensor to its checkpoint tensors)."""
+    one in-memory tensor to its checkpoint tensors). LoRA: the merged weights under the base model's
+    names, never an adapter tensor (nanorl/lora.py iter_merged)."""
     # DDP wrapper off
+    from nanorl import lora
     from nanorl.distributed import iter_full_tensors, unwrap
 
     model = unwrap(model)
+    tensors = lora.iter_merged if lora.is_lora(model) else iter_full_tensors
     try:
         from transformers.core_model_loading import revert_weight_conversion
     # transformers 4: in-memory names are the checkpoint names
     except ImportError:
-        yield from iter_full_tensors(model, dtype)
+        yield from tensors(model, dtype)
         return
     # dtype: the engine's; each shard is cast before its gather (nanorl/distributed.py)
-    for name, tensor in iter_full_tensors(model, dtype):
+    for name, tensor in tensors(model, dtype):
         yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
