@@ -194,7 +194,7 @@ class Bench(StepEntries):
                # steps: bench_steps.py
                "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",
                "eval_sharded", "padding", "ksm", "routing_replay", "reward_model", "async_steps", "default",
-               "default_threads")
+               "default_threads", "lora_memory")
 
     def pick(self, full, quick):
         return quick if self.quick else full
