@@ -237,6 +237,9 @@ class Bench(StepEntries):
     def peak_mib(self, step) -> float | None:
         return peak_mib(step, self.device)
 
+    def allocated_peak_mib(self, step) -> float:
+        return allocated_peak_mib(step)
+
     # ------------------------------------------------------------------------- components
     def gae(self):
         """GAE: the per-token reverse loop vs the chunked matrix scan; results must agree to 1e-5."""

@@ -260,8 +260,7 @@ class StepEntries:
             took, sizes = [], {}
             peak = self.peak_mib(partial(_lora_memory_step, model, opt, mb, took, sizes))
             # a second step, by torch's allocator (deterministic): its gradients are allocated again
-            from bench import allocated_peak_mib
-            second = allocated_peak_mib(partial(_lora_memory_step, model, opt, mb, [], {}))
+            second = self.allocated_peak_mib(partial(_lora_memory_step, model, opt, mb, [], {}))
             sizes["KL reference"] = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref else 0
             state = sum(sizes.values())
             parts = " + ".join(f"{k} {v / 2**20:.1f}" for k, v in sizes.items())

@@ -77,7 +77,8 @@ def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int
                           max_model_len=cfg.max_model_len or longest,
                           kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
                           gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                          record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
+                          record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0,
+                          lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0)
     sampler = frozen_copy(model, dtype).to(device) if cfg.fsdp else model
     engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay,
                       compute_dtype=dtype)

@@ -274,6 +274,9 @@ class Config:
     lora_target_modules: str = "all-linear"
     """Modules to adapt, comma-separated (e.g. q_proj,v_proj), or all-linear: every linear layer of
     attention and MLP, not the LM head (attention-only LoRA underperforms: LoRA Without Regret)."""
+    lora_sync: str = "merged"
+    """--engine vllm: merged (the merged weights through the verified full reload) or adapter (vLLM's
+    own LoRA: only the adapters move; faster sync, slower generation: docs/bench_results.md)."""
     # --- memory, speed, precision and ranks
     micro_batch_size: int = 0
     """Samples per forward/backward (0 = all of a mini-batch)."""

@@ -15,7 +15,8 @@ BUILTIN_ENV_NAMES = ("calc", "python_tool")
 # Fields with a fixed set of values: argparse offers them as choices, `check` checks them
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
            "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
-           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16")}
+           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16"),
+           "lora_sync": ("merged", "adapter")}
 
 
 def need(ok: bool, msg: str) -> None:
@@ -229,6 +230,8 @@ def check_lora(cfg) -> None:
     need(0 <= cfg.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
     need(all(t.strip() for t in cfg.lora_target_modules.split(",")),
          f"lora_target_modules: an empty name in {cfg.lora_target_modules!r}")
+    need(cfg.lora_sync == "merged" or (on and cfg.engine != "hf"), "lora_sync adapter needs lora_rank > 0 "
+         "and the vLLM engine (the HF engine samples from the adapted module itself)")
     for name, default in (("lora_alpha", 32.0), ("lora_dropout", 0.0), ("lora_target_modules", "all-linear")):
         need(on or getattr(cfg, name) == default, f"{name} needs lora_rank > 0 (it does nothing without)")
     for bad, what in ((cfg.fsdp, "--fsdp (not built: the merged-weight stream and the adapters-off "

@@ -13,7 +13,8 @@ the plain causal LM (`model.base_model`, `get_output_embeddings`, ...). What cha
 - the sync: the HF engine samples from the module itself, adapters on; vLLM gets the MERGED weights
   W + (α/r)·B·A under the base model's own names (`iter_merged`), streamed through the same verified
   reload as full fine-tuning (nanorl/vllm_engine.py), one tensor at a time; the base stays untouched
-  (merging in place and back would round the base weights);
+  (merging in place and back would round the base weights); --lora-sync adapter hands vLLM the
+  adapters instead (its own LoRA, nanorl/vllm_engine.py);
 - checkpoints hold the adapters in PEFT's format (`save_adapters`: PeftModel.from_pretrained loads
   them) instead of the full model; `python -m nanorl.export` writes a merged HF checkpoint.
 
