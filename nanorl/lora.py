@@ -130,14 +130,3 @@ def load_adapters(model: torch.nn.Module, weights: dict[str, torch.Tensor], path
 def adapter_path(checkpoint_dir: str) -> str:
     return os.path.join(checkpoint_dir, ADAPTER_FILE)
 
-
-def trainer_state_bytes(model: torch.nn.Module, optimizer_slots: int = 2) -> dict[str, int]:
-    """Bytes of what training holds for `model`'s trainable parameters beside the frozen ones:
-    {"params": every parameter, "trainable": those that require grad, "grads": one fp32 gradient per
-    trainable one, "optimizer": AdamW's `optimizer_slots` fp32 moments per trainable one}."""
-    params = {id(p): p for p in model.parameters()}.values()  # tied weights once
-    trainable = [p for p in params if p.requires_grad]
-    n = sum(p.numel() for p in trainable)
-    return {"params": sum(p.numel() * p.element_size() for p in params),
-            "trainable": sum(p.numel() * p.element_size() for p in trainable),
-            "grads": 4 * n, "optimizer": 4 * optimizer_slots * n}
