@@ -489,6 +489,11 @@ class VLLMEngine:
             return
         if self._asleep is not None and self._asleep != level:
             raise RuntimeError(f"VLLMEngine.sleep({level}): already asleep at level {self._asleep}")
+        # the adapter sync never resends the base weights level 2 discards
+        if level == 2 and self._lora_dir is not None:
+            raise RuntimeError("VLLMEngine.sleep(2) with --lora-sync adapter: level 2 discards the base "
+                               "weights and the adapter sync hands over only the adapters; use "
+                               "--sleep-level 1 (or --lora-sync merged)")
         if self._asleep is not None:
             return
         if self._explained_level != level:

@@ -156,3 +156,13 @@ def test_gradient_checkpointing_and_micro_batches_give_the_same_step(task, tmp_p
 def test_config_refuses_what_lora_cannot_do(flags, match):
     with pytest.raises(ValueError, match=match):
         parse_args(flags)
+
+
+def test_adapter_sync_refuses_sleep_level_2():
+    """--lora-sync adapter never resends the base weights, which sleep level 2 discards (GPU only:
+    an engine object with sleep mode on, no vLLM started)."""
+    from nanorl.vllm_engine import VLLMEngine
+    engine = VLLMEngine.__new__(VLLMEngine)
+    engine.sleep_supported, engine._asleep, engine._lora_dir = True, None, "/nonexistent"
+    with pytest.raises(RuntimeError, match="use --sleep-level 1"):
+        engine.sleep(2)
