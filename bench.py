@@ -194,7 +194,7 @@ class Bench(StepEntries):
                # steps: bench_steps.py
                "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",
                "eval_sharded", "padding", "ksm", "routing_replay", "reward_model", "async_steps", "default",
-               "default_threads", "distill")
+               "default_threads", "distill", "lora_memory")
 
     def pick(self, full, quick):
         return quick if self.quick else full
@@ -236,6 +236,9 @@ class Bench(StepEntries):
 
     def peak_mib(self, step) -> float | None:
         return peak_mib(step, self.device)
+
+    def allocated_peak_mib(self, step) -> float:
+        return allocated_peak_mib(step)
 
     # ------------------------------------------------------------------------- components
     def gae(self):

@@ -236,6 +236,43 @@ class StepEntries:
         self.check(got[1]["eval/accuracy"] == got[2]["eval/accuracy"],
                    "eval_sharded: 2-rank greedy accuracy == 1-rank")
 
+    def lora_memory(self):
+        """LoRA vs full fine-tuning on the real-shape model (2 layers): trainer-state bytes (parameters,
+        gradients, AdamW moments, the KL's reference) counted from the tensors after one step, and the
+        resident memory one step (fwd + bwd + AdamW, bf16 autocast, one micro-batch) adds at its peak
+        over the loaded model: the first step, which creates the gradients and AdamW's moments (and the
+        second step's peak as torch's allocator counts it: deterministic, gradients again). LoRA:
+        rank 8 on every linear layer, no reference copy (adapters off). Then the same state arithmetic
+        for Qwen2.5-0.5B / 7B / 32B (counted on meta-device models) on one 80 GB / 141 GB GPU."""
+        from nanorl import lora
+        from nanorl.policy import frozen_copy
+        path = make_real_shape(os.path.join(self.workdir, "real_shape"))["model"]
+        rng, (P, R) = np.random.default_rng(0), self.pick((64, 64), (4, 4))
+        lens = [(int(rng.integers(P // 2, 3 * P // 2)), int(rng.integers(R // 2, 3 * R // 2)))
+                for _ in range(4)]
+        for rank in (8, 0):  # LoRA first: the full run's freed pages cannot hide its peak
+            model = load_model(path, self.device)[0].train()
+            if rank:
+                lora.apply(model, rank, 32.0, 0.0, "all-linear")
+            ref = None if rank else frozen_copy(model, torch.bfloat16)
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, fused=True)
+            mb = random_batch(lens, model.config.vocab_size, self.device)
+            took, sizes = [], {}
+            peak = self.peak_mib(partial(_lora_memory_step, model, opt, mb, took, sizes))
+            # a second step, by torch's allocator (deterministic): its gradients are allocated again
+            second = self.allocated_peak_mib(partial(_lora_memory_step, model, opt, mb, [], {}))
+            sizes["KL reference"] = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref else 0
+            state = sum(sizes.values())
+            parts = " + ".join(f"{k} {v / 2**20:.1f}" for k, v in sizes.items())
+            self.add("lora_memory", f"Qwen2.5-0.5B shape L=2, {int(mb.attention_mask.sum())} tokens, bf16",
+                     f"LoRA r={rank}, all-linear" if rank else "full fine-tuning", dict(median=took[0]),
+                     baseline=not rank, peak_mib=peak, state_bytes=state,
+                     note=f"trainer state {state / 2**20:.0f} MiB = {parts}; 2nd step allocates "
+                          f"{second:.0f} MiB at its peak")
+            model = ref = opt = mb = None
+        for line in lora_arithmetic():
+            self.notes.append("lora_memory: " + line)
+
     def async_steps(self):
         """Synchronous vs --async-steps 1 and 2 (and 1 with TIS, which adds the π_old recompute to the
         trainer's side; and both at half the lr, where one step of staleness costs no accuracy) on the
@@ -413,3 +450,51 @@ class StepEntries:
                          steps_to_60=reach[0] if reach else None,
                          note=f"{100 * before:.1f}% → {100 * acc:.1f}%; 60% at " + (
                              f"step {reach[0]} ({reach[1]:.0f} s)" if reach else "not reached"))
+
+# Qwen2.5 shapes (their config.json files): hidden, MLP, layers, heads, KV heads, vocabulary, tied
+QWEN25 = {"0.5B": (896, 4864, 24, 14, 2, 151936, True), "7B": (3584, 18944, 28, 28, 4, 152064, False),
+          "32B": (5120, 27648, 64, 40, 8, 152064, False)}
+
+
+def lora_arithmetic(rank: int = 8, gpus=(80, 141)) -> list[str]:
+    """Trainer-state GB of full fine-tuning vs LoRA (rank `rank`, every linear layer but the head) for
+    the QWEN25 sizes, parameters counted on meta-device models (no memory): full = fp32 weights, fp32
+    gradients, AdamW's two fp32 moments (16 B/param) + the KL's bf16 reference (2 B/param); LoRA = the
+    fp32 base as nanorl holds it (4 B/param; 2 if it were kept in bf16: it never updates) + 16 B per
+    adapter parameter, no reference. What each leaves of one GPU for activations, vLLM's bf16 copy
+    (2 B/param) and its KV cache."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    lines = []
+    for name, (h, i, layers, heads, kv, vocab, tied) in QWEN25.items():
+        cfg = Qwen2Config(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=kv, vocab_size=vocab,
+                          tie_word_embeddings=tied)
+        with torch.device("meta"):
+            model = Qwen2ForCausalLM(cfg)
+        n = sum(p.numel() for p in model.parameters())
+        adapters = sum(rank * (m.in_features + m.out_features) for k, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and k != "lm_head")
+        full, base = 18 * n / 1e9, 4 * n / 1e9
+        lo, lo16 = base + 16 * adapters / 1e9, base / 2 + 16 * adapters / 1e9
+        left = lambda x: ", ".join(f"{g} GB: {g - x:+.0f}" for g in gpus)  # noqa: E731
+        lines.append(f"Qwen2.5-{name} ({n / 1e9:.2f}B params, LoRA r={rank} {adapters / 1e6:.1f}M): full "
+                     f"{full:.1f} GB ({left(full)}); LoRA fp32 base {lo:.1f} GB ({left(lo)}); LoRA bf16 base "
+                     f"{lo16:.1f} GB ({left(lo16)}); + vLLM bf16 weights {2 * n / 1e9:.1f} GB")
+    return lines
+
+
+def _lora_memory_step(model, opt, mb, took, sizes):
+    """One fwd + bwd + AdamW step of the policy loss (lora_memory); `sizes` gets the state's bytes."""
+    t = time.perf_counter()
+    with precision.autocast(mb.input_ids.device, torch.bfloat16):
+        adv = torch.randn(mb.response_ids.shape)
+        loss = micro_batch_loss(model, mb, adv, mb.response_mask.sum(), mb.input_ids.shape[0])
+    loss.backward()
+    unique = {id(p): p for p in model.parameters()}.values()  # tied weights once
+    sizes["params"] = sum(p.numel() * p.element_size() for p in unique)
+    sizes["grads"] = sum(p.grad.numel() * p.grad.element_size() for p in unique if p.grad is not None)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    took.append(time.perf_counter() - t)
+    sizes["AdamW"] = sum(x.numel() * x.element_size() for st in opt.state.values() for x in st.values()
+                         if torch.is_tensor(x) and x.dim() > 0)

@@ -4,7 +4,9 @@ engine, the trained modules (critic, reference, the DDP/FSDP wrapper) and the op
 Read train.py's `setup` first: it calls these in chain order. Key choices: the HF engine samples from
 the policy module itself (no copy, no sync) unless --fsdp shards it; vLLM holds its own copy of the
 weights, loaded from the same path and synced after every step; the reference model is a frozen
-copy that exists only when a KL term is on; AdamW is fused (one kernel over every tensor).
+copy that exists only when a KL term is on; AdamW is fused (one kernel over every tensor). --lora-rank:
+PEFT adapters are injected into the policy, the optimizer holds only them and the reference is the
+policy with its adapters off (nanorl/lora.py).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import os
 
 import torch
 
-from nanorl import distributed, moe_replay, precision
+from nanorl import distributed, lora, moe_replay, precision
 from nanorl.config import Config
 from nanorl.distributed import Trained
 from nanorl.plugins import plugin_task
@@ -44,7 +46,8 @@ def with_task_files(cfg: Config, rank: int, world: int) -> Config:
 
 
 def load_policy(cfg: Config, device, dtype):
-    """The policy (fp32 master weights, train mode) and its tokenizer, with the flags that patch it."""
+    """The policy (fp32 master weights, train mode) and its tokenizer, with the flags that patch it
+    (--lora-rank last: PEFT's adapters in place, the base frozen)."""
     # --fsdp: loaded (and copied) in host memory; fully_shard then moves only each rank's shards to the device
     model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
     if cfg.routing_replay:
@@ -55,6 +58,8 @@ def load_policy(cfg: Config, device, dtype):
         precision.keep_lm_head_fp32(model)
     if cfg.gradient_checkpointing:
         precision.enable_gradient_checkpointing(model, routing_replay=cfg.routing_replay)
+    if cfg.lora_rank:
+        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     model.train()  # Hugging Face checkpoints only in train mode; dropout is 0 in these models
     return model, tokenizer
 
@@ -72,7 +77,8 @@ def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int
                           max_model_len=cfg.max_model_len or longest,
                           kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
                           gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                          record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0)
+                          record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0,
+                          lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0)
     sampler = frozen_copy(model, dtype).to(device) if cfg.fsdp else model
     engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay,
                       compute_dtype=dtype)
@@ -82,10 +88,16 @@ def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int
 
 def make_trained(cfg: Config, model, device, dtype):
     """(critic, reference, trained): the critic when --vf-coef > 0, the frozen reference when a KL term
-    is on, and policy + critic behind one forward wrapped for DDP / FSDP (nanorl/distributed.py)."""
+    is on (LoRA: the policy with its adapters off), and policy + critic behind one forward wrapped for
+    DDP / FSDP (nanorl/distributed.py). A LoRA policy's critic copies its adapted body: the critic
+    trains its own adapters and head."""
     critic = ValueModel(model).to(model.device) if cfg.vf_coef > 0 else None
     score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/update.py)
-    ref = Trained(frozen_copy(model, dtype), None, score, dtype) if cfg.uses_reference else None
+    ref = None
+    if cfg.uses_reference and lora.is_lora(model):
+        ref = lora.Reference(lora.peft_of(model), Trained(model, None, score, dtype))
+    elif cfg.uses_reference:
+        ref = Trained(frozen_copy(model, dtype), None, score, dtype)
     if ref is not None and cfg.fsdp:
         ref = distributed.shard(ref, device)
     accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
@@ -98,7 +110,7 @@ def make_optimizer(cfg: Config, model, critic):
     faster than foreach on a 166M-parameter CPU model here); FSDP's DTensors keep the default."""
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if critic is not None:
-        params.append({"params": list(critic.parameters())})
+        params.append({"params": [p for p in critic.parameters() if p.requires_grad]})
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay,
                                   fused=not cfg.fsdp)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))

@@ -11,7 +11,10 @@ one rename), so a reader sees a whole checkpoint or none, and a damaged one fail
 skipped; two layouts, "full" (rank 0 writes one copy) and "sharded" under FSDP (nanorl/ckpt_sharded.py);
 ranks agree on every verdict; a resume puts back every random stream, the loader and metrics.jsonl, so
 N steps + resume + N steps log what 2N steps log (the limits are in `resume`). The reference model is
-the starting `--model`, not saved.
+the starting `--model`, not saved. A LoRA run (--lora-rank) saves layout "lora": its adapters in PEFT's
+format (adapter_config.json, adapter_model.safetensors: `PeftModel.from_pretrained(base, step_dir)`
+loads them) and the model's config instead of the full weights (the base is `--model`, unchanged);
+`python -m nanorl.export` merges them into a Hugging Face checkpoint.
 
     python -m pytest tests/test_reliability.py -q
 """
@@ -35,7 +38,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import CheckpointException
 
-from nanorl import ckpt_sharded, distributed
+from nanorl import ckpt_sharded, distributed, lora
 
 FORMAT = "nanorl-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -257,9 +260,15 @@ def _make_tmp(root: str, step: int) -> tuple[str, str | None]:
 def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
     """Rank 0's files: the model (not sharded: the module's own tensors) or, sharded, its config; the
     tokenizer; trainer_state.pt and trainer_state.json."""
-    model = state.model
+    model, adapters = state.model, lora.is_lora(state.model)
     if sharded is None:
         critic = distributed.full_state_dict(state.critic) if state.critic is not None else None
+    if adapters:  # the adapters (PEFT's format) and the config; the base is --model
+        lora.save_adapters(model, tmp)
+        model.config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+    elif sharded is None:
         model.save_pretrained(tmp)
     # sharded: the weights were written by every rank (ckpt_sharded); the critic and optimizer too
     else:
@@ -284,7 +293,7 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
         logfile.flush()
     _write_json(os.path.join(tmp, "trainer_state.json"), {
         "format": FORMAT, "step": state.step, "config": dataclasses.asdict(cfg),
-        "layout": "full" if sharded is None else "sharded", "sharded": sharded,
+        "layout": "lora" if adapters else "full" if sharded is None else "sharded", "sharded": sharded,
         "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
         "scorer_faults": [r["scorer_faults"] for r in ranks],
@@ -354,8 +363,12 @@ def _read(rank: int, world: int, path: str) -> tuple[dict, dict, list[dict]]:
         # weights_only: tensors and plain containers only, no arbitrary unpickling
         tensors = torch.load(os.path.join(path, "trainer_state.pt"), map_location="cpu", weights_only=True)
         shards = sorted(f for f in manifest["files"] if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors", f))
+        # LoRA: the adapters are the weights
+        if state.get("layout") == "lora":
+            shards = [f for f in manifest["files"] if f == lora.ADAPTER_FILE]
         if not shards:
-            raise CheckpointError(f"{path}: has no model.safetensors")
+            raise CheckpointError(f"{path}: has no {'adapter' if state.get('layout') == 'lora' else 'model'}"
+                                  ".safetensors")
         sharded = state.get("layout") == "sharded"
         weights = [] if sharded else [load_file(os.path.join(path, s)) for s in shards]
     except CheckpointError as e:
@@ -409,7 +422,21 @@ def resume(state: State, cfg, path_or_latest: str, logger=None) -> str | None:
     return path
 
 
-def _load_weights(state: State, path: str, weights: list[dict], tensors: dict) -> None:
+def _load_weights(state: State, path: str, weights: list[dict], tensors: dict, layout: str) -> None:
+    if (layout == "lora") != lora.is_lora(state.model):
+        raise CheckpointError(f"{path}: a {'LoRA' if layout == 'lora' else 'full fine-tuning'} checkpoint, "
+                              f"but this run {'has' if lora.is_lora(state.model) else 'has no'} --lora-rank")
+    if layout == "lora":
+        lora.load_adapters(state.model, weights[0], path)
+    else:
+        _load_model_weights(state, path, weights)
+    if state.critic is not None:
+        if tensors["critic"] is None:
+            raise CheckpointError(f"{path}: has no critic, but this run has one (--vf-coef > 0)")
+        distributed.load_full_state_dict(state.critic, tensors["critic"])
+
+
+def _load_model_weights(state: State, path: str, weights: list[dict]) -> None:
     model_sd = state.model.state_dict()
     # every safetensors shard, by name
     full = {k: v for shard in weights for k, v in shard.items()}
@@ -424,10 +451,6 @@ def _load_weights(state: State, path: str, weights: list[dict], tensors: dict) -
         raise CheckpointError(f"{path}: no weights for {missing[:5]}")
     # --fsdp: each rank keeps its shards
     distributed.load_full_state_dict(state.model, full)
-    if state.critic is not None:
-        if tensors["critic"] is None:
-            raise CheckpointError(f"{path}: has no critic, but this run has one (--vf-coef > 0)")
-        distributed.load_full_state_dict(state.critic, tensors["critic"])
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -447,7 +470,7 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
         if saved.get("layout") == "sharded":
             ckpt_sharded.load(state, path, saved["sharded"])
         else:
-            _load_weights(state, path, weights, tensors)
+            _load_weights(state, path, weights, tensors, saved.get("layout", "full"))
             distributed.load_optimizer_state(state.trained, state.optimizer, tensors["optimizer"])
     # another model or setup
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:

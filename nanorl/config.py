@@ -278,6 +278,21 @@ class Config:
     """AdamW weight decay."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
+    # --- LoRA (nanorl/lora.py, PEFT): adapters instead of full fine-tuning
+    lora_rank: int = 0
+    """> 0: train LoRA adapters of this rank (PEFT) and freeze the base weights: the optimizer holds only
+    the adapters, the reference is the same model with its adapters off (no copy), vLLM gets the merged
+    weights. Raise --lr (~10x full fine-tuning's, "LoRA Without Regret"). 0 = full fine-tuning."""
+    lora_alpha: float = 32.0
+    """LoRA's α: the adapters' update is scaled by α / rank (LoRA Without Regret's fixed 32)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input in training forwards (the engine samples without it)."""
+    lora_target_modules: str = "all-linear"
+    """Modules to adapt, comma-separated (e.g. q_proj,v_proj), or all-linear: every linear layer of
+    attention and MLP, not the LM head (attention-only LoRA underperforms: LoRA Without Regret)."""
+    lora_sync: str = "merged"
+    """--engine vllm: merged (the merged weights through the verified full reload) or adapter (vLLM's
+    own LoRA: only the adapters move; faster sync, slower generation: docs/bench_results.md)."""
     # --- memory, speed, precision and ranks
     micro_batch_size: int = 0
     """Samples per forward/backward (0 = all of a mini-batch)."""

@@ -15,7 +15,8 @@ BUILTIN_ENV_NAMES = ("calc", "python_tool")
 # Fields with a fixed set of values: argparse offers them as choices, `check` checks them
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
            "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
-           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16")}
+           "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16"),
+           "lora_sync": ("merged", "adapter")}
 
 
 def need(ok: bool, msg: str) -> None:
@@ -102,6 +103,7 @@ def check(cfg) -> None:
     check_advantage_and_loss(cfg)
     check_env(cfg)
     check_async(cfg)
+    check_lora(cfg)
     need(not (cfg.fsdp and cfg.routing_replay), "--fsdp with --routing-replay is not supported: routing"
          " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
     need(cfg.prompts_per_step * cfg.samples_per_prompt >= cfg.mini_batches,
@@ -246,3 +248,23 @@ def check_estimator(cfg, fn) -> None:
     need(not (cfg.async_steps and "baselines" in named),
          f"--async-steps with --advantage {cfg.advantage} is not supported (its greedy baseline is "
          "sampled in the step)")
+
+
+def check_lora(cfg) -> None:
+    """The LoRA group: ranges, no knob without --lora-rank, and what LoRA is not built for."""
+    on = cfg.lora_rank > 0
+    need(cfg.lora_rank >= 0, f"lora_rank must be >= 0, got {cfg.lora_rank}")
+    need(cfg.lora_alpha > 0, f"lora_alpha must be > 0, got {cfg.lora_alpha}")
+    need(0 <= cfg.lora_dropout < 1, f"lora_dropout must be in [0, 1), got {cfg.lora_dropout}")
+    need(all(t.strip() for t in cfg.lora_target_modules.split(",")),
+         f"lora_target_modules: an empty name in {cfg.lora_target_modules!r}")
+    need(cfg.lora_sync == "merged" or (on and cfg.engine != "hf"), "lora_sync adapter needs lora_rank > 0 "
+         "and the vLLM engine (the HF engine samples from the adapted module itself)")
+    for name, default in (("lora_alpha", 32.0), ("lora_dropout", 0.0), ("lora_target_modules", "all-linear")):
+        need(on or getattr(cfg, name) == default, f"{name} needs lora_rank > 0 (it does nothing without)")
+    for bad, what in ((cfg.fsdp, "--fsdp (not built: the merged-weight stream and the adapters-off "
+                       "reference run on the full module; DDP works, and LoRA's trainer state is small "
+                       "enough to replicate)"),
+                      (cfg.async_steps, "--async-steps (not built: the worker's copy takes the full "
+                       "state dict, not merged LoRA weights)")):
+        need(not (on and bad), f"--lora-rank with {what} is not supported")

@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -94,19 +96,22 @@ def iter_checkpoint_tensors(model: torch.nn.Module,
     shards are gathered tensor by tensor (nanorl/distributed.py iter_full_tensors), so streaming into
     vLLM never holds a full state dict. transformers 5 fuses MoE experts in memory (gate_up_proj
     [E, 2I, H]); save_pretrained's reversal undoes that, here tensor by tensor (every reversal maps
-    one in-memory tensor to its checkpoint tensors)."""
+    one in-memory tensor to its checkpoint tensors). LoRA: the merged weights under the base model's
+    names, never an adapter tensor (nanorl/lora.py iter_merged)."""
     # DDP wrapper off
+    from nanorl import lora
     from nanorl.distributed import iter_full_tensors, unwrap
 
     model = unwrap(model)
+    tensors = lora.iter_merged if lora.is_lora(model) else iter_full_tensors
     try:
         from transformers.core_model_loading import revert_weight_conversion
     # transformers 4: in-memory names are the checkpoint names
     except ImportError:
-        yield from iter_full_tensors(model, dtype)
+        yield from tensors(model, dtype)
         return
     # dtype: the engine's; each shard is cast before its gather (nanorl/distributed.py)
-    for name, tensor in iter_full_tensors(model, dtype):
+    for name, tensor in tensors(model, dtype):
         yield from revert_weight_conversion(model, {name: tensor}).items()
 
 
@@ -174,13 +179,16 @@ class VLLMEngine:
     sleep_mode: enable vLLM's sleep mode (its own GPU allocator) where the platform has one.
     record_routing: MoE: return each sample's routed experts (R3 routing replay) where vLLM can
         (GPU); on CPU the trainer records its own routing (R2), logged once.
+    lora_rank: > 0: vLLM's own LoRA (--lora-sync adapter): `update_weights` hands the engine the
+        trainer's adapters (PEFT's files, a new LoRARequest each time) instead of merged weights, and
+        every request runs with them (nanorl/lora.py; measured: docs/bench_results.md).
     """
 
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
                  record_routing: bool = False, sleep_mode: bool = True, max_logprobs: int = 128,
-                 enable_prefix_caching: bool = True, **llm_kwargs):
+                 enable_prefix_caching: bool = True, lora_rank: int = 0, **llm_kwargs):
         # in-process; read when LLM() starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -203,6 +211,10 @@ class VLLMEngine:
         if self.records_routing:
             # vLLM 0.32 (needs prefix caching, MoE)
             llm_kwargs["enable_return_routed_experts"] = True
+        # vLLM 0.32's LoRA: one adapter at a time, the trainer's newest (_lora)
+        if lora_rank:
+            llm_kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+        self._lora, self._lora_dir = None, tempfile.mkdtemp(prefix="nanorl-lora-") if lora_rank else None
         # vLLM's CPU worker disables it process-wide; restore
         set_threads = torch.set_num_threads
         # A trainer's default group (torchrun, world N) is reused by vLLM 0.32 (its TP groups are
@@ -287,7 +299,7 @@ class VLLMEngine:
                                  seed=None if s.seed is None else s.seed + i * n)
                   for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False)
+                                 use_tqdm=False, lora_request=self._lora)
         samples = []
         for g, (prompt, out) in enumerate(zip(prompts, outs)):
             for o in sorted(out.outputs, key=lambda o: o.index):
@@ -335,13 +347,30 @@ class VLLMEngine:
             _empty_device_cache()
             # vLLM 0.32: level 1 restores the CPU copy, level 2 maps fresh memory
             self.llm.wake_up(tags=["weights"])
-        # in the engine's dtype: half the bytes gathered, no per-tensor conversion in vLLM's loader
-        sync_weights(self.llm, iter_checkpoint_tensors(model, self.dtype))
+        if self._lora_dir is not None:  # vLLM's LoRA: the adapters only, under a new id
+            self._lora = self._adapter_request(model)
+        else:
+            # in the engine's dtype: half the bytes gathered, no per-tensor conversion in vLLM's loader
+            sync_weights(self.llm, iter_checkpoint_tensors(model, self.dtype))
         if asleep is not None:
             # vLLM 0.32: every tag awake → scheduling resumes
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = None
         self.version, self._weights_discarded = version, False
+
+    def _adapter_request(self, model: torch.nn.Module):
+        """The trainer's adapters saved in PEFT's format, as a LoRARequest with a new id (vLLM 0.32
+        caches an adapter by id: a reused id would keep serving the old one); the previous ones go."""
+        from vllm.lora.request import LoRARequest
+
+        from nanorl import lora
+        n = 1 + (self._lora.lora_int_id if self._lora is not None else 0)
+        path = os.path.join(self._lora_dir, f"adapter_{n}")
+        lora.save_adapters(model, path)
+        for old in os.listdir(self._lora_dir):
+            if old != os.path.basename(path):
+                shutil.rmtree(os.path.join(self._lora_dir, old), ignore_errors=True)
+        return LoRARequest(f"nanorl-{n}", n, path)
 
     @torch.no_grad()
     def check_sync(self, model: torch.nn.Module, tol: float | None = None, decode_tokens=4,
@@ -388,13 +417,15 @@ class VLLMEngine:
         starts = [fixed] + [p[:max(1, room - decode_tokens)] for p, _ in rollout]
         greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
                                  logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False,
+                                 lora_request=self._lora)
         gens = [list(o.outputs[0].token_ids) for o in outs]
         decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)]
                    for g, o in zip(gens, outs)]
         scored = [(p + r)[:room] for p, r in rollout] or [(fixed + gens[0])[:room]]
         score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False,
+                                 lora_request=self._lora)
         prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
                     for s, o in zip(scored, outs)]
 
@@ -458,6 +489,11 @@ class VLLMEngine:
             return
         if self._asleep is not None and self._asleep != level:
             raise RuntimeError(f"VLLMEngine.sleep({level}): already asleep at level {self._asleep}")
+        # the adapter sync never resends the base weights level 2 discards
+        if level == 2 and self._lora_dir is not None:
+            raise RuntimeError("VLLMEngine.sleep(2) with --lora-sync adapter: level 2 discards the base "
+                               "weights and the adapter sync hands over only the adapters; use "
+                               "--sleep-level 1 (or --lora-sync merged)")
         if self._asleep is not None:
             return
         if self._explained_level != level:
@@ -485,6 +521,8 @@ class VLLMEngine:
         """Shut down; vLLM 0.32 keeps global process groups: a second engine needs this first."""
         if self.llm is None:
             return
+        if self._lora_dir is not None:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
         destroy = torch.distributed.destroy_process_group
 

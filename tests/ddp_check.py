@@ -18,7 +18,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import functools  # noqa: E402
 
 import train  # noqa: E402
-from nanorl import distributed, moe_replay, stages, update  # noqa: E402
+from nanorl import distributed, lora, moe_replay, stages, update  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
 from nanorl.policy import ValueModel, load_model  # noqa: E402
 from nanorl.rollout import SamplingConfig  # noqa: E402
@@ -58,11 +58,17 @@ wrapped = run.trained
 policy = load_model(cfg.model)[0]
 if cfg.routing_replay:  # MoE: replay the rollout's experts in the reference forward too
     moe_replay.patch(policy)
+if cfg.lora_rank:  # LoRA: the same adapters (A is randomly initialised), the base frozen
+    from peft import get_peft_model_state_dict
+    lora.apply(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    lora.load_adapters(policy, get_peft_model_state_dict(lora.peft_of(run.model)))
 critic = ValueModel(policy) if run.critic is not None else None
 run.trained, run.world = distributed.Trained(policy, critic, functools.partial(update.forward, cfg)), 1
 loss, _ = update.micro_step(run, batch, lcfg, *denominators(batch))
 loss.backward()
-reference = list(policy.parameters()) + (list(critic.parameters()) if critic else [])
+# what the optimizer holds (LoRA: the adapters only)
+reference = [p for p in list(policy.parameters()) + (list(critic.parameters()) if critic else [])
+             if p.requires_grad]
 reference = [p.grad if p.grad is not None else torch.zeros_like(p) for p in reference]  # unused: no grad
 
 # DDP / FSDP: this rank's half, in two micro-batches, global denominators, one synced backward; twice,

@@ -21,7 +21,7 @@ import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
            "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay", "reward_model",
-           "async_steps", "default", "default_threads", "distill"}
+           "async_steps", "default", "default_threads", "distill", "lora_memory"}
 
 
 def test_quick_run_reports_every_entry(tmp_path):

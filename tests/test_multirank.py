@@ -43,7 +43,9 @@ def train_args(task, out, *extra):
 
 
 # ppo: the critic's gradients go through the wrapper too; --fsdp: sharded, gathered back for the check
-@pytest.mark.parametrize("extra", [["--algo", "grpo"], ["--algo", "ppo"], ["--algo", "ppo", "--fsdp"]])
+# --lora-rank: DDP over the adapters only, the KL's reference = adapters off (nanorl/lora.py)
+@pytest.mark.parametrize("extra", [["--algo", "grpo"], ["--algo", "ppo"], ["--algo", "ppo", "--fsdp"],
+                                   ["--algo", "grpo", "--lora-rank", "4", "--kl-coef", "0.05"]])
 def test_gradient_over_two_ranks_equals_one_rank_gradient(task, tmp_path, extra):
     res = launch("tests/ddp_check.py", task["model"], task["train"], task["test"], str(tmp_path), *extra,
                  port=29534)
