@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Every command a user can run: scripts, and modules with a __main__ (python -m ...)
 ENTRY_POINTS = [["train.py"], ["bench.py"], ["gpu_check.py"], ["-m", "nanorl.data"], ["-m", "nanorl.logger"],
                 ["-m", "nanorl.task"], ["-m", "nanorl.viewer"], ["-m", "nanorl.advantage"],
-                ["-m", "examples.dcpo"]]
+                ["-m", "nanorl.export"], ["-m", "examples.dcpo"]]
 
 
 def test_every_module_with_a_main_is_an_entry_point_listed_here():
