@@ -195,18 +195,30 @@ def sample_next(
 def draw(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """One id per row of exp(logp) [B, V] -> [B]: what torch.multinomial(exp(logp), 1) draws, bit for bit.
 
-    multinomial draws one sample as an exponential race, argmax_i p_i / E_i with E_i ~ Exp(1) from the
-    generator (the winner is distributed as p). On the CPU the race is run here directly, in place: as
-    an op multinomial also validates and copies its input, ~25% of its time over a 152k vocabulary
-    (sample_next checks the logprobs instead). The E_i themselves are most of what remains: one float64
-    uniform and one log1p per vocabulary entry (docs/bench_results.md, "rollout at the real shape").
-    Other devices keep torch.multinomial, whose noise stream there is its own.
+    multinomial draws one sample as an exponential race: argmax_i p_i / E_i, E_i ~ Exp(1), the first
+    index on ties (the winner is distributed as p). On the CPU its E_i are float64 uniforms U_i from
+    the generator mapped through E_i = fp32(-log1p(-U_i)) by libm, one element at a time: over a 152k
+    vocabulary the log1p is ~40% of the race and multinomial's input checks and copies another ~25%.
+    Here the same U_i are drawn (the generator ends in the same state), and since -log1p(-u) >= u,
+    p_i / U_i bounds p_i / E_i from above: only the ids whose bound reaches the row's best exact ratio
+    so far can win (about one per row), and only theirs get the exact E_i (Python's math.log1p is the
+    same libm function). Other devices keep torch.multinomial, whose noise stream there is its own.
     """
     probs = logp.exp()  # [B, V]
     if probs.device.type != "cpu":
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    race = torch.empty_like(probs).exponential_(generator=generator)  # [B, V] E_i
-    return torch.div(probs, race, out=race).argmax(dim=-1)  # [B]
+    u = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=generator)  # [B, V] U_i
+    bound = torch.div(probs, u.float())  # [B, V] >= p_i / E_i up to fp32 rounding (< 1e-6 relative)
+    best = bound.argmax(dim=-1, keepdim=True)  # [B, 1]
+    # an exact-enough ratio at each row's best bound: a lower bound on the row's winning ratio
+    floor = probs.gather(-1, best) / (-torch.log1p(-u.gather(-1, best))).float()  # [B, 1]
+    # the rest may only win if their bound reaches it (1e-5: margin over the rounding; NaN stays in)
+    rows, cols = torch.nonzero(~(bound * (1 + 1e-5) < floor), as_tuple=True)  # [C], [C]
+    exp_noise = torch.tensor([-math.log1p(-x) for x in u[rows, cols].tolist()]).float()  # [C] E_i
+    # [B, V] (bound's memory) ratios are >= 0 (or NaN, which argmax picks, as multinomial's does)
+    ratio = bound.fill_(-1.0)
+    ratio[rows, cols] = probs[rows, cols] / exp_noise
+    return ratio.argmax(dim=-1)  # [B]
 
 
 def _count(stats: dict | None, sampled: int, restricted: int, overflow: int, ids: int) -> None:

@@ -277,8 +277,12 @@ def test_top_p_partial_sort_keeps_what_the_full_sort_keeps(scale):
 
 def test_draw_is_multinomials_draw_bit_for_bit():
     """Same ids as torch.multinomial(p, 1) and the generator left in the same state (the next draws agree)."""
-    logp = torch.log_softmax(torch.randn(8, 151936) * 3, dim=-1)  # [B, V] a real vocabulary
-    for seed in range(3):
+    z = torch.randn(8, 151936) * 3  # [B, V] a real vocabulary
+    z[1] = 0.0  # uniform: every id ties
+    z[2, 100:] = float("-inf")  # a filtered row: 100 ids, zero probability elsewhere
+    z[3] = z[3].round()  # many tied probabilities
+    logp = torch.log_softmax(z, dim=-1)
+    for seed in range(6):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
         assert torch.equal(draw(logp, g1), torch.multinomial(logp.exp(), 1, generator=g2).squeeze(-1))
         assert torch.equal(g1.get_state(), g2.get_state())
