@@ -69,10 +69,11 @@ def _sorted_head(q: torch.Tensor, top_p: float, width: int = 1024) -> tuple[torc
     on one CPU thread, as long as the step's head GEMM. topk's values are the sorted row's first W in
     the same order and the CPU cumsum runs left to right, so these are the full sort's first W columns
     bit for bit and keep_mask keeps the same ids. W grows ×8 while some row's nucleus is wider (a flat
-    distribution); at W >= V it is the full sort.
+    distribution); at W >= V it is the full sort. Other devices sort in full (fast there; a GPU cumsum
+    is a parallel scan, whose first W sums need not be the full row's bit for bit).
     """
     V = q.shape[-1]
-    while width < V:
+    while width < V and q.device.type == "cpu":
         head = q.topk(width, dim=-1).values  # [B, W] descending
         cum = torch.cumsum(head, dim=-1)  # [B, W]
         if bool((cum[:, -2] >= top_p).all()):
@@ -213,12 +214,16 @@ def draw(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.
     # an exact-enough ratio at each row's best bound: a lower bound on the row's winning ratio
     floor = probs.gather(-1, best) / (-torch.log1p(-u.gather(-1, best))).float()  # [B, 1]
     # the rest may only win if their bound reaches it (1e-5: margin over the rounding; NaN stays in)
-    rows, cols = torch.nonzero(~(bound * (1 + 1e-5) < floor), as_tuple=True)  # [C], [C]
+    rows, cols = torch.nonzero(~(bound < floor * (1 - 1e-5)), as_tuple=True)  # [C], [C] row-major
     exp_noise = torch.tensor([-math.log1p(-x) for x in u[rows, cols].tolist()]).float()  # [C] E_i
-    # [B, V] (bound's memory) ratios are >= 0 (or NaN, which argmax picks, as multinomial's does)
-    ratio = bound.fill_(-1.0)
-    ratio[rows, cols] = probs[rows, cols] / exp_noise
-    return ratio.argmax(dim=-1)  # [B]
+    ratio = (probs[rows, cols] / exp_noise).double()  # [C] p_i / E_i, exact as in multinomial
+    # argmax's order on the candidates: NaN (0/0) above inf (p/0) above every finite ratio
+    ratio = torch.where(ratio.isnan(), 2e300, torch.where(ratio.isinf(), 1e300, ratio))  # [C]
+    B, V = probs.shape
+    top = torch.full((B,), -1.0, dtype=torch.float64).scatter_reduce(0, rows, ratio, "amax")  # [B]
+    # the first id on ties, as argmax
+    hit = ratio == top[rows]  # [C]
+    return torch.full((B,), V).scatter_reduce(0, rows[hit], cols[hit], "amin")  # [B]
 
 
 def _count(stats: dict | None, sampled: int, restricted: int, overflow: int, ids: int) -> None:
