@@ -104,6 +104,66 @@ class StepEntries:
         self.compare("rollout", "weight sync per step",
                      {f"{k} update_weights": partial(e.update_weights, run.model, 1)
                       for k, e in engines.items()})
+        for e in engines.values():
+            getattr(e, "close", lambda: None)()
+        self.rollout_real_shape()
+
+    def rollout_real_shape(self):
+        """The HF engine at the Qwen2.5-0.5B shape (2 layers, vocabulary 151936, fp32) beside transformers'
+        own `model.generate` (sampling, KV cache, every row forced to full length) and the vLLM engine
+        where installed, same model and batch, rounds interleaved; and the floor: decode steps × one
+        [B, 896] × [896, 151936] head GEMM (F.linear), timed in the same rounds. At this shape a decode
+        step is the head GEMM; the rest is sampling over 152k ids (nanorl/sampling.py `draw`).
+        Quick: a tiny vocabulary and 4 new tokens (the figures mean nothing)."""
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        from nanorl.rollout import HFEngine
+        from nanorl.task import ENDOFTEXT, QWEN25_05B, make_real_shape
+
+        (prompts_n, n, P, R) = self.pick((8, 4, 64, 64), (2, 2, 8, 4))
+        shape = self.pick(QWEN25_05B, {**QWEN25_05B, "vocab_size": 1024, "hidden_size": 64,
+                                       "intermediate_size": 128, "num_attention_heads": 2})
+        pad = self.pick(ENDOFTEXT, 0)
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, pad_token_id=pad, **shape)).eval()
+        V, H = model.config.vocab_size, model.config.hidden_size
+        g = torch.Generator().manual_seed(0)
+        prompts = torch.randint(1, V, (prompts_n, P), generator=g)  # [N, P]
+        sp = SamplingConfig(max_new_tokens=R, stop_token_ids=(), seed=0)
+        engine = HFEngine(model, pad_id=pad)
+        rows = prompts.repeat_interleave(n, 0)  # [B, P] the engine's rows, prompt i's n consecutive
+        head, x = model.lm_head.weight, torch.randn(len(rows), H, generator=g)  # [V, H], [B, H]
+
+        def hf_generate():
+            # temperature 1, no top-k / top-p: the engine's sampling; min_new_tokens: never stop early
+            return model.generate(rows, attention_mask=torch.ones_like(rows), do_sample=True, temperature=1.0,
+                                  top_k=0, top_p=1.0, max_new_tokens=R, min_new_tokens=R,
+                                  pad_token_id=pad, eos_token_id=pad)
+
+        def floor():
+            for _ in range(R):
+                torch.nn.functional.linear(x, head)  # [B, V]
+        fns = {"transformers model.generate": torch.no_grad()(hf_generate),
+               "hf engine generate": partial(engine.generate, prompts.tolist(), n, sp),
+               "floor: R × head GEMM": floor}
+        try:
+            from nanorl.vllm_engine import VLLMEngine
+            if self.quick:
+                raise RuntimeError("not in --quick (a real-shape vLLM start takes minutes)")
+            # its own random weights (saved in bf16, loaded in fp32): the same shape, not the same numbers
+            path = make_real_shape(os.path.join(self.workdir, "real"), layers=2)["model"]
+            vllm = VLLMEngine(path, dtype="float32", seed=0, max_model_len=P + R + 8)
+            fns["vllm engine generate"] = partial(vllm.generate, prompts.tolist(), n, sp)
+        except (ImportError, OSError, RuntimeError) as e:
+            self.notes.append(f"rollout real shape: vLLM engine skipped ({e})")
+        st = self.timeit(fns, min_reps=3, max_reps=5)
+        case = f"real shape V={V} H={H} L=2 fp32, {prompts_n}×{n} rows, {P}-token prompts, {R} new tokens"
+        gen, flo = st["transformers model.generate"]["median"], st["floor: R × head GEMM"]["median"]
+        for i, (k, s) in enumerate(st.items()):
+            note = f"{len(rows) * R / s['median']:.0f} tok/s, {s['median'] / flo:.2f}× floor"
+            if k != "transformers model.generate" and not k.startswith("floor"):
+                note += f", {gen / s['median']:.2f}× generate's tok/s"
+            self.add("rollout", case, k, s, baseline=i == 0, note=note)
 
     def trainer(self):
         """Trainer tokens/s, forward+backward (response_logprobs + total_loss) per micro-batch size."""

@@ -41,22 +41,46 @@ def keep_mask(z: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tens
     Both filters are tie-inclusive (sample_next's steps 2-3), so the kept set is always
     {i : z_i >= threshold_b} for a per-row threshold: the kept ids are the |S| largest logits.
     """
-    keep = torch.ones_like(z, dtype=torch.bool)  # [B, V]
-    V = z.shape[-1]
+    # None: every id kept so far (no [B, V] mask to build and apply)
+    keep, V = None, z.shape[-1]
     if 0 < top_k < V:
         kth = z.topk(top_k, dim=-1).values[:, -1:]  # [B, 1] k-th largest logit
         keep = z >= kth  # [B, V] ties with the k-th value stay
     if top_p < 1.0:
-        q = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)  # [B, V] top-k-renormalised
-        q_sorted = q.sort(dim=-1, descending=True).values  # [B, V]
+        # [B, V] top-k-renormalised
+        q = torch.softmax(z if keep is None else z.masked_fill(~keep, float("-inf")), dim=-1)
+        # q sorted descending (the first W columns, all the nucleus needs) and its running mass
+        q_sorted, cum = _sorted_head(q, top_p)  # [B, W], [B, W]
         # Mass strictly before each sorted position; fp32 cumsum of non-negatives is monotone, so
         # `mass_before < p` holds on a prefix, which starts at position 0 (mass 0 < p): >= 1 kept.
-        cum = torch.cumsum(q_sorted, dim=-1)  # [B, V]
-        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # [B, V]
+        mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # [B, W]
         n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True)  # [B, 1], >= 1
         threshold = q_sorted.gather(-1, n_keep - 1)  # [B, 1] prob of the last kept sorted token
-        keep = keep & (q >= threshold)  # [B, V] every token tied with the boundary is kept too
-    return keep
+        # every token tied with the boundary is kept too
+        keep = (q >= threshold) if keep is None else keep & (q >= threshold)  # [B, V]
+    return torch.ones_like(z, dtype=torch.bool) if keep is None else keep
+
+
+def _sorted_head(q: torch.Tensor, top_p: float, width: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [B, V] sorted descending, its cumsum), both cut to the first W columns, W wide enough that
+    every row's mass-before at the last column is >= top_p (no later column can be kept).
+
+    A top-W partial sort instead of sorting all of V: 32 rows of a 152k vocabulary take ~0.4 s to sort
+    on one CPU thread, as long as the step's head GEMM. topk's values are the sorted row's first W in
+    the same order and the CPU cumsum runs left to right, so these are the full sort's first W columns
+    bit for bit and keep_mask keeps the same ids. W grows ×8 while some row's nucleus is wider (a flat
+    distribution); at W >= V it is the full sort. Other devices sort in full (fast there; a GPU cumsum
+    is a parallel scan, whose first W sums need not be the full row's bit for bit).
+    """
+    V = q.shape[-1]
+    while width < V and q.device.type == "cpu":
+        head = q.topk(width, dim=-1).values  # [B, W] descending
+        cum = torch.cumsum(head, dim=-1)  # [B, W]
+        if bool((cum[:, -2] >= top_p).all()):
+            return head, cum
+        width *= 8
+    head = q.sort(dim=-1, descending=True).values  # [B, V]
+    return head, torch.cumsum(head, dim=-1)
 
 
 def sample_next(
@@ -81,8 +105,8 @@ def sample_next(
          tokens strictly MORE probable than i is < p:  keep_i <=> sum_{j : q_j > q_i} q_j < p.
          Tokens of equal probability get the same decision (all kept). The most probable token has
          mass-above 0 < p, so at least one token is always kept (p must lie in (0, 1]).
-      4. draw a ~ q_S(a) = softmax(z masked to −inf outside the kept set S) with torch.multinomial
-         (a `generator` makes it reproducible).
+      4. draw a ~ q_S(a) = softmax(z masked to −inf outside the kept set S): torch.multinomial's draw,
+         run directly (`draw`; a `generator` makes it reproducible). Logits holding NaN / inf raise.
 
     The token's logprob it returns (what `Sample.rollout_logprobs` stores):
       * record_support=True  → log q_S(a) (temperature-scaled, renormalised on S): what the trainer
@@ -129,15 +153,24 @@ def sample_next(
         _count(stats, B, 0, 0, 0)
         return tokens, logprobs, (unrestricted() if record_support else None)
 
-    # The trainer kernels' op (step 1 above): multiply by 1/T, never divide by T.
-    z = logits * (1.0 / temperature)  # [B, V]
-    keep = keep_mask(z, top_k, top_p)  # [B, V]
-    masked = z.masked_fill(~keep, float("-inf"))  # [B, V]
-    logp_kept = torch.log_softmax(masked, dim=-1)  # [B, V] log q_S, −inf outside S
-    tokens = torch.multinomial(logp_kept.exp(), 1, generator=generator).squeeze(-1)  # [B]
-    logp_full = torch.log_softmax(z, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # [B] log p_T
-
+    # The trainer kernels' op (step 1 above): multiply by 1/T, never divide by T (x · 1.0 is x: no copy).
+    z = logits if temperature == 1.0 else logits * (1.0 / temperature)  # [B, V]
+    logp_all = torch.log_softmax(z, dim=-1)  # [B, V] log p_T
     filtering = (0 < top_k < V) or top_p < 1.0
+    if filtering:
+        keep = keep_mask(z, top_k, top_p)  # [B, V]
+        masked = z.masked_fill(~keep, float("-inf"))  # [B, V]
+        logp_kept = torch.log_softmax(masked, dim=-1)  # [B, V] log q_S, −inf outside S
+    else:
+        # nothing filtered: q_S is p_T, the same numbers (one log_softmax over V, not two)
+        logp_kept = logp_all
+    tokens = draw(logp_kept, generator)  # [B]
+    logp_full = logp_all.gather(-1, tokens[:, None]).squeeze(-1)  # [B] log p_T
+    # NaN / inf logits make the whole row's log_softmax NaN: say so rather than return its argmax
+    if not bool(torch.isfinite(logp_full).all()):
+        raise ValueError("sample_next: logits hold NaN or inf in rows "
+                         f"{torch.nonzero(~torch.isfinite(logp_full)).flatten().tolist()}")
+
     if not record_support or not filtering:
         _count(stats, B, 0, 0, 0)
         return tokens, logp_full, (unrestricted() if record_support else None)
@@ -158,6 +191,39 @@ def sample_next(
     n_fit = int(fits.sum())
     _count(stats, B, n_fit, B - n_fit, int(valid.sum()))
     return tokens, logprobs, support
+
+
+def draw(logp: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One id per row of exp(logp) [B, V] -> [B]: what torch.multinomial(exp(logp), 1) draws, bit for bit.
+
+    multinomial draws one sample as an exponential race: argmax_i p_i / E_i, E_i ~ Exp(1), the first
+    index on ties (the winner is distributed as p). On the CPU its E_i are float64 uniforms U_i from
+    the generator mapped through E_i = fp32(-log1p(-U_i)) by libm, one element at a time: over a 152k
+    vocabulary the log1p is ~40% of the race and multinomial's input checks and copies another ~25%.
+    Here the same U_i are drawn (the generator ends in the same state), and since -log1p(-u) >= u,
+    p_i / U_i bounds p_i / E_i from above: only the ids whose bound reaches the row's best exact ratio
+    so far can win (about one per row), and only theirs get the exact E_i (Python's math.log1p is the
+    same libm function). Other devices keep torch.multinomial, whose noise stream there is its own.
+    """
+    probs = logp.exp()  # [B, V]
+    if probs.device.type != "cpu":
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    u = torch.empty(probs.shape, dtype=torch.float64).uniform_(generator=generator)  # [B, V] U_i
+    bound = torch.div(probs, u.float())  # [B, V] >= p_i / E_i up to fp32 rounding (< 1e-6 relative)
+    best = bound.argmax(dim=-1, keepdim=True)  # [B, 1]
+    # an exact-enough ratio at each row's best bound: a lower bound on the row's winning ratio
+    floor = probs.gather(-1, best) / (-torch.log1p(-u.gather(-1, best))).float()  # [B, 1]
+    # the rest may only win if their bound reaches it (1e-5: margin over the rounding; NaN stays in)
+    rows, cols = torch.nonzero(~(bound < floor * (1 - 1e-5)), as_tuple=True)  # [C], [C] row-major
+    exp_noise = torch.tensor([-math.log1p(-x) for x in u[rows, cols].tolist()]).float()  # [C] E_i
+    ratio = (probs[rows, cols] / exp_noise).double()  # [C] p_i / E_i, exact as in multinomial
+    # argmax's order on the candidates: NaN (0/0) above inf (p/0) above every finite ratio
+    ratio = torch.where(ratio.isnan(), 2e300, torch.where(ratio.isinf(), 1e300, ratio))  # [C]
+    B, V = probs.shape
+    top = torch.full((B,), -1.0, dtype=torch.float64).scatter_reduce(0, rows, ratio, "amax")  # [B]
+    # the first id on ties, as argmax
+    hit = ratio == top[rows]  # [C]
+    return torch.full((B,), V).scatter_reduce(0, rows[hit], cols[hit], "amin")  # [B]
 
 
 def _count(stats: dict | None, sampled: int, restricted: int, overflow: int, ids: int) -> None:

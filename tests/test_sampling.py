@@ -10,6 +10,7 @@ import torch
 
 from nanorl.sampling import (
     apply_support,
+    draw,
     keep_mask,
     sample_next,
     stack_steps,
@@ -250,3 +251,48 @@ def test_matches_trainer_support_hook_when_available():
     if hasattr(entropy, "logprobs_and_entropy"):  # the dispatched kernel (Triton interpreter here)
         kernel_lp, _ = entropy.logprobs_and_entropy(logits, tok, temperature=0.8, support=sup)
         assert (torch.exp(kernel_lp.float() - lp) - 1).abs().max() <= 1e-6
+
+
+def _keep_mask_full_sort(z, top_k, top_p):
+    """keep_mask as it was written first: the whole row sorted (the reference for the partial sort)."""
+    keep = torch.ones_like(z, dtype=torch.bool)
+    if 0 < top_k < z.shape[-1]:
+        keep = z >= z.topk(top_k, dim=-1).values[:, -1:]
+    q = torch.softmax(z.masked_fill(~keep, float("-inf")), dim=-1)
+    q_sorted = q.sort(dim=-1, descending=True).values
+    cum = torch.cumsum(q_sorted, dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
+    n_keep = (mass_before < top_p).sum(dim=-1, keepdim=True)
+    return keep & (q >= q_sorted.gather(-1, n_keep - 1))
+
+
+@pytest.mark.parametrize("scale", [8.0, 2.0, 0.3])  # peaked (nucleus < 1024), wider, flat (full sort)
+def test_top_p_partial_sort_keeps_what_the_full_sort_keeps(scale):
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 20000, generator=g) * scale  # [B, V]
+    z[0, :50] = z[0].max()  # a tie spanning the boundary
+    for top_k, top_p in ((0, 0.9), (0, 0.5), (300, 0.95), (0, 0.999)):
+        assert torch.equal(keep_mask(z, top_k, top_p), _keep_mask_full_sort(z, top_k, top_p)), (top_k, top_p)
+
+
+def test_draw_is_multinomials_draw_bit_for_bit():
+    """Same ids as torch.multinomial(p, 1) and the generator left in the same state (the next draws agree)."""
+    z = torch.randn(8, 151936) * 3  # [B, V] a real vocabulary
+    z[1] = 0.0  # uniform: every id ties
+    z[2, 100:] = float("-inf")  # a filtered row: 100 ids, zero probability elsewhere
+    z[3] = z[3].round()  # many tied probabilities
+    logp = torch.log_softmax(z, dim=-1)
+    for seed in range(6):
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        assert torch.equal(draw(logp, g1), torch.multinomial(logp.exp(), 1, generator=g2).squeeze(-1))
+        assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_nan_or_inf_logits_raise():
+    z = torch.randn(3, 10)
+    z[1, 4] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or inf in rows \[1\]"):
+        sample_next(z, 1.0, generator=torch.Generator().manual_seed(0))
+    z[1, 4] = float("inf")
+    with pytest.raises(ValueError, match="NaN or inf"):
+        sample_next(z, 0.7, top_p=0.9, generator=torch.Generator().manual_seed(0))
