@@ -39,16 +39,22 @@ def plant_stale_adapter(model):
                 p.add_(torch.randn_like(p) * 0.05)
 
 
+def three_steps(run) -> tuple[list[float], dict]:
+    """Three RL steps: each step's sync check (max |Δ logprob| engine vs trainer) and the last metrics."""
+    checks = []
+    for _ in range(3):
+        m = train.rl_step(run)
+        run.step += 1
+        checks.append(m["sync/max_abs_logprob_diff"])
+    return checks, m
+
+
 def test_vllm_samples_from_merged_adapters_and_catches_a_stale_adapter(tmp_path):
     run = lora_run(tmp_path)
     try:
         names = [n for n, _ in iter_checkpoint_tensors(run.model)]
         assert not any(".lora_" in n or "base_layer" in n for n in names)
-        checks = []
-        for _ in range(3):
-            m = train.rl_step(run)
-            run.step += 1
-            checks.append(m["sync/max_abs_logprob_diff"])
+        checks, m = three_steps(run)
         print("sync check max |Δlogprob| per step:", checks)
         assert max(checks) < 1e-3, checks  # fp32 engine == adapted trainer, after every step
         assert m["train/logprob_diff_abs_max"] < 1e-3  # rollout logprobs are the adapted policy's
@@ -71,11 +77,7 @@ def test_vllm_own_lora_adapter_sync_passes_the_check_and_catches_a_stale_adapter
     """--lora-sync adapter: vLLM's LoRA serves the trainer's adapters (a new LoRARequest per sync)."""
     run = lora_run(tmp_path, "--lora-sync", "adapter")
     try:
-        checks = []
-        for _ in range(3):
-            m = train.rl_step(run)
-            run.step += 1
-            checks.append(m["sync/max_abs_logprob_diff"])
+        checks, m = three_steps(run)
         print("adapter sync check max |Δlogprob| per step:", checks)
         assert max(checks) < 1e-3 and m["train/logprob_diff_abs_max"] < 1e-3, checks
         assert run.engine._lora is not None and run.engine._lora.lora_int_id == 4  # setup + 3 steps
