@@ -184,6 +184,15 @@ class VLLMEngine:
         every request runs with them (nanorl/lora.py; measured: docs/bench_results.md).
     """
 
+    # vLLM's own LoRA (--lora-sync adapter): the newest adapter's request and the directory it is saved
+    # in; None otherwise (also on an engine built without __init__, as the tests' stubs are)
+    _lora = None
+    _lora_dir = None
+
+    def _lora_kwargs(self) -> dict:
+        """generate()'s keyword for the trainer's adapters (--lora-sync adapter); none without them."""
+        return {"lora_request": self._lora} if self._lora is not None else {}
+
     def __init__(self, model_path: str, *, dtype: str = "float32", seed: int = 0,
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
@@ -299,7 +308,7 @@ class VLLMEngine:
                                  seed=None if s.seed is None else s.seed + i * n)
                   for i in range(len(prompts))]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False, lora_request=self._lora)
+                                 use_tqdm=False, **self._lora_kwargs())
         samples = []
         for g, (prompt, out) in enumerate(zip(prompts, outs)):
             for o in sorted(out.outputs, key=lambda o: o.index):
@@ -418,14 +427,14 @@ class VLLMEngine:
         greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
                                  logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False,
-                                 lora_request=self._lora)
+                                 **self._lora_kwargs())
         gens = [list(o.outputs[0].token_ids) for o in outs]
         decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)]
                    for g, o in zip(gens, outs)]
         scored = [(p + r)[:room] for p, r in rollout] or [(fixed + gens[0])[:room]]
         score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False,
-                                 lora_request=self._lora)
+                                 **self._lora_kwargs())
         prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
                     for s, o in zip(scored, outs)]
 

@@ -73,7 +73,7 @@ def test_vllm_engine_streams_in_its_dtype(monkeypatch):
     monkeypatch.setattr(vllm_engine, "sync_weights", capture)
 
     class Stub:
-        llm, dtype, _asleep = object(), torch.bfloat16, None
+        llm, dtype, _asleep, _lora_dir = object(), torch.bfloat16, None, None
 
     vllm_engine.VLLMEngine.update_weights(Stub(), tiny_model(), version=1)
     floats = {k: d for k, d in seen.items() if d.is_floating_point}
