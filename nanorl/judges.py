@@ -111,7 +111,8 @@ class _Endpoint:
                              f"max_tokens >= 1 (got {concurrency}, {retries}, {timeout_s}, {backoff_s}, "
                              f"{max_tokens})")
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"Judge: url {url!r} must start with http:// or https:// (e.g. http://host:8000/v1)")
+            raise ValueError(f"Judge: url {url!r} must start with http:// or https:// "
+                             "(e.g. http://host:8000/v1)")
         if not model:
             raise ValueError("Judge: no model name: the endpoint serves models by name (`vllm serve NAME`)")
         self.url = url.rstrip("/") + "/chat/completions"
