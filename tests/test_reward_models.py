@@ -304,23 +304,33 @@ def test_grpo_rewarded_only_by_the_rm_raises_held_out_accuracy(rm_path, rm_dir, 
     """RLHF in small: GRPO from the 90-step policy with `--reward-model` and `--reward-weights
     correct=0,rm=1`, so the RM's score is the whole reward; the exact-match rule still runs and is
     logged (rollout/reward/correct, eval/accuracy read --reward's verdict, not the RM's), which is how
-    the gain is seen. Measured here (1 thread, machine shared): 76.0% -> 93.5% in 300 steps (73.0% at
-    step 100, 85.5% at 200). Red check: the same run with an RM trained for 1 step instead of 400 went
-    76.0% -> 0.0%. The trainer's held-out accuracy is cross-checked by
+    the gain is seen. A KL penalty to the reference (β = 0.05; InstructGPT's ~0.02) holds the policy
+    near the samples the RM was trained on, as it does in real RLHF: without it (β = 0.001, the grpo
+    preset) one seed in four found the RM's holes on an Intel Xeon — run-on answers ("9" -> "913") and
+    off-by-one sums it misranked — 76.0% -> 80.0% (seeds 1-3: 91.5, 90.5, 91.5%; on an AMD EPYC seed
+    0 had gone to 93.5%). With β = 0.05, seeds 0-3 (Intel, 1 thread): 87.0, 89.5, 97.0, 91.5%. Two
+    seeds run here, each must gain and their mean gain be ≥ 8 points. Red check: an RM trained for 1
+    step instead of 400 went 76.0% -> 0.0% (seed 0). The trainer's held-out accuracy is cross-checked by
     `greedy_accuracy` on the saved policy."""
     import train
 
     task_files = task.make_default(str(rm_dir / "task"))
-    res = train.main(["--algo", "grpo", "--model", task_files["model"], "--train-data", task_files["train"],
-                      "--test-data", task_files["test"], "--reward-model", rm_path,
-                      "--reward-weights", "correct=0,rm=1", "--steps", "300", "--eval-every", "0",
-                      "--quiet", "--out-dir", str(tmp_path)])
-    before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
-    print(f"GRPO on the RM's reward only: held-out accuracy {before:.3f} -> {after:.3f}")
-    assert "rollout/reward/rm" in res["last"] and "rollout/reward/correct" in res["last"]
-    assert after - before >= 0.08, (before, after)
-    saved = sorted((tmp_path / "checkpoints").iterdir())[-1]
-    assert abs(greedy_accuracy(str(saved)) - after) <= 0.02
+    gains = []
+    for seed in (0, 1):
+        out = tmp_path / f"seed{seed}"
+        res = train.main(["--algo", "grpo", "--model", task_files["model"],
+                          "--train-data", task_files["train"], "--test-data", task_files["test"],
+                          "--reward-model", rm_path,
+                          "--reward-weights", "correct=0,rm=1", "--kl-coef", "0.05", "--seed", str(seed),
+                          "--steps", "300", "--eval-every", "0", "--quiet", "--out-dir", str(out)])
+        before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
+        print(f"seed {seed}: GRPO on the RM's reward only: held-out accuracy {before:.3f} -> {after:.3f}")
+        assert "rollout/reward/rm" in res["last"] and "rollout/reward/correct" in res["last"]
+        assert after > before, (seed, before, after)
+        saved = sorted((out / "checkpoints").iterdir())[-1]
+        assert abs(greedy_accuracy(str(saved)) - after) <= 0.02
+        gains.append(after - before)
+    assert sum(gains) / len(gains) >= 0.08, gains
 
 
 def test_a_sharded_rm_scores_as_the_whole_one_with_unequal_ranks(tmp_path):
