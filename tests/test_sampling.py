@@ -282,10 +282,13 @@ def test_draw_is_multinomials_draw_bit_for_bit():
     z[2, 100:] = float("-inf")  # a filtered row: 100 ids, zero probability elsewhere
     z[3] = z[3].round()  # many tied probabilities
     logp = torch.log_softmax(z, dim=-1)
+    # shapes alternate: draw's reused buffers (one shape held at a time) follow the input's shape
+    small = torch.log_softmax(torch.randn(3, 1000) * 3, dim=-1)  # [3, 1000]
     for seed in range(6):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        assert torch.equal(draw(logp, g1), torch.multinomial(logp.exp(), 1, generator=g2).squeeze(-1))
-        assert torch.equal(g1.get_state(), g2.get_state())
+        for lp in (logp, small) if seed % 2 else (logp,):
+            assert torch.equal(draw(lp, g1), torch.multinomial(lp.exp(), 1, generator=g2).squeeze(-1))
+            assert torch.equal(g1.get_state(), g2.get_state())
 
 
 def test_nan_or_inf_logits_raise():
