@@ -11,6 +11,7 @@ bench.py.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -346,10 +347,16 @@ class StepEntries:
                  # staleness costs at lr 3e-4: a pair
                  "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0),
                  "sync, lr 1.5e-4": dict(lr=1.5e-4), "async K=1, lr 1.5e-4": dict(async_steps=1, lr=1.5e-4)}
+        if importlib.util.find_spec("vllm") is not None:  # the vLLM engine, in the trainer / in the worker
+            modes.update({"sync, vLLM": dict(engine="vllm"),
+                          "async K=1, vLLM": dict(async_steps=1, engine="vllm"),
+                          "async K=1, TIS 2, vLLM": dict(async_steps=1, tis_cap=2.0, engine="vllm")})
         for name, flags in modes.items():
             # each lr: its own sync baseline
             K, lr = flags.get("async_steps", 0), flags.get("lr", Config.lr)
-            case = f"default task, lr {lr:g}, ≤{steps} steps, {self.threads or 'default'} thread(s) per side"
+            engine = flags.get("engine", "hf")
+            case = (f"default task, {engine} engine, lr {lr:g}, ≤{steps} steps, "
+                    f"{self.threads or 'default'} thread(s) per side")
             # what `train.py --algo grpo` runs
             run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)
             run.pipeline = pipeline.start(run) if K else None
@@ -366,6 +373,8 @@ class StepEntries:
             finally:
                 if run.pipeline is not None:
                     run.pipeline.close()
+                if hasattr(run.engine, "close"):  # vLLM: one engine per process at a time
+                    run.engine.close()
                 run.rewards.close()
                 run.logger.close()
             warm, ms = took[1:] or took, per[1:] or per
@@ -373,7 +382,8 @@ class StepEntries:
             where = (f"train {phase('perf/time/train'):.0f} ms, logprob+advantage "
                      f"{phase('perf/time/logprob') + phase('perf/time/advantage'):.0f} ms, "
                      + (f"waits {phase('perf/time/generate'):.0f} ms for data; worker: generate "
-                        f"{phase('perf/async/generate_s'):.0f} ms, waits "
+                        f"{phase('perf/async/generate_s'):.0f} ms, load "
+                        f"{phase('perf/async/load_s'):.0f} ms, waits "
                         f"{phase('perf/async/engine_wait_s'):.0f} ms for weights"
                         if K else f"generate {phase('perf/time/generate'):.0f} ms, reward "
                                   f"{phase('perf/time/reward'):.0f} ms"))

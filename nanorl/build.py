@@ -67,23 +67,29 @@ def load_policy(cfg: Config, device, dtype):
 def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):
     """The rollout engine: vLLM with its own copy of the weights (loaded from the same path, synced after
     every step), or the HF engine sampling from the policy module itself (--fsdp: from a full copy)."""
-    if cfg.engine == "vllm":
-        from nanorl.vllm_engine import VLLMEngine
-        # the run's longest request, not the model's context (an episode: its prompt + every turn)
-        longest = max(len(p.ids) for p in prompts) + max(cfg.max_new_tokens, cfg.eval_max_new_tokens,
-                                                         cfg.episode_tokens)
-        # kv_cache_bytes None: vLLM's share of the GPU, or its CPU default
-        return VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
-                          max_model_len=cfg.max_model_len or longest,
-                          kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
-                          gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                          record_routing=cfg.routing_replay, sleep_mode=cfg.sleep_level > 0,
-                          lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0)
+    # --async-steps: vLLM runs in the rollout worker (nanorl/pipeline.py); the trainer's own engine, for
+    # evaluation, is the HF engine on its module
+    if cfg.engine == "vllm" and not cfg.async_steps:
+        return vllm_engine(cfg, max(len(p.ids) for p in prompts), rank, sleep=cfg.sleep_level > 0)
     sampler = frozen_copy(model, dtype).to(device) if cfg.fsdp else model
     engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay,
                       compute_dtype=dtype)
     engine.generator.manual_seed(cfg.seed * 1000 + rank)
     return engine
+
+
+def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
+    """The VLLMEngine of a run: in the trainer's process (synchronous) or the async rollout worker's."""
+    from nanorl.vllm_engine import VLLMEngine
+    # the run's longest request, not the model's context (an episode: its prompt + every turn)
+    longest = longest_prompt + max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)
+    # kv_cache_bytes None: vLLM's share of the GPU, or its CPU default
+    return VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
+                      max_model_len=cfg.max_model_len or longest,
+                      kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
+                      gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
+                      record_routing=cfg.routing_replay, sleep_mode=sleep,
+                      lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0)
 
 
 def make_trained(cfg: Config, model, device, dtype):

@@ -146,6 +146,12 @@ def check_advantage_and_loss(cfg) -> None:
     need(cfg.is_level == "token" or cfg.tis_cap or cfg.mis_high, "is_level needs tis_cap or mis_high")
     need(cfg.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {cfg.max_gen_batches}")
     need(not moved("max_gen_batches") or cfg.filter_groups, "max_gen_batches needs filter_groups")
+    need(cfg.over_sample >= 1, f"over_sample must be >= 1, got {cfg.over_sample}")
+    need(cfg.over_sample == 1 or cfg.filter_groups, "over_sample needs filter_groups (it aborts once "
+         "the step has enough groups with reward variance)")
+    need(cfg.over_sample == 1 or (cfg.engine != "vllm" and not cfg.env and not cfg.routing_replay),
+         "over_sample needs the HF engine without --env or --routing-replay (abort between decode "
+         "steps is built there; vLLM's needs its request loop, not built)")
     need(0 <= cfg.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
          f"{cfg.overlong_buffer}")
     need(cfg.overlong_penalty > 0, "overlong_penalty must be > 0")
@@ -178,6 +184,8 @@ def check_env(cfg) -> None:
 def check_async(cfg) -> None:
     """The --async-steps group: ranges, and no flag that does nothing or cannot work."""
     on = cfg.async_steps > 0
+    need(not (cfg.partial_rollout and cfg.env), "--partial-rollout with --env is not supported: a "
+         "weight switch between an episode's turns would re-prefill the environment's tokens as well")
     need(cfg.async_steps >= 0, f"async_steps must be >= 0, got {cfg.async_steps}")
     need(not cfg.partial_rollout or on, "partial_rollout needs async_steps >= 1")
     need(not cfg.mask_offpolicy_in_partial_rollout or cfg.partial_rollout,
@@ -192,11 +200,11 @@ def check_async(cfg) -> None:
                  "(cpu, cuda, cuda:1, ...)")
     # what generates inside the step, or needs the engine to be the trainer's own module
     for bad, what in ((cfg.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
-                      (cfg.env, "--env (the multi-turn driver runs in the trainer)"),
                       (cfg.routing_replay, "--routing-replay (not built: the worker records no "
                        "routing)"),
                       (cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
-                      (cfg.engine == "vllm", "--engine vllm (not built: the worker runs an HF engine)")):
+                      (cfg.partial_rollout and cfg.engine == "vllm", "--partial-rollout and --engine vllm "
+                       "(not built: the vLLM worker loads a version between batches only)")):
         need(not (on and bad), f"--async-steps with {what} is not supported")
 
 def check_estimator(cfg, fn) -> None:
@@ -245,9 +253,9 @@ def check_estimator(cfg, fn) -> None:
     need(not (cfg.reward_postprocess and "baselines" in named),
          f"reward_postprocess with advantage {cfg.advantage} is not supported: the greedy baseline "
          "response is scored by --reward alone, outside any group")
-    need(not (cfg.async_steps and "baselines" in named),
-         f"--async-steps with --advantage {cfg.advantage} is not supported (its greedy baseline is "
-         "sampled in the step)")
+    need(not (cfg.partial_rollout and "baselines" in named),
+         f"--partial-rollout with --advantage {cfg.advantage} is not supported: the worker's greedy "
+         "baseline would be sampled from a newer version than the samples it is the baseline of")
 
 
 def check_lora(cfg) -> None:

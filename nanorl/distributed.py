@@ -44,11 +44,15 @@ def init() -> tuple[int, int, torch.device]:
     if dist.is_initialized():
         # the last resort; a normal end calls shutdown itself (train.main)
         atexit.register(shutdown)
+        _JOINED.set()
     return state.process_index, state.num_processes, torch.device(state.device)
 
 
 # set by fail_together: after an abort, shutdown has nothing to do
 _ABORTED = threading.Event()
+# set by init once this process joined a process group: end_process ends it with os._exit, even
+# after train.main destroyed the group (is_initialized() is False by then)
+_JOINED = threading.Event()
 
 
 def shutdown() -> None:
@@ -67,9 +71,12 @@ def end_process(code: int = 0) -> None:
     flushed and the group destroyed, the process ends with os._exit — without the interpreter's
     teardown, where a rank still died with "terminate called without an active exception" (SIGABRT,
     exit status -6) on CI under load, even after destroy_process_group: C++ objects of the gloo group
-    and its store destroyed during finalization (pytorch/pytorch#190489). One process (no group):
-    returns, and Python ends as usual."""
-    if not (dist.is_available() and dist.is_initialized()):
+    and its store destroyed during finalization (pytorch/pytorch#190489). Decided by whether the
+    process ever joined a group, not by whether one is left: train.main destroys it before this
+    runs, and a check of is_initialized() let those ranks exit through the teardown after all (a
+    2-rank --async-steps run aborted so about once in ten under load; faulthandler: no Python frame,
+    i.e. in finalization). One process (no group): returns, and Python ends as usual."""
+    if not _JOINED.is_set():
         return
     shutdown()
     sys.stdout.flush()

@@ -91,7 +91,7 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
     if episodes is None and (rewards is None or tokenizer is None):
         raise ValueError("evaluate: needs rewards and tokenizer to score the engine's samples (or episodes)")
     start = time.perf_counter()
-    scorer = _Scorer(engine, rewards, tokenizer, episodes)
+    scorer = Scorer(engine, rewards, tokenizer, episodes)
     # never shifts training's stream
     with checkpoint.isolated_rng(engine, seed=seed + rank):
         counts = torch.stack([_score_slice(scorer, sampling, s.prompts[rank::world]) for s in sets])
@@ -113,7 +113,9 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
 
 
 @dataclass
-class _Scorer:
+class Scorer:
+    """Scored samples from an engine (or the --env driver over it): evaluation's, and the async
+    rollout worker's (nanorl/pipeline.py)."""
     engine: object
     rewards: object
     tokenizer: object
@@ -130,7 +132,7 @@ class _Scorer:
         return samples
 
 
-def _score_slice(scorer: _Scorer, sampling: EvalSampling, prompts) -> torch.Tensor:
+def _score_slice(scorer: Scorer, sampling: EvalSampling, prompts) -> torch.Tensor:
     """[prompts, greedy correct, pass@k hits, greedy response tokens, greedy episodes that called a
     tool] of this rank's slice."""
     # more ranks than prompts: this rank adds nothing (no collective inside)

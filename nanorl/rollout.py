@@ -83,6 +83,12 @@ def device_generator(cpu_generator: torch.Generator, device: torch.device) -> to
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def aborted_sample(prompt: list[int], group: int, version: int) -> Sample:
+    """A request aborted before it sampled a token (over-sampling: the caller had enough)."""
+    return Sample(prompt_ids=list(prompt), response_ids=[], rollout_logprobs=[], status="aborted",
+                  weight_version=version, group_id=group)
+
+
 @dataclass
 class HFEngine(RolloutEngine):
     """Batched sampling with a KV cache on a Hugging Face causal LM (the trainer's own module).
@@ -127,11 +133,19 @@ class HFEngine(RolloutEngine):
         self.version = version
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 until: Callable[[list[Sample]], bool] | None = None) -> list[Sample]:
+        """until (over-sampling with abort, stages.oversampled_round): called with the n Samples of each
+        group whose rows have all stopped, between decode steps (groups still running at the last step
+        come back in the result only); the result holds those very Samples. True aborts every
+        unfinished request: it comes back with status "aborted" and the tokens it had (none in a chunk
+        not started)."""
         # a re-prefill would record twice
         if self.record_routing and self.between_steps is not None:
             raise ValueError("HFEngine: record_routing with between_steps (partial rollouts) is not "
                              "supported")
+        if self.record_routing and until is not None:  # the routing of unfinished rows is still open
+            raise ValueError("HFEngine: record_routing with until (over-sampling) is not supported")
         if sampling.seed is not None:
             self.generator.manual_seed(sampling.seed)
         rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
@@ -142,14 +156,20 @@ class HFEngine(RolloutEngine):
         try:
             generator = sampling_generator(self.generator, device)
             with autocast(device, self.compute_dtype):
-                for start in range(0, len(rows), self.max_batch):
-                    out += self._generate_rows(rows[start:start + self.max_batch], sampling, generator)
+                # with until, chunks hold whole groups (it is handed a group's n samples at once)
+                size = self.max_batch if until is None else max(n, self.max_batch // n * n)
+                for start in range(0, len(rows), size):
+                    chunk = rows[start:start + size]
+                    if until is not None and out and any(x.status == "aborted" for x in out):
+                        out += [aborted_sample(p, g, self.version) for g, p in chunk]
+                        continue
+                    out += self._generate_rows(chunk, sampling, generator, until)
         finally:
             self.model.train(was_training)
         return out
 
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingConfig,
-                       generator: torch.Generator) -> list[Sample]:
+                       generator: torch.Generator, until=None) -> list[Sample]:
         from transformers import DynamicCache
 
         device = next(self.model.parameters()).device
@@ -166,6 +186,10 @@ class HFEngine(RolloutEngine):
         recording = self._recorder()
         versions = []  # [R] the weight version of each decode step
         first, copy = self._shared_prefill(rows, device)
+        members: dict[int, list[int]] = {}  # group → its rows (until: reported once all have stopped)
+        for b, (g, _) in enumerate(rows):
+            members.setdefault(g, []).append(b)
+        reported, given, aborted = set(), {}, False  # given: the Samples `until` saw, by row
         with recording as rec:
             for i in range(sp.max_new_tokens):
                 if i and self.between_steps is not None and self.between_steps():
@@ -196,9 +220,32 @@ class HFEngine(RolloutEngine):
                 done = done | torch.isin(tok, stop)
                 if bool(done.all()):
                     break
+                if until is not None:  # groups whose rows have all stopped, to the caller as they finish
+                    stopped = done.tolist()
+                    ready = [g for g, bs in members.items()
+                             if g not in reported and all(stopped[b] for b in bs)]
+                    if ready:
+                        reported.update(ready)
+                        so_far = self._samples(rows, tokens, logps, supports, versions, sp, rec, P)
+                        given.update({b: so_far[b] for g in ready for b in members[g]})
+                        if until([so_far[b] for g in ready for b in members[g]]):
+                            aborted = True
+                            break
                 step_ids = tok[:, None]  # [B, 1]
                 step_pos = step_pos[:, -1:] + 1  # [B, 1]
                 attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
+        # the rows `until` saw come back as the very Samples it saw (it may have scored them)
+        samples = [given.get(b, s) for b, s in
+                   enumerate(self._samples(rows, tokens, logps, supports, versions, sp, rec, P))]
+        if aborted:  # the requests still running when the caller had enough
+            stopped = done.tolist()
+            for b, s in enumerate(samples):
+                if not stopped[b]:
+                    s.status = "aborted"
+        return samples
+
+    def _samples(self, rows, tokens, logps, supports, versions, sp, rec, P) -> list[Sample]:
+        """One Sample per row from the decode steps so far (each cut after its first stop token)."""
         tokens = torch.stack(tokens, 1).cpu()  # [B, R]
         logps = torch.stack(logps, 1).float().cpu()  # [B, R]
         experts = rec.experts if rec is not None else None  # [B, P+R-1, L, k] or None

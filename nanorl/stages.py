@@ -97,12 +97,16 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                   max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
                                   keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
-        samples = generate(run, prompts, cfg.samples_per_prompt, sampling)
+        if cfg.over_sample > 1:  # DAPO over-sampling: groups scored as they stop, the rest aborted
+            samples = oversampled_round(run, prompts, sampling, metrics)
+        else:
+            samples = generate(run, prompts, cfg.samples_per_prompt, sampling)
     with timer("reward"):
-        for s, r in zip(samples, score(run, prompts, samples)):
-            s.reward = r
-        # --reward-postprocess: the whole step's groups (with --async-steps too)
-        run.hooks.postprocess(samples)
+        if cfg.over_sample == 1:
+            for s, r in zip(samples, score(run, prompts, samples)):
+                s.reward = r
+            # --reward-postprocess: the whole step's groups (with --async-steps too)
+            run.hooks.postprocess(samples)
     if run.pipeline is not None:  # staleness and who waited for whom (nanorl/pipeline.py)
         metrics.update(run.pipeline.metrics)
     if run.episodes is not None:  # turns, tool use, how episodes ended; env faults as run totals
@@ -314,8 +318,49 @@ def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
     return kept
 
 
+def oversampled_round(run, prompts, sampling, metrics: dict) -> list:
+    """--over-sample F: one generation round of F× the step's prompts (F − 1 more batches from the
+    loader, as refill rounds draw them). Each group is scored (and --reward-postprocess'd) as soon as
+    all its samples stop; once len(prompts) groups with reward variance are in, every request still
+    running is aborted. Returns every sample, the aborted ones (and the rest of their groups: a group
+    trains whole or not at all) with status "aborted", which keep_trainable drops. Logged:
+    dapo/aborted_tokens (sampled, then thrown away), dapo/aborted_groups, dapo/oversampled_groups."""
+    from nanorl.rollout import HFEngine
+    if not isinstance(run.engine, HFEngine):
+        raise ValueError(f"--over-sample needs the HF engine (abort between decode steps), not "
+                         f"{type(run.engine).__name__}")
+    n, wanted = run.cfg.samples_per_prompt, len(prompts)
+    pool = list(prompts) + [p for _ in range(run.cfg.over_sample - 1) for p in run.loader.next_batch()]
+    found = [0]
+
+    def scored(groups: list) -> None:  # whole groups, consecutive: prompt i's n samples
+        if not groups:
+            return
+        for s, r in zip(groups, score(run, [pool[s.group_id] for s in groups[::n]], groups)):
+            s.reward = r
+        run.hooks.postprocess(groups)
+
+    def enough(done: list) -> bool:
+        scored(done)
+        found[0] += sum(dapo.has_signal([s.total_reward for s in done[i:i + n]])
+                        for i in range(0, len(done), n))
+        return found[0] >= wanted
+    samples = run.engine.generate([p.ids for p in pool], n, sampling, until=enough)
+    groups = [samples[i:i + n] for i in range(0, len(samples), n)]
+    cut = [g for g in groups if any(s.status == "aborted" for s in g)]
+    for g in cut:
+        for s in g:
+            s.status = "aborted"
+    scored([s for g in groups if g[0].status != "aborted" and g[0].reward is None for s in g])  # at the end
+    metrics.update({"dapo/aborted_tokens": sum(s.response_length for g in cut for s in g),
+                    "dapo/aborted_groups": len(cut), "dapo/oversampled_groups": len(pool)})
+    return samples
+
+
 def greedy_baselines(run, prompts, samples, timer) -> torch.Tensor:
     """The reward of one greedy response per prompt, the baseline of that prompt's samples [B] (ReMax)."""
+    if run.pipeline is not None:  # --async-steps: the worker sampled them with the batch, from its weights
+        return torch.tensor([s.metadata["greedy_baseline"] for s in samples])
     cfg = run.cfg
     with timer("generate"):
         greedy = generate(run, prompts, 1, SamplingConfig(

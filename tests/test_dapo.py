@@ -125,3 +125,84 @@ def test_refill_trains_a_full_batch_when_most_groups_have_no_variance(task_dir, 
     res = train.main([*common, "--steps", "1", "--max-gen-batches", "1", "--seed", "3",
                       "--out-dir", str(tmp_path / "b")])
     assert res["counters"]["dapo_gave_up"] == 1
+
+
+HALF = '''
+from nanorl.rewards import exact
+
+
+def reward(prompt, response, label):
+    """The exact reward on the prompts whose answer is even (about half of them), else 0."""
+    return exact(prompt, response, label) if int(label) % 2 == 0 else 0.0
+'''
+
+
+def test_until_aborts_the_running_requests_and_changes_nothing_before(task_dir):
+    """HFEngine.generate(until=...): a callback that never says stop changes no sample (tokens,
+    logprobs, statuses: the same random stream); one that stops at the first finished groups leaves
+    those groups whole and every other request "aborted", its tokens a prefix of the full run's; the
+    engine's row chunks hold whole groups (red check: chunks of max_batch rows split a group)."""
+    from nanorl.policy import load_model
+    from nanorl.rollout import HFEngine, SamplingConfig
+    from nanorl.task import problems
+    model, tok = load_model(task_dir["model"], "cpu", torch.float32)
+    engine = HFEngine(model, pad_id=tok.pad_token_id)
+    prompts = [tok(x["prompt"])["input_ids"] for x in problems()[0][:8]]
+    sp = SamplingConfig(max_new_tokens=8, stop_token_ids=(tok.eos_token_id,), seed=3)
+    full = engine.generate(prompts, 4, sp)
+    seen = []
+    same = engine.generate(prompts, 4, sp, until=lambda done: seen.append(done) and False)
+    key = [(s.response_ids, s.rollout_logprobs, s.status) for s in full]
+    assert [(s.response_ids, s.rollout_logprobs, s.status) for s in same] == key and seen
+    first = []
+    cut = engine.generate(prompts, 4, sp, until=lambda done: first.extend(done) or True)
+    assert first and all(any(s is f for f in first) for s in cut if s.status != "aborted")
+    assert {s.group_id for s in first} == {s.group_id for s in cut if s.status != "aborted"}
+    assert any(s.status == "aborted" for s in cut)
+    for s, f in zip(cut, full):
+        assert f.response_ids[:s.response_length] == s.response_ids
+        if s.status != "aborted":
+            assert s.response_ids == f.response_ids
+    # chunks of max_batch rows hold whole groups when `until` is given (10 rows, n = 4: two groups)
+    engine.max_batch, chunks, real = 10, [], engine._generate_rows
+    engine._generate_rows = lambda rows, *a: chunks.append([g for g, _ in rows]) or real(rows, *a)
+    engine.generate(prompts, 4, sp, until=lambda done: False)
+    assert len(chunks) == 4 and all(len(c) == 8 and all(c.count(g) == 4 for g in c) for c in chunks)
+
+
+def test_over_sample_fills_the_batch_in_one_round(task_dir, tmp_path, monkeypatch):
+    """DAPO with a reward that only half the prompts can earn: the refill takes several rounds for
+    some step; --over-sample 4 fills every step in one round (2 groups with variance of 8 started),
+    aborting the rest (aborted tokens logged), and no aborted sample reaches the update. Red check:
+    `until` ignored by the stage (never aborting) leaves dapo/aborted_tokens 0 and fails."""
+    (tmp_path / "half.py").write_text(HALF)
+    seen = []
+    real = train.train_on
+    monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real(run, batch))
+    common = ["--model", task_dir["model"], "--train-data", task_dir["train"], "--test-data",
+              task_dir["test"], "--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8",
+              "--eval-limit", "2", "--eval-every", "0", "--pass-k", "1", "--quiet", "--threads", "1",
+              "--max-new-tokens", "4", "--reward", f"{tmp_path / 'half.py'}:reward", "--steps", "4"]
+
+    def logged(out, key):
+        return [x[key] for x in map(json.loads, open(out / "metrics.jsonl")) if key in x]
+    train.main([*common, "--out-dir", str(tmp_path / "refill")])
+    assert max(logged(tmp_path / "refill", "rollout/dapo/gen_rounds")) > 1
+    seen.clear()
+    train.main([*common, "--over-sample", "4", "--out-dir", str(tmp_path / "over")])
+    assert logged(tmp_path / "over", "rollout/dapo/gen_rounds") == [1] * 4
+    assert logged(tmp_path / "over", "rollout/dapo/oversampled_groups") == [8] * 4
+    assert sum(logged(tmp_path / "over", "rollout/dapo/aborted_tokens")) > 0
+    assert len(seen) == 4
+    for batch in seen:  # a full batch: 2 whole groups of 8, each with reward variance
+        assert batch.group_ids.tolist() == [0] * 8 + [1] * 8
+        for g in (0, 1):
+            assert batch.rewards[batch.group_ids == g].unique().numel() > 1
+
+
+def test_over_sample_refuses_what_it_cannot_do():
+    for argv, msg in ((["--over-sample", "2"], "over_sample needs filter_groups"),
+                      (["--algo", "dapo", "--over-sample", "0"], "over_sample must be >= 1"),
+                      (["--algo", "dapo", "--over-sample", "2", "--engine", "vllm"], "needs the HF engine")):
+        with pytest.raises(ValueError, match=msg):
+            parse_args(argv)

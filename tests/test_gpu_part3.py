@@ -116,7 +116,7 @@ def test_micro_batched_routing_equals_one_batch_routing(budget):
     cfg = dict(dtype="float32", temperature=1.0, logprob_impl="fused", max_tokens_per_micro_batch=0)
 
     def route(batch, **kw):
-        run = SimpleNamespace(cfg=SimpleNamespace(**{**cfg, **kw}), model=model)
+        run = SimpleNamespace(cfg=SimpleNamespace(**{**cfg, **kw}), model=model, world=1)
         metrics = {}
         lp = update.routing_forward(run, batch, None, metrics)
         return lp, batch.routed_experts, metrics

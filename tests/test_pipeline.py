@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train
-from nanorl import checkpoint, pipeline, stages, update
+from nanorl import checkpoint, pipeline, rollout_worker, stages, update
 from nanorl.config import Config
 from nanorl.offpolicy import is_weights
 from nanorl.policy import response_logprobs
@@ -64,6 +64,34 @@ def logprobs_under(model, state, batch):
         return response_logprobs(scratch, batch, 1.0)[0]
 
 
+def next_version(run, pipe, versions: dict, t: int, g: torch.Generator, scale: float = 0.05) -> None:
+    """"Train" step t: move every weight (a version that differs from the last), keep a copy in
+    versions[t + 1] and publish it to the worker, as train.py's sync does."""
+    with torch.no_grad():
+        for p in run.model.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    versions[t + 1] = {k: x.clone() for k, x in run.model.state_dict().items()}
+    run.step = t + 1
+    pipe.publish(run.model, t + 1)
+
+
+def driven(run, steps: int, K: int):
+    """Drive the pipeline as train.py does, weights perturbed at every step (`next_version`) so that
+    versions differ: yields (t, pipe, samples, batch, versions) for each step t once batch t is taken
+    (checked to come from version max(0, t − K) exactly), then trains; closes the pipeline at the end."""
+    pipe = run.pipeline = pipeline.start(run)
+    versions = {0: {k: v.clone() for k, v in run.model.state_dict().items()}}
+    g = torch.Generator().manual_seed(0)
+    try:
+        for t in range(steps):
+            samples = pipe.take(t, run.loader.next_batch())
+            assert {s.weight_version for s in samples} == {max(0, t - K)}
+            yield t, pipe, samples, collate(samples, run.tokenizer.pad_token_id), versions
+            next_version(run, pipe, versions, t, g)
+    finally:
+        pipe.close()
+
+
 def test_k0_is_the_synchronous_run_bitwise(task, tmp_path, monkeypatch):
     started = []
     monkeypatch.setattr(pipeline, "start", lambda *a: started.append(a))  # K = 0 must never get here
@@ -82,37 +110,104 @@ def test_staleness_bound_and_each_version_is_the_engines(task, tmp_path):
     The worker's reference logprobs are, bit for bit, what the trainer's own recompute gives."""
     K, steps = 2, 6
     run = setup_run(task, tmp_path, steps=steps, async_steps=K, kl_coef=0.01)
-    pipe = pipeline.start(run)
+    for t, pipe, samples, batch, versions in driven(run, steps, K):
+        v = max(0, t - K)
+        assert pipe.metrics["async/staleness_max"] == pipe.metrics["async/staleness_mean"] == t - v
+        assert pipe.metrics["async/offpolicy_token_frac"] == (1.0 if t > v else 0.0)
+        m = batch.response_mask > 0
+
+        def gap(u):  # the largest |Δ logprob| between the rollout and version u's weights
+            return float((logprobs_under(run.model, versions[u], batch) -
+                          batch.rollout_logprobs)[m].abs().max())
+        assert gap(v) < 1e-5
+        if v + 1 in versions:
+            assert gap(v + 1) > 1e-3
+        with torch.no_grad():
+            ref = update.score_batch(run, run.ref, batch, None)[0]
+        assert torch.equal(pipe.ref_logprobs(samples, batch), ref)
+    run.logger.close()
+
+
+def test_remax_baselines_are_the_greedy_rewards_of_the_batchs_version(task, tmp_path):
+    """ReMax with --async-steps: each sample carries its prompt's greedy reward under the version that
+    sampled its batch (not the trainer's newer one), and train.py's advantage reads exactly those."""
+    from nanorl.rewards import score_samples
+    from nanorl.rollout import HFEngine, SamplingConfig
+    K, steps = 1, 3
+    run = setup_run(task, tmp_path, steps=steps, async_steps=K, advantage="remax", max_new_tokens=4)
+    pipe = run.pipeline = pipeline.start(run)
     versions = {0: {k: v.clone() for k, v in run.model.state_dict().items()}}
     g = torch.Generator().manual_seed(0)
+    greedy_sp = SamplingConfig(temperature=0.0, max_new_tokens=4,
+                               stop_token_ids=pipe_stop_tokens(run))
+    seen_differ = False
     try:
         for t in range(steps):
-            samples = pipe.take(t, run.loader.next_batch())
+            prompts = run.loader.next_batch()
+            samples = pipe.take(t, prompts)
             v = max(0, t - K)
-            assert {s.weight_version for s in samples} == {v}
-            assert pipe.metrics["async/staleness_max"] == pipe.metrics["async/staleness_mean"] == t - v
-            assert pipe.metrics["async/offpolicy_token_frac"] == (1.0 if t > v else 0.0)
-            batch = collate(samples, run.tokenizer.pad_token_id)
-            m = batch.response_mask > 0
 
-            def gap(u):  # the largest |Δ logprob| between the rollout and version u's weights
-                return float((logprobs_under(run.model, versions[u], batch) -
-                              batch.rollout_logprobs)[m].abs().max())
-            assert gap(v) < 1e-5
-            if v + 1 in versions:
-                assert gap(v + 1) > 1e-3
-            with torch.no_grad():
-                ref = update.score_batch(run, run.ref, batch, None)[0]
-            assert torch.equal(pipe.ref_logprobs(samples, batch), ref)
-            with torch.no_grad():  # "train": a new version that differs from the last
-                for p in run.model.parameters():
-                    p.add_(0.05 * torch.randn(p.shape, generator=g))
-            versions[t + 1] = {k: x.clone() for k, x in run.model.state_dict().items()}
-            run.step = t + 1
-            pipe.publish(run.model, t + 1)
+            def greedy_rewards(u):  # the greedy responses' rewards under version u, per sample
+                scratch = copy.deepcopy(run.model)
+                scratch.load_state_dict(versions[u])
+                greedy = HFEngine(scratch, pad_id=run.tokenizer.pad_token_id).generate(
+                    [p.ids for p in prompts], 1, greedy_sp)
+                r = score_samples(run.rewards, run.tokenizer, prompts, greedy)
+                return [r[s.group_id] for s in samples]
+            got = [s.metadata["greedy_baseline"] for s in samples]
+            assert got == greedy_rewards(v)
+            # the trainer's own version t would give other baselines (the test is not vacuous)
+            seen_differ |= t > v and greedy_rewards(t) != got
+            assert stages.greedy_baselines(run, prompts, samples, None).tolist() == got
+            next_version(run, pipe, versions, t, g, scale=0.5)  # far enough to change greedy answers
     finally:
         pipe.close()
         run.logger.close()
+    assert seen_differ
+    train.main(args(task, tmp_path / "e2e", "--steps", "2", "--async-steps", "1", "--advantage", "remax"))
+    assert len(step_lines(tmp_path / "e2e")) == 2
+
+
+USER_ENV = ("from nanorl.env import Env, Step\n\n"
+            "class UserEnv(Env):\n    def reset(self, prompt):\n        self.label = prompt.label\n"
+            "        self.kind = int(prompt.text[0]) % 3\n\n    def step(self, action):\n"
+            "        if self.kind == 0 and action.turn == 0:\n"
+            "            raise ValueError('bad tool input')\n"
+            "        if action.turn == 0:\n            return Step([13, 13], 0.0, False, {'tool_calls': 1})\n"
+            "        return Step(None, float(action.text == self.label), True, {})\n")
+
+
+def test_env_episodes_run_in_the_worker_from_the_batchs_version(task, tmp_path):
+    """--env with --async-steps: the worker's own driver plays the episodes (two model turns around an
+    environment message); every model token's rollout logprob is version max(0, t − K)'s, environment
+    tokens are masked out, and the environment faults raised in the worker reach the trainer's totals."""
+    (tmp_path / "user_env.py").write_text(USER_ENV)
+    env = f"{tmp_path / 'user_env.py'}:UserEnv"
+    K, steps = 1, 3
+    run = setup_run(task, tmp_path / "driven", steps=steps, async_steps=K, env=env, env_max_turns=2)
+    try:
+        for t, _, samples, batch, versions in driven(run, steps, K):
+            two_turns = [s for s in samples if s.metadata["env"]["turns"] == 2]
+            assert two_turns, "no episode reached its second model turn"
+            m = batch.response_mask > 0  # the model's own tokens (environment tokens are 0 in it)
+            assert any(0 in s.loss_mask for s in two_turns)  # environment tokens inside responses
+            gap = (logprobs_under(run.model, versions[max(0, t - K)], batch) - batch.rollout_logprobs)[m]
+            assert float(gap.abs().max()) < 1e-5
+        assert run.episodes.faults["env_error"] > 0  # counted in the worker, totalled here
+    finally:
+        run.episodes.close()
+        run.logger.close()
+    train.main(args(task, tmp_path / "e2e", "--steps", "2", "--async-steps", "1", "--env", env,
+                    "--env-max-turns", "2"))
+    lines = [json.loads(x) for x in open(tmp_path / "e2e" / "metrics.jsonl")]
+    lines = [x for x in lines if "rollout/async/staleness_max" in x]  # the steps (all-zero groups: no loss)
+    assert [x["rollout/async/staleness_max"] for x in lines] == [0, 1]
+    assert lines[-1]["rollout/env_faults/env_error"] > 0 and "rollout/env/turns_mean" in lines[-1]
+
+
+def pipe_stop_tokens(run):
+    from nanorl.rollout import stop_token_ids
+    return stop_token_ids(run.model, run.tokenizer)
 
 
 def test_trainer_refuses_a_sample_older_than_k(task, tmp_path, monkeypatch):
@@ -120,7 +215,7 @@ def test_trainer_refuses_a_sample_older_than_k(task, tmp_path, monkeypatch):
     one version (planted: it samples batch b from b − K − 1) stops the run before that batch trains."""
     train.main(args(task, tmp_path / "ok", "--steps", "4", "--async-steps", "2"))
     assert [x["rollout/async/staleness_max"] for x in step_lines(tmp_path / "ok")] == [0, 1, 2, 2]
-    monkeypatch.setattr(pipeline, "sampled_from", lambda b, K, v0: max(v0, b - K - 1))  # the worker forks
+    monkeypatch.setattr(rollout_worker, "sampled_from", lambda b, K, v0: max(v0, b - K - 1))  # forked
     with pytest.raises(RuntimeError, match="a sample of version 0 reached step 3"):
         train.main(args(task, tmp_path / "bad", "--steps", "4", "--async-steps", "2"))
     assert len(step_lines(tmp_path / "bad")) == 3  # steps 0-2 trained (within the bound), step 3 never did
@@ -134,12 +229,12 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
     ratio of the new tokens is 1 (they are on-policy for the new version), of the old ones not."""
     run = setup_run(task, tmp_path, steps=4, async_steps=1, partial_rollout=True,
                     mask_offpolicy_in_partial_rollout=True)
-    weights_ = pipeline.SharedWeights(run.model, 1, mp.get_context("fork"))
+    weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
     stop = stages.stop_tokens(run)
-    spec = pipeline.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
-                               pipeline.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
-    worker = pipeline.Worker(spec, weights_)
+    spec = rollout_worker.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
+                               rollout_worker.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
+    worker = rollout_worker.Worker(spec, weights_)
     old = {k: v.clone() for k, v in run.model.state_dict().items()}
     new_model = copy.deepcopy(run.model)
     with torch.no_grad():
@@ -231,7 +326,7 @@ def test_async_resume_of_a_synchronous_checkpoint_samples_from_its_weights(task,
 def test_worker_error_is_raised_in_the_trainer(task, tmp_path, monkeypatch):
     def broken(self, b, prompts):
         raise ValueError("planted failure in the worker")
-    monkeypatch.setattr(pipeline.Worker, "rollout", broken)  # inherited by the forked worker
+    monkeypatch.setattr(rollout_worker.Worker, "rollout", broken)  # inherited by the forked worker
     with pytest.raises(RuntimeError, match="rollout worker failed(.|\n)*planted failure"):
         train.main(args(task, tmp_path, "--steps", "2", "--async-steps", "1"))
 
@@ -242,7 +337,7 @@ def test_config_rejects_what_async_cannot_do():
                     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
                     (dict(async_steps=1, rollout_device="tpu0"), "is not a device"),
                     (dict(async_steps=1, filter_groups=True), "filter-groups"),
-                    (dict(async_steps=1, engine="vllm"), "engine vllm"),
+                    (dict(async_steps=1, partial_rollout=True, engine="vllm"), "engine vllm"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)

@@ -1,0 +1,358 @@
+"""The rollout worker of asynchronous RL (--async-steps K): a process of its own that samples and
+scores batch b from weight version `sampled_from(b, K, v0)` while the trainer trains on an older
+batch. nanorl/pipeline.py is the trainer's end, which starts it and reads what it sends.
+
+Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). Versions arrive in
+shared memory (`SharedWeights`, the HF engine) or over a process group (weight_broadcast.Receiver,
+--engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
+frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
+baselines and --env episodes are sampled here too, from the batch's own weights. Partial rollouts
+(--partial-rollout) pick up a newer version between decode steps. Design and measurements:
+docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import pickle
+import queue
+import signal
+import time
+import traceback
+import types
+
+import torch
+import torch.multiprocessing as mp
+
+from nanorl import precision, weight_broadcast
+from nanorl.data import PromptFormat
+from nanorl.distributed import Trained
+from nanorl.evaluation import Scorer
+from nanorl.policy import frozen_copy, load_model
+from nanorl.rewards import RewardRunner, load_reward_fn
+from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.tool_envs import episode_runner
+from nanorl.trajectory import Sample, collate
+from nanorl.update import forward, score_batch
+
+
+def sampled_from(b: int, K: int, v0: int) -> int:
+    """The staleness rule: the weight version batch b is sampled from (nanorl/pipeline.py's docstring)."""
+    return max(v0, b - K)
+
+
+def batch_seed(seed: int, b: int) -> int:
+    """The sampling seed of batch b: fixed by (run seed, batch), whatever ran before it."""
+    return seed * 1_000_003 + b
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """What the worker process needs (picklable: the spawn start method sends it)."""
+    cfg: object               # the run's Config: model, dtype, reward, KL, async flags
+    device: str
+    sampling: SamplingConfig  # the run's sampling; the worker sets its per-batch seed
+    start_version: int        # v0: the version the trainer starts from (0, or the resumed step)
+    greedy_baselines: bool = False  # the estimator reads ReMax's baselines (plan.greedy_baselines)
+    longest_prompt: int = 0   # --engine vllm: its max_model_len is sized from it (build.vllm_engine)
+    world: int = 1            # trainer ranks: prompt g goes to rank g % world (pipeline.shards)
+
+
+def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
+    """Where each state-dict tensor lives in a slot's flat buffer: entries (names, dtype, shape, byte
+    offset) and the slot's size in bytes. Floating-point parameters are stored in the compute dtype
+    the worker's engine holds them in (a frozen copy, `frozen_copy`), buffers and integer tensors in
+    their own; tied parameters (one tensor, several names) take one place. Offsets are 64-byte aligned,
+    so every entry can be viewed as its dtype."""
+    params = {id(p) for p in model.parameters()}
+    entries, where, size = [], {}, 0
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in where:
+            entries[where[id(t)]][0].append(name)
+            continue
+        dt = dtype if id(t) in params and t.is_floating_point() else t.dtype
+        where[id(t)] = len(entries)
+        entries.append(([name], dt, tuple(t.shape), size))
+        size += -(-t.numel() * dt.itemsize // 64) * 64
+    return [(tuple(n), dt, shape, off) for n, dt, shape, off in entries], max(size, 64)
+
+
+class SharedWeights:
+    """K+1 slots of the policy's tensors in shared memory; version v lives in slot v % (K+1).
+
+    A slot is overwritten by version v + K + 1, which needs step v + K to have trained, hence batch
+    v + K to exist, which the worker samples from version ≥ v: no slot is rewritten while read.
+
+    One shared storage per slot, every tensor a view into it at its offset (`slot_layout`): torch
+    shares each CPU storage through a file descriptor held open by every process that maps it, so a
+    storage per tensor (291 for Qwen2.5-0.5B, × K+1 slots) ran past the common `ulimit -n` of 1024.
+    The slots hold the compute dtype (bf16 runs ship and store half the bytes of the fp32 masters;
+    fp32 runs stay fp32, bit for bit the trainer's weights)."""
+
+    def __init__(self, model: torch.nn.Module, K: int, ctx, dtype: torch.dtype = torch.float32):
+        self.layout, size = slot_layout(model, dtype)
+        self.flat = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(K + 1)]
+        self.latest, self.cond = ctx.RawValue("q", -1), ctx.Condition()
+        self._views, self._staging = {}, None
+
+    def __getstate__(self) -> dict:
+        # what the spawn start method pickles: the K+1 flat storages (one descriptor each), never
+        # the views, which would each be reduced as a storage of their own
+        return {**self.__dict__, "_views": {}, "_staging": None}
+
+    def _view(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = {}
+        for names, dt, shape, off in self.layout:
+            view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+            out.update(dict.fromkeys(names, view))
+        return out
+
+    def slot(self, version: int) -> dict[str, torch.Tensor]:
+        """Every state-dict name → its tensor in version's slot (tied names: the same view)."""
+        i = version % len(self.flat)
+        if i not in self._views:
+            self._views[i] = self._view(self.flat[i])
+        return self._views[i]
+
+    @torch.no_grad()
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        state, i = model.state_dict(), version % len(self.flat)
+        first = [names[0] for names, *_ in self.layout]
+        if any(state[n].is_cuda for n in first):
+            self._publish_from_cuda(state, first, i)
+        else:
+            # on the host the copy into shared memory is the only copy (casting to the slot's dtype)
+            views = self.slot(version)
+            for n in first:
+                views[n].copy_(state[n].detach())
+        with self.cond:  # the lock orders the copy before the version the worker reads
+            self.latest.value = version
+            self.cond.notify_all()
+
+    def _publish_from_cuda(self, state: dict, first: list[str], i: int) -> None:
+        """Device → pinned staging buffer, every tensor cast to the slot's dtype on the device first
+        (half the bytes over the bus in bf16) and copied with non_blocking=True, one synchronisation
+        for all; then one host copy into the shared slot. A device → pageable (shared) copy would
+        block on each tensor. The staging buffer (one slot's size, page-locked) is made once."""
+        if self._staging is None:
+            self._staging = torch.empty(self.flat[i].numel(), dtype=torch.uint8, pin_memory=True)
+            self._staging_views = self._view(self._staging)
+        devices = set()
+        for n in first:
+            t, dst = state[n].detach(), self._staging_views[n]
+            devices.add(t.device)
+            # the cast's temporary is freed after the copy is queued: the caching allocator reuses
+            # it only for work queued later on the same stream, after the copy has read it
+            dst.copy_(t.to(dst.dtype), non_blocking=True)
+        for d in devices:
+            if d.type == "cuda":
+                torch.cuda.synchronize(d)
+        self.flat[i].copy_(self._staging)
+
+    def wait_for(self, version: int, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.latest.value >= version, timeout)
+
+    def release(self, version: int) -> None:
+        """Nothing to free: a slot is overwritten in turn (the class docstring)."""
+
+    def newest(self) -> int:
+        with self.cond:
+            return self.latest.value
+
+
+# ----------------------------------------------------------------------------- the worker process
+
+
+class Worker:
+    """The rollout side: its own model copy, engine, reward runner and (with a KL term) frozen
+    reference model, one batch per request. With --engine vllm the weights arrive over a process group
+    (weight_broadcast.Receiver) into the model copy, which streams them into vLLM and is what vLLM's
+    sync check compares against; otherwise the HF engine samples from the model copy itself."""
+
+    def __init__(self, spec: WorkerSpec, weights):
+        cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.dtype)
+        self.spec, self.cfg, self.weights = spec, cfg, weights
+        # The starting --model in fp32 on the host, never on the trainer's GPU: the engine samples in
+        # the compute dtype (autocast), so with bf16/fp16 it holds a frozen copy in that dtype (the
+        # slots' dtype); with fp32 it is the loaded model itself, as before.
+        base, self.tokenizer = load_model(cfg.model, "cpu", dtype)
+        if cfg.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
+            precision.keep_lm_head_fp32(base)
+        base.requires_grad_(False)
+        # The reference is the starting --model, frozen, as the trainer's (train.py setup): scoring it
+        # here takes its forward off the trainer's side of the step, where it would not overlap.
+        score = functools.partial(forward, cfg)
+        self.ref = None if not cfg.uses_reference else \
+            Trained(frozen_copy(base, dtype).to(spec.device), None, score, dtype)
+        model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(spec.device)
+        del base
+        self.scoring = types.SimpleNamespace(cfg=cfg, model=model, tokenizer=self.tokenizer, world=1)  # a run
+        self.params = model.state_dict()  # views of the module's tensors: loading copies into them
+        for names, dt, shape, _ in weights.layout:  # the trainer's layout must fit this model exactly
+            for n in names:
+                t = self.params.get(n)
+                if t is None or t.dtype != dt or tuple(t.shape) != shape:
+                    got = None if t is None else (t.dtype, tuple(t.shape))
+                    raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
+        if cfg.engine == "vllm":
+            from nanorl import build
+            self.engine = build.vllm_engine(cfg, spec.longest_prompt, rank=0, sleep=False)
+        else:
+            self.engine = HFEngine(model, pad_id=self.tokenizer.pad_token_id, compute_dtype=dtype,
+                                   between_steps=self.pick_up_newer if cfg.partial_rollout else None)
+        self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
+        self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
+        # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
+        fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
+        self.episodes = episode_runner(cfg, self.engine, self.tokenizer, fmt) if cfg.env else None
+        self.scorer = Scorer(self.engine, self.rewards, self.tokenizer, self.episodes)
+        self.engine.version = -1  # nothing loaded yet
+
+    @torch.no_grad()
+    def load(self, version: int) -> None:
+        if self.cfg.engine == "vllm" and version == self.engine.version:
+            return  # vLLM holds it already, checked when it was loaded
+        done = set()
+        for k, view in self.weights.slot(version).items():
+            t = self.params[k]
+            if t.data_ptr() not in done:  # tied names: one tensor, copied once
+                done.add(t.data_ptr())
+                t.copy_(view)
+        self.weights.release(version)
+        self.engine.version = version
+        if self.cfg.engine == "vllm":  # the synchronous engine's load and check (stages.sync)
+            model = self.scoring.model
+            self.engine.update_weights(model, version)
+            every = self.cfg.sync_check_every
+            if every and version % every == 0:
+                self.sync_metrics = {f"sync/{k}": v for k, v in self.engine.check_sync(model).items()}
+
+    def pick_up_newer(self) -> bool:
+        """Between decode steps (partial rollouts): load a version published since, if any."""
+        newest = self.weights.latest.value  # a plain read; newest() then synchronises with publish
+        if newest <= self.engine.version:
+            return False
+        self.load(self.weights.newest())
+        return True
+
+    def rollout(self, b: int, prompts: list) -> dict:
+        cfg, t0 = self.cfg, time.perf_counter()
+        need = sampled_from(b, cfg.async_steps, self.spec.start_version)
+        while not self.weights.wait_for(need, timeout=5.0):
+            _exit_if_orphaned()
+        t1 = time.perf_counter()
+        if self.engine.version < need or not cfg.partial_rollout:  # partial: a newer version held is kept
+            self.load(need)
+        t_load = time.perf_counter()
+        faults, env_faults = dict(self.rewards.faults), dict(self.episodes.faults if self.episodes else {})
+        sampling = dataclasses.replace(self.spec.sampling, seed=batch_seed(cfg.seed, b))
+        samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
+        t2 = time.perf_counter()
+        if cfg.mask_offpolicy_in_partial_rollout:
+            for s in samples:
+                mask_older_tokens(s)
+        if self.spec.greedy_baselines:
+            for s, r in zip(samples, self.greedy_rewards(prompts)):
+                s.metadata["greedy_baseline"] = r
+        t3 = time.perf_counter()
+        if self.ref is not None:  # on each rank's shard, as that rank's recompute would score it
+            for r in range(self.spec.world):
+                self.score_reference([s for s in samples if s.group_id % self.spec.world == r])
+        new_faults = since(faults, self.rewards.faults)
+        # load: the version into the engine (vLLM: its reload and sync check); generate: sampling + reward
+        timing = {"async/engine_wait_s": t1 - t0, "async/load_s": t_load - t1,
+                  "async/generate_s": t2 - t_load, "async/reward_s": t3 - t2,
+                  "async/reference_s": time.perf_counter() - t3, **self.sync_metrics}
+        self.sync_metrics = {}  # reported with the batch of the version it checked, once
+        return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
+                "env_faults": since(env_faults, self.episodes.faults) if self.episodes else {},
+                "metrics": timing}
+
+    def sample_and_score(self, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        """n samples per prompt with their rewards: the engine's, scored by --reward, or with --env the
+        episodes of the multi-turn driver, which the environment scored (train.py's stages.generate)."""
+        return self.scorer.scored(prompts, n, sampling)
+
+    def greedy_rewards(self, prompts: list) -> list[float]:
+        """ReMax's baseline of each sample (in row order): the reward of its prompt's greedy response,
+        sampled here from the same weights as the batch (train.py's stages.greedy_baselines, which
+        reads it, samples it from the trainer's: the same version in a synchronous run)."""
+        greedy = self.sample_and_score(prompts, 1, dataclasses.replace(
+            self.spec.sampling, temperature=0.0, top_k=0, top_p=1.0, keep_support=False, seed=None))
+        n = self.cfg.samples_per_prompt
+        return [greedy[g].total_reward for g in range(len(prompts)) for _ in range(n)]
+
+    @torch.no_grad()
+    def score_reference(self, samples: list[Sample]) -> None:
+        """Reference logprobs of every response token, as train.py's recompute would score them (the
+        same collated batch and micro-batches): metadata["ref_logprobs"], read by `ref_logprobs`."""
+        batch = collate(samples, self.tokenizer.pad_token_id).to(self.spec.device)
+        support = batch.sampling_support if self.cfg.keep_sampling_mask else None
+        lp = score_batch(self.scoring, self.ref, batch, support)[0].cpu()  # [B, T]
+        for s, row in zip(samples, lp):
+            s.metadata["ref_logprobs"] = row[:s.response_length].tolist()
+
+
+def since(before: dict, now: dict) -> dict:
+    """The fault counts added since `before` (a run total's increments, sent to the trainer)."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
+
+
+def mask_older_tokens(s: Sample) -> None:
+    """--mask-offpolicy-in-partial-rollout: loss mask 0 on the tokens sampled under an older version
+    than the sample's newest (combined with any mask it has)."""
+    versions = s.metadata["token_versions"]
+    newest, old = max(versions), s.loss_mask or [1] * len(versions)
+    s.loss_mask = [int(m and v == newest) for m, v in zip(old, versions)]
+
+
+_PARENT: list[int] = []  # the worker's trainer process
+
+
+def _exit_if_orphaned() -> None:
+    """The trainer was killed: nobody will read or publish again, so leave at once."""
+    if _PARENT and os.getppid() != _PARENT[0]:
+        _leave()
+
+
+def _leave(*_) -> None:
+    """End the worker now, and the reward worker processes it started (they would outlive it)."""
+    for child in mp.active_children():
+        child.kill()
+    os._exit(0)
+
+
+def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
+    # Ctrl-C reaches the whole process group; the trainer handles it (finishes the step and saves,
+    # which needs this worker).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Not daemonic (a daemonic process cannot start the reward runner's worker pool), so it ends
+    # itself: on SIGTERM (close(), the trainer's exit: `_stop_at_exit`) and when orphaned.
+    signal.signal(signal.SIGTERM, _leave)
+    torch.set_num_threads(spec.cfg.threads or 1)
+    _PARENT.append(os.getppid())
+    worker = None
+    try:
+        if isinstance(weights, weight_broadcast.ChannelSpec):  # --engine vllm: over a process group
+            weights = weight_broadcast.Receiver(weights)
+        worker = Worker(spec, weights)
+        while True:
+            try:
+                req = requests.get(timeout=5.0)
+            except queue.Empty:
+                _exit_if_orphaned()
+                continue
+            if req is None:
+                break
+            results.put(pickle.dumps(("batch", worker.rollout(*req))))  # tensors by value: no fd per tensor
+    except Exception:  # any failure: the trainer raises it, with this traceback
+        results.put(pickle.dumps(("error", traceback.format_exc())))
+    if worker is not None:  # its reward (and tool) worker processes: this exit would wait for them
+        worker.rewards.close()
+        if worker.episodes is not None:
+            worker.episodes.close()
+    results.close()
+    results.join_thread()  # what was put reaches the pipe before exit (close() reads it off)

