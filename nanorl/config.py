@@ -168,9 +168,11 @@ class Config:
     """K: a worker process samples and scores batch b from weight version max(0, b − K) while the trainer
     trains on the batches before it (so no sample is more than K versions old); 0 = the synchronous loop.
     The worker runs --threads torch threads (1 when 0); correct the staleness with --tis-cap / --mis-high."""
-    partial_rollout: bool = False
-    """A generation running when newer weights are published goes on under them (re-prefilled) instead
-    of finishing under the old ones; per-token versions are recorded."""
+    partial_rollout: str = ""
+    """Partial rollouts, per-token versions recorded ("" = off). switch: a generation running when newer
+    weights are published goes on under them (re-prefilled). abort (slime's): with --over-sample F the
+    worker keeps F× the batch's groups in flight and, once the batch has its groups, aborts the rest
+    into a buffer that the next batch resumes first, under its newer weights (nanorl/partial_rollout.py)."""
     mask_offpolicy_in_partial_rollout: bool = False
     """--partial-rollout: tokens sampled under an older version than their sample's newest leave the loss
     (else they train, IS-corrected by their own rollout logprobs with --tis-cap / --mis-high)."""

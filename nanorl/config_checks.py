@@ -16,7 +16,8 @@ BUILTIN_ENV_NAMES = ("calc", "python_tool")
 CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
            "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
            "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16"),
-           "lora_sync": ("merged", "adapter")}
+           "lora_sync": ("merged", "adapter"),
+           "partial_rollout": ("", "switch", "abort")}
 
 
 def need(ok: bool, msg: str) -> None:
@@ -147,9 +148,13 @@ def check_advantage_and_loss(cfg) -> None:
     need(cfg.max_gen_batches >= 1, f"max_gen_batches must be >= 1, got {cfg.max_gen_batches}")
     need(not moved("max_gen_batches") or cfg.filter_groups, "max_gen_batches needs filter_groups")
     need(cfg.over_sample >= 1, f"over_sample must be >= 1, got {cfg.over_sample}")
-    need(cfg.over_sample == 1 or cfg.filter_groups, "over_sample needs filter_groups (it aborts once "
-         "the step has enough groups with reward variance)")
-    need(cfg.over_sample == 1 or (cfg.engine != "vllm" and not cfg.env and not cfg.routing_replay),
+    abort = cfg.partial_rollout == "abort"
+    need(cfg.over_sample == 1 or cfg.filter_groups or abort, "over_sample needs filter_groups (it aborts "
+         "once the step has enough groups with reward variance) or --partial-rollout abort")
+    need(not abort or cfg.over_sample >= 2, "--partial-rollout abort needs --over-sample >= 2: with only "
+         "the batch's groups in flight none is ever left unfinished to abort")
+    need(cfg.over_sample == 1 or (cfg.engine != "vllm" and not cfg.env and not cfg.routing_replay)
+         or abort,
          "over_sample needs the HF engine without --env or --routing-replay (abort between decode "
          "steps is built there; vLLM's needs its request loop, not built)")
     need(0 <= cfg.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "

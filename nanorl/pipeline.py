@@ -85,8 +85,26 @@ class Pipeline:
                                   max_new_tokens=cfg.max_new_tokens, keep_support=cfg.keep_sampling_mask,
                                   stop_token_ids=stop_token_ids(run.model, run.tokenizer),
                                   support_cap=cfg.support_cap)
+        # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
+        # rl_step draws the same ones from run.loader and `take` checks they agree. --partial-rollout
+        # abort: the worker draws from a copy itself (how many a batch takes depends on its buffer).
+        self.abort = cfg.partial_rollout == "abort"
+        self.loader = copy.copy(run.loader)
+        self.loader.load_state_dict(run.loader.state_dict())  # its own order list and position
+        self.loader.rank, self.loader.world = 0, 1  # every rank's prompts: the worker samples the union
+        self.ready, self.submitted, self.metrics, carry = {}, run.step, {}, None
+        for b in range(run.step, run.step + self.K):
+            if b in restored:  # finished before the checkpoint: its prompts are already drawn
+                self.ready[b] = restored[b]
+                carry = restored[b].get("carry")
+                if not self.abort:
+                    self.loader.next_batch()
+                self.submitted = b + 1
+            else:
+                break
         spec = WorkerSpec(cfg, device, sampling, run.step, greedy_baselines=run.plan.greedy_baselines,
-                          longest_prompt=max(len(p.ids) for p in run.loader.prompts), world=run.world)
+                          longest_prompt=max(len(p.ids) for p in run.loader.prompts), world=run.world,
+                          loader=self.loader if self.abort else None, carry=carry)
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         # daemon=False: the worker runs bounded rewards (--reward math's default timeout) in a process
         # pool, which a daemonic process may not start; the trainer's exit still ends it (_stop_at_exit)
@@ -105,25 +123,12 @@ class Pipeline:
         if cfg.engine == "vllm":  # the worker opens its end first thing; the first version goes at once
             self.weights.connect()
             self.weights.publish(run.model, run.step)
-        # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
-        # rl_step draws the same ones from run.loader and `take` checks they agree.
-        self.loader = copy.copy(run.loader)
-        self.loader.load_state_dict(run.loader.state_dict())  # its own order list and position
-        self.loader.rank, self.loader.world = 0, 1  # every rank's prompts: the worker samples the union
-        self.ready, self.submitted, self.metrics = {}, run.step, {}
-        for b in range(run.step, run.step + self.K):
-            if b in restored:  # finished before the checkpoint: its prompts are already drawn
-                self.ready[b] = restored[b]
-                self.loader.next_batch()
-                self.submitted = b + 1
-            else:
-                break
         self._fill(run.step + self.K)
 
     def _fill(self, upto: int) -> None:
         """Submit every batch up to `upto` (never past the run's last step)."""
         while self.submitted <= min(upto, self.run.cfg.steps - 1):
-            self.requests.put((self.submitted, self.loader.next_batch()))
+            self.requests.put((self.submitted, None if self.abort else self.loader.next_batch()))
             self.submitted += 1
 
     def _receive(self) -> None:
@@ -229,13 +234,17 @@ def _terminate_running() -> None:
 def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     """Check a scored batch (or shard) before it trains, add the worker's faults to the run totals;
     returns the step's async metrics."""
-    K = run.cfg.async_steps
-    if got["prompt_ids"] != [p.ids for p in prompts]:
+    K, abort = run.cfg.async_steps, run.cfg.partial_rollout == "abort"
+    # --partial-rollout abort: the worker draws the prompts (the buffer's first), the trainer's go unused
+    if not abort and got["prompt_ids"] != [p.ids for p in prompts]:
         raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the trainer's")
-    for s in got["samples"]:  # the bound this module promises: never trust it silently
-        if not step - K <= s.weight_version <= step:
+    # the bound this module promises, never trusted silently; a resumed sample's oldest tokens are
+    # one batch older (nanorl/partial_rollout.py)
+    oldest = step - K - abort
+    for s in got["samples"]:
+        if not oldest <= s.weight_version <= step:
             raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step {step} "
-                               f"(--async-steps {K} allows versions {step - K}..{step})")
+                               f"(--async-steps {K} allows versions {oldest}..{step})")
     run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
     if run.episodes is not None:  # and its environments' (env_error, tool_timeout)
         run.episodes.faults.update(got["env_faults"])

@@ -6,8 +6,9 @@ Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). V
 shared memory (`SharedWeights`, the HF engine) or over a process group (weight_broadcast.Receiver,
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
 frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
-baselines and --env episodes are sampled here too, from the batch's own weights. Partial rollouts
-(--partial-rollout) pick up a newer version between decode steps. Design and measurements:
+baselines and --env episodes are sampled here too, from the batch's own weights. Partial rollouts:
+--partial-rollout switch picks up a newer version between decode steps, abort buffers and resumes
+(nanorl/partial_rollout.py). Design and measurements:
 docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
@@ -30,6 +31,7 @@ from nanorl import precision, weight_broadcast
 from nanorl.data import PromptFormat
 from nanorl.distributed import Trained
 from nanorl.evaluation import Scorer
+from nanorl.partial_rollout import AbortingRollout
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import HFEngine, SamplingConfig
@@ -58,6 +60,8 @@ class WorkerSpec:
     greedy_baselines: bool = False  # the estimator reads ReMax's baselines (plan.greedy_baselines)
     longest_prompt: int = 0   # --engine vllm: its max_model_len is sized from it (build.vllm_engine)
     world: int = 1            # trainer ranks: prompt g goes to rank g % world (pipeline.shards)
+    loader: object = None     # --partial-rollout abort: the worker draws its own prompts from it
+    carry: dict | None = None  # --partial-rollout abort: the buffer a checkpoint saved (a resume)
 
 
 def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
@@ -202,7 +206,8 @@ class Worker:
             self.engine = build.vllm_engine(cfg, spec.longest_prompt, rank=0, sleep=False)
         else:
             self.engine = HFEngine(model, pad_id=self.tokenizer.pad_token_id, compute_dtype=dtype,
-                                   between_steps=self.pick_up_newer if cfg.partial_rollout else None)
+                                   between_steps=self.pick_up_newer if cfg.partial_rollout == "switch"
+                                   else None)
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
         # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
@@ -210,6 +215,12 @@ class Worker:
         self.episodes = episode_runner(cfg, self.engine, self.tokenizer, fmt) if cfg.env else None
         self.scorer = Scorer(self.engine, self.rewards, self.tokenizer, self.episodes)
         self.engine.version = -1  # nothing loaded yet
+        self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
+        if cfg.partial_rollout == "abort":
+            self.partial = AbortingRollout(self.engine, self.rewards, self.tokenizer, spec.loader,
+                                           cfg.prompts_per_step, cfg.samples_per_prompt, cfg.over_sample)
+            if spec.carry is not None:
+                self.partial.load_state_dict(spec.carry)
 
     @torch.no_grad()
     def load(self, version: int) -> None:
@@ -244,12 +255,17 @@ class Worker:
         while not self.weights.wait_for(need, timeout=5.0):
             _exit_if_orphaned()
         t1 = time.perf_counter()
-        if self.engine.version < need or not cfg.partial_rollout:  # partial: a newer version held is kept
+        if self.engine.version < need or cfg.partial_rollout != "switch":  # switch: a newer one is kept
             self.load(need)
         t_load = time.perf_counter()
         faults, env_faults = dict(self.rewards.faults), dict(self.episodes.faults if self.episodes else {})
         sampling = dataclasses.replace(self.spec.sampling, seed=batch_seed(cfg.seed, b))
-        samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
+        carry, partial_metrics = {}, {}
+        if self.partial is not None:  # the worker's own prompts: the buffer first, then fresh ones
+            prompts, samples, partial_metrics = self.partial.batch(sampling)
+            carry = {"carry": self.partial.state_dict()}  # a checkpoint resumes from the last one saved
+        else:
+            samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
         t2 = time.perf_counter()
         if cfg.mask_offpolicy_in_partial_rollout:
             for s in samples:
@@ -265,11 +281,11 @@ class Worker:
         # load: the version into the engine (vLLM: its reload and sync check); generate: sampling + reward
         timing = {"async/engine_wait_s": t1 - t0, "async/load_s": t_load - t1,
                   "async/generate_s": t2 - t_load, "async/reward_s": t3 - t2,
-                  "async/reference_s": time.perf_counter() - t3, **self.sync_metrics}
+                  "async/reference_s": time.perf_counter() - t3, **self.sync_metrics, **partial_metrics}
         self.sync_metrics = {}  # reported with the batch of the version it checked, once
         return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
                 "env_faults": since(env_faults, self.episodes.faults) if self.episodes else {},
-                "metrics": timing}
+                "metrics": timing, **carry}
 
     def sample_and_score(self, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         """n samples per prompt with their rewards: the engine's, scored by --reward, or with --env the

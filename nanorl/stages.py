@@ -97,12 +97,14 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
         sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
                                   max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
                                   keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
-        if cfg.over_sample > 1:  # DAPO over-sampling: groups scored as they stop, the rest aborted
+        # DAPO over-sampling: groups scored as they stop, the rest aborted (async: the worker's)
+        oversampled = cfg.over_sample > 1 and run.pipeline is None
+        if oversampled:
             samples = oversampled_round(run, prompts, sampling, metrics)
         else:
             samples = generate(run, prompts, cfg.samples_per_prompt, sampling)
     with timer("reward"):
-        if cfg.over_sample == 1:
+        if not oversampled:
             for s, r in zip(samples, score(run, prompts, samples)):
                 s.reward = r
             # --reward-postprocess: the whole step's groups (with --async-steps too)

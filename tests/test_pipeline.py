@@ -51,9 +51,8 @@ def weights(out, step):
 def setup_run(task, out, **kw):
     return train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
                               quiet=True,
-                              out_dir=str(out), eval_every=0, threads=1, prompts_per_step=4,
-                              samples_per_prompt=2,
-                              **kw))
+                              **{"out_dir": str(out), "eval_every": 0, "threads": 1, "prompts_per_step": 4,
+                                 "samples_per_prompt": 2, **kw}))
 
 
 def logprobs_under(model, state, batch):
@@ -227,7 +226,7 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
     ones' the new weights' given the whole prefix (the cache was rebuilt, not reused); the mask flag
     leaves exactly the old tokens of two-version samples out of the loss; and without it the TIS
     ratio of the new tokens is 1 (they are on-policy for the new version), of the old ones not."""
-    run = setup_run(task, tmp_path, steps=4, async_steps=1, partial_rollout=True,
+    run = setup_run(task, tmp_path, steps=4, async_steps=1, partial_rollout="switch",
                     mask_offpolicy_in_partial_rollout=True)
     weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
@@ -277,7 +276,7 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
 
 
 def test_partial_rollout_run_keeps_the_bound(task, tmp_path):
-    train.main(args(task, tmp_path, "--steps", "3", "--async-steps", "1", "--partial-rollout",
+    train.main(args(task, tmp_path, "--steps", "3", "--async-steps", "1", "--partial-rollout", "switch",
                     "--rollout-device", "cpu"))
     lines = step_lines(tmp_path)
     assert len(lines) == 3 and all(x["rollout/async/staleness_max"] <= 1
@@ -332,12 +331,12 @@ def test_worker_error_is_raised_in_the_trainer(task, tmp_path, monkeypatch):
 
 
 def test_config_rejects_what_async_cannot_do():
-    for kw, msg in ((dict(partial_rollout=True), "partial_rollout needs async_steps"),
+    for kw, msg in ((dict(partial_rollout="switch"), "partial_rollout needs async_steps"),
                     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
                     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
                     (dict(async_steps=1, rollout_device="tpu0"), "is not a device"),
                     (dict(async_steps=1, filter_groups=True), "filter-groups"),
-                    (dict(async_steps=1, partial_rollout=True, engine="vllm"), "engine vllm"),
+                    (dict(async_steps=1, partial_rollout="switch", engine="vllm"), "engine vllm"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)
