@@ -202,6 +202,12 @@ class Pipeline:
                 pass
         if self.proc.is_alive():
             self.proc.terminate()
+            # SIGTERM runs the worker's handler only between bytecodes: a worker blocked in C (a
+            # collective, a futex) never sees it, so it is killed if still there
+            self.proc.join(10.0)
+        if self.proc.is_alive():
+            print("async rollout: the worker did not end on SIGTERM; killed")
+            self.proc.kill()
         self.proc.join()
         _RUNNING.discard(self.proc)
         if isinstance(self.weights, weight_broadcast.Sender):  # its group's threads end here, not later

@@ -372,3 +372,7 @@ def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
             worker.episodes.close()
     results.close()
     results.join_thread()  # what was put reaches the pipe before exit (close() reads it off)
+    # Out now, not through the interpreter's teardown: with --engine vllm this process holds process
+    # groups (its weight channel, vLLM's own) whose destructors wait on the trainer's end, which waits
+    # for this exit — it hung until gloo's 30-minute timeout (seen in CI), deaf to SIGTERM meanwhile.
+    _leave()

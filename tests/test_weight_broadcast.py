@@ -105,11 +105,19 @@ def data(task, out):
             "--out-dir", str(out)]
 
 
-def test_async_vllm_learns_and_checks_every_version(task, tmp_path):
+def test_async_vllm_learns_and_checks_every_version(task, tmp_path, monkeypatch):
     """--async-steps 1 --engine vllm on the built-in task (60-step warm start, 27.5% held-out, lr 3e-4
     as tests/test_learning.py): it learns, every batch is its version's (staleness 0, then 1), and the
-    worker's sync check ran on every version it loaded, within fp32 tolerance."""
+    worker's sync check ran on every version it loaded, within fp32 tolerance; closed, the worker ends
+    by itself (exit code 0: it once hung in its teardown until gloo's 30-minute timeout)."""
     import train
+    from nanorl import pipeline
+    exits, close = [], pipeline.Pipeline.close
+
+    def recorded(self):  # the worker must end by itself once closed, not be killed
+        close(self)
+        exits.append(self.proc.exitcode)
+    monkeypatch.setattr(pipeline.Pipeline, "close", recorded)
     res = train.main([*data(task, tmp_path), "--quiet", "--eval-every", "0", "--seed", "0", "--lr", "3e-4",
                       "--algo", "grpo", "--steps", "150", "--async-steps", "1", "--tis-cap", "2",
                       "--engine", "vllm", "--threads", "1"])
@@ -121,6 +129,7 @@ def test_async_vllm_learns_and_checks_every_version(task, tmp_path):
     checked = [x for x in lines if "sync/max_abs_logprob_diff" in x]
     # versions 0..148 are each loaded once (batch t from version t - 1): one check per batch but the first
     assert len(checked) == 149 and max(x["sync/max_abs_logprob_diff"] for x in checked) < 1e-3
+    assert exits == [0], exits
 
 
 def test_async_vllm_batches_are_their_versions_and_a_stale_engine_fails(task, tmp_path, monkeypatch):
