@@ -179,6 +179,8 @@ def rl_step(run: Run) -> dict:
     if run.cfg.debug_rollout_only or not stages.enough_to_train(run, len(samples)):
         # only checking rollouts, or DAPO's filter left no rank a sample: no update
         stages.dump_step(run, samples, None)
+        if run.pipeline is not None:  # version step + 1 (unchanged weights): batch step + 1 + K waits for it
+            run.pipeline.publish(run.model, run.step + 1)
         return stages.step_metrics(run, samples, None, None, timer, metrics)
     samples, batch = stages.to_batch(run, samples)
     valid = batch.response_mask  # [B, T] every response token (DAPO's overlong filter narrows the loss's)

@@ -242,13 +242,14 @@ class Config:
     # --- DAPO: dynamic sampling and overlong responses (nanorl/dapo.py)
     filter_groups: bool = False
     """Dynamic sampling: drop groups whose rewards are all equal and generate more prompts until the
-    step has prompts_per_step groups with signal."""
+    step has prompts_per_step groups with signal (with --async-steps: in the rollout worker)."""
     max_gen_batches: int = 10
     """Most generation rounds per step before training on the groups found (the recipe's 10)."""
     over_sample: int = 1
     """Over-sampling with abort (with --filter-groups): the first round starts F× the step's prompts
     (F − 1 more batches from the loader), scores each group as its samples stop, and aborts the rest
-    once the step has its groups with signal (1 = off; HF engine). Aborted tokens are logged."""
+    once the step has its groups with signal (1 = off; with --async-steps the worker's first round).
+    Aborted tokens are logged."""
     drop_truncated: bool = False
     """Overlong filtering: truncated responses leave the loss (they still count in their group's baseline)."""
     overlong_buffer: float = 0.0

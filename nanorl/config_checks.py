@@ -204,7 +204,8 @@ def check_async(cfg) -> None:
             need(False, f"rollout_device {cfg.rollout_device!r} is not a device "
                  "(cpu, cuda, cuda:1, ...)")
     # what generates inside the step, or needs the engine to be the trainer's own module
-    for bad, what in ((cfg.filter_groups, "--filter-groups (DAPO's refill generates inside the step)"),
+    for bad, what in ((cfg.filter_groups and cfg.partial_rollout == "abort", "--filter-groups and "
+                       "--partial-rollout abort (not built: both choose the batch's groups, in two ways)"),
                       (cfg.routing_replay, "--routing-replay (not built: the worker records no "
                        "routing)"),
                       (cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),

@@ -9,8 +9,9 @@ K > 0 run is a function of its seed; a checkpoint stores the batches already sam
 resume continues the very run. Several ranks: rank 0's worker samples every rank's prompts, rank 0
 hands each rank its shard (`Follower` on the others), so R ranks train as one process on the union.
 Versions go through shared memory, or with --engine vllm over a process group
-(nanorl/weight_broadcast.py). Not with DAPO's refill, --routing-replay or --fsdp (the config
-raises). Design, metrics, measurements: docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
+(nanorl/weight_broadcast.py). DAPO's refill rounds run in the worker. Not with --routing-replay or
+--fsdp (the config raises). Design, metrics, measurements: docs/async.md.
+Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
 
@@ -55,6 +56,7 @@ class Trainer(Protocol):
     rewards: Any  # nanorl/rewards.py RewardRunner: .faults, the run totals
     episodes: Any  # nanorl/env.py EpisodeRunner or None (--env): .faults, the run totals
     logger: Any  # .print(str)
+    counters: dict  # the run's counters: the worker's (DAPO's gave-up steps) are added to them
     plan: Any  # nanorl/plan.py Plan: whether the worker also samples ReMax's greedy baselines
     step: int  # the version the worker starts from
     rank: int  # this process's rank: rank 0 runs the worker
@@ -87,8 +89,9 @@ class Pipeline:
                                   support_cap=cfg.support_cap)
         # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
         # rl_step draws the same ones from run.loader and `take` checks they agree. --partial-rollout
-        # abort: the worker draws from a copy itself (how many a batch takes depends on its buffer).
-        self.abort = cfg.partial_rollout == "abort"
+        # abort and --filter-groups: the worker draws from a copy itself (how many a batch takes
+        # depends on its buffer, on its rewards).
+        self.own_prompts = cfg.partial_rollout == "abort" or cfg.filter_groups
         self.loader = copy.copy(run.loader)
         self.loader.load_state_dict(run.loader.state_dict())  # its own order list and position
         self.loader.rank, self.loader.world = 0, 1  # every rank's prompts: the worker samples the union
@@ -97,14 +100,14 @@ class Pipeline:
             if b in restored:  # finished before the checkpoint: its prompts are already drawn
                 self.ready[b] = restored[b]
                 carry = restored[b].get("carry")
-                if not self.abort:
+                if not self.own_prompts:
                     self.loader.next_batch()
                 self.submitted = b + 1
             else:
                 break
         spec = WorkerSpec(cfg, device, sampling, run.step, greedy_baselines=run.plan.greedy_baselines,
                           longest_prompt=max(len(p.ids) for p in run.loader.prompts), world=run.world,
-                          loader=self.loader if self.abort else None, carry=carry)
+                          loader=self.loader if self.own_prompts else None, carry=carry)
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         # daemon=False: the worker runs bounded rewards (--reward math's default timeout) in a process
         # pool, which a daemonic process may not start; the trainer's exit still ends it (_stop_at_exit)
@@ -128,7 +131,7 @@ class Pipeline:
     def _fill(self, upto: int) -> None:
         """Submit every batch up to `upto` (never past the run's last step)."""
         while self.submitted <= min(upto, self.run.cfg.steps - 1):
-            self.requests.put((self.submitted, None if self.abort else self.loader.next_batch()))
+            self.requests.put((self.submitted, None if self.own_prompts else self.loader.next_batch()))
             self.submitted += 1
 
     def _receive(self) -> None:
@@ -241,8 +244,8 @@ def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     """Check a scored batch (or shard) before it trains, add the worker's faults to the run totals;
     returns the step's async metrics."""
     K, abort = run.cfg.async_steps, run.cfg.partial_rollout == "abort"
-    # --partial-rollout abort: the worker draws the prompts (the buffer's first), the trainer's go unused
-    if not abort and got["prompt_ids"] != [p.ids for p in prompts]:
+    # --partial-rollout abort, --filter-groups: the worker draws the prompts, the trainer's go unused
+    if not (abort or run.cfg.filter_groups) and got["prompt_ids"] != [p.ids for p in prompts]:
         raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the trainer's")
     # the bound this module promises, never trusted silently; a resumed sample's oldest tokens are
     # one batch older (nanorl/partial_rollout.py)
@@ -254,20 +257,24 @@ def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
     if run.episodes is not None:  # and its environments' (env_error, tool_timeout)
         run.episodes.faults.update(got["env_faults"])
+    for k, v in got.get("counters", {}).items():  # DAPO's steps that ran out of rounds
+        run.counters[k] = run.counters.get(k, 0) + v
+    for note in got.get("notes", []):
+        run.logger.print(note)
     return {**got["metrics"], **staleness_metrics(got["samples"], step), "async/trainer_wait_s": waited}
 
 
 def shards(got: dict, world: int) -> list[dict]:
     """A batch of every rank's prompts → one batch per rank, as each rank's own loader shards prompts
     (rank r: prompts r, r + world, ...; data.PromptLoader) with group ids renumbered from 0. The
-    worker's fault counts go with rank 0's shard only, so the run totals (summed over ranks) count
-    each fault once."""
+    worker's fault counts, counters and notes go with rank 0's shard only, so the run totals (summed
+    over ranks) count each once."""
     out = []
     for r in range(world):
         samples = [dataclasses.replace(s, group_id=s.group_id // world)
                    for s in got["samples"] if s.group_id % world == r]
         out.append({**got, "prompt_ids": got["prompt_ids"][r::world], "samples": samples,
-                    **({} if r == 0 else {"faults": {}, "env_faults": {}})})
+                    **({} if r == 0 else {"faults": {}, "env_faults": {}, "counters": {}, "notes": []})})
     return out
 
 
@@ -307,7 +314,10 @@ class Follower:
 
 
 def staleness_metrics(samples: list[Sample], step: int) -> dict:
-    """How far behind the trainer (version `step`) a batch is: per sample and per token."""
+    """How far behind the trainer (version `step`) a batch is: per sample and per token. None for a
+    batch (or a rank's shard) with no sample, which DAPO's refill can leave when its rounds run out."""
+    if not samples:
+        return {}
     ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]
     tokens = [v for s in samples
               for v in s.metadata.get("token_versions", [s.weight_version] * s.response_length)]

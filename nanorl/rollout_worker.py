@@ -6,7 +6,8 @@ Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). V
 shared memory (`SharedWeights`, the HF engine) or over a process group (weight_broadcast.Receiver,
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
 frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
-baselines and --env episodes are sampled here too, from the batch's own weights. Partial rollouts:
+baselines and --env episodes are sampled here too, from the batch's own weights; DAPO's refill rounds
+(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts:
 --partial-rollout switch picks up a newer version between decode steps, abort buffers and resumes
 (nanorl/partial_rollout.py). Design and measurements:
 docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
@@ -27,11 +28,13 @@ import types
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import precision, weight_broadcast
+from nanorl import precision, stages, weight_broadcast
 from nanorl.data import PromptFormat
 from nanorl.distributed import Trained
 from nanorl.evaluation import Scorer
+from nanorl.logger import PhaseTimer
 from nanorl.partial_rollout import AbortingRollout
+from nanorl.plugins import Hooks
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import HFEngine, SamplingConfig
@@ -60,8 +63,8 @@ class WorkerSpec:
     greedy_baselines: bool = False  # the estimator reads ReMax's baselines (plan.greedy_baselines)
     longest_prompt: int = 0   # --engine vllm: its max_model_len is sized from it (build.vllm_engine)
     world: int = 1            # trainer ranks: prompt g goes to rank g % world (pipeline.shards)
-    loader: object = None     # --partial-rollout abort: the worker draws its own prompts from it
-    carry: dict | None = None  # --partial-rollout abort: the buffer a checkpoint saved (a resume)
+    loader: object = None     # --partial-rollout abort, --filter-groups: the worker draws its own prompts
+    carry: dict | None = None  # what a checkpoint saved of them (a resume): the buffer, the loader
 
 
 def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
@@ -221,6 +224,11 @@ class Worker:
                                            cfg.prompts_per_step, cfg.samples_per_prompt, cfg.over_sample)
             if spec.carry is not None:
                 self.partial.load_state_dict(spec.carry)
+        self.loader = None  # --filter-groups: how many prompts a batch takes depends on its rewards
+        if cfg.filter_groups:
+            self.loader, self.hooks = spec.loader, Hooks(cfg)
+            if spec.carry is not None:
+                self.loader.load_state_dict(spec.carry["loader"])
 
     @torch.no_grad()
     def load(self, version: int) -> None:
@@ -260,10 +268,13 @@ class Worker:
         t_load = time.perf_counter()
         faults, env_faults = dict(self.rewards.faults), dict(self.episodes.faults if self.episodes else {})
         sampling = dataclasses.replace(self.spec.sampling, seed=batch_seed(cfg.seed, b))
-        carry, partial_metrics = {}, {}
+        carry, partial_metrics, refill = {}, {}, {}
         if self.partial is not None:  # the worker's own prompts: the buffer first, then fresh ones
             prompts, samples, partial_metrics = self.partial.batch(sampling)
             carry = {"carry": self.partial.state_dict()}  # a checkpoint resumes from the last one saved
+        elif self.loader is not None:  # DAPO: rounds of the worker's own prompts until the batch is full
+            prompts, samples, partial_metrics, refill = self.refilled(b, sampling)
+            carry = {"carry": {"loader": self.loader.state_dict()}}
         else:
             samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
         t2 = time.perf_counter()
@@ -285,7 +296,35 @@ class Worker:
         self.sync_metrics = {}  # reported with the batch of the version it checked, once
         return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
                 "env_faults": since(env_faults, self.episodes.faults) if self.episodes else {},
-                "metrics": timing, **carry}
+                "metrics": timing, **carry, **refill}
+
+    def refilled(self, b: int, sampling: SamplingConfig) -> tuple[list, list[Sample], dict, dict]:
+        """--filter-groups: DAPO's dynamic sampling exactly as the synchronous step runs it (its first
+        round, F× over-sampled with --over-sample; keep_trainable; stages.refill_groups), on this
+        worker's prompts, engine and weights. Returns the kept groups' prompts (group ids 0..), their
+        samples (--reward-postprocess applied before the filter read them, as in the step), the rounds'
+        metrics (dapo/*, groups_kept_frac, dropped_frac), and the run counters and notes they added
+        (a step that ran out of rounds), which the trainer adds to its own (pipeline.accept)."""
+        cfg, notes, counters, metrics = self.cfg, [], {}, {}
+        # the stages read these of a run: this worker's parts, one rank (the worker samples the union)
+        run = types.SimpleNamespace(cfg=cfg, engine=self.engine, loader=self.loader, episodes=self.episodes,
+                                    pipeline=None, rewards=self.rewards, tokenizer=self.tokenizer, scorers={},
+                                    hooks=self.hooks, world=1, counters=counters, step=b,
+                                    logger=types.SimpleNamespace(print=notes.append))
+        prompts = self.loader.next_batch()
+        if cfg.over_sample > 1:
+            samples = stages.oversampled_round(run, prompts, sampling, metrics)
+        else:
+            samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
+            self.hooks.postprocess(samples)
+        samples = stages.keep_trainable(run, samples, metrics)
+        # later rounds go on from the first round's random stream (the batch's seed set it, once)
+        later = dataclasses.replace(sampling, seed=None)
+        kept = stages.refill_groups(run, prompts, samples, later, PhaseTimer(), metrics)
+        # a kept group may have lost samples (failed ones, --sample-filter): its prompt from any of them
+        first = {s.group_id: s for s in reversed(kept)}
+        kept_prompts = [types.SimpleNamespace(ids=first[g].prompt_ids) for g in sorted(first)]
+        return kept_prompts, kept, metrics, {"counters": counters, "notes": notes}
 
     def sample_and_score(self, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         """n samples per prompt with their rewards: the engine's, scored by --reward, or with --env the

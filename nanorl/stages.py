@@ -99,12 +99,14 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
                                   keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
         # DAPO over-sampling: groups scored as they stop, the rest aborted (async: the worker's)
         oversampled = cfg.over_sample > 1 and run.pipeline is None
+        # DAPO with --async-steps: the worker ran the rounds, post-processed and filtered each
+        refilled = cfg.filter_groups and run.pipeline is not None
         if oversampled:
             samples = oversampled_round(run, prompts, sampling, metrics)
         else:
             samples = generate(run, prompts, cfg.samples_per_prompt, sampling)
     with timer("reward"):
-        if not oversampled:
+        if not (oversampled or refilled):
             for s, r in zip(samples, score(run, prompts, samples)):
                 s.reward = r
             # --reward-postprocess: the whole step's groups (with --async-steps too)
@@ -114,7 +116,8 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
     if run.episodes is not None:  # turns, tool use, how episodes ended; env faults as run totals
         faults = {f"env_faults/{k}": v for k, v in run.episodes.faults.items()}
         metrics.update(episode_metrics(samples), **faults)
-    samples = keep_trainable(run, samples, metrics)
+    if not refilled:
+        samples = keep_trainable(run, samples, metrics)
     if samples:  # what trains was sampled and scored like this (a rank may have none left)
         metrics.update(reward_metrics(samples))
     baselines = greedy_baselines(run, prompts, samples, timer) if run.plan.greedy_baselines else None
@@ -124,7 +127,7 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
     metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
     for name, scorer in run.scorers.items():  # a judge's failed calls, by kind, run totals
         metrics.update({f"reward_faults/{name}/{k}": v for k, v in scorer.faults.items()})
-    if cfg.filter_groups:  # DAPO: drop zero-variance groups, draw more prompts until the step is full
+    if cfg.filter_groups and not refilled:  # DAPO: drop zero-variance groups, refill the step
         samples = refill_groups(run, prompts, samples, sampling, timer, metrics)
     if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
         metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
