@@ -153,10 +153,9 @@ def check_advantage_and_loss(cfg) -> None:
          "once the step has enough groups with reward variance) or --partial-rollout abort")
     need(not abort or cfg.over_sample >= 2, "--partial-rollout abort needs --over-sample >= 2: with only "
          "the batch's groups in flight none is ever left unfinished to abort")
-    need(cfg.over_sample == 1 or (cfg.engine != "vllm" and not cfg.env and not cfg.routing_replay)
-         or abort,
-         "over_sample needs the HF engine without --env or --routing-replay (abort between decode "
-         "steps is built there; vLLM's needs its request loop, not built)")
+    need(cfg.over_sample == 1 or not (cfg.env or cfg.routing_replay) or abort,
+         "over_sample with --env or --routing-replay is not supported (an episode is several engine "
+         "calls; an aborted request's routing is still open)")
     need(0 <= cfg.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
          f"{cfg.overlong_buffer}")
     need(cfg.overlong_penalty > 0, "overlong_penalty must be > 0")

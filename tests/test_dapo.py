@@ -203,6 +203,7 @@ def test_over_sample_fills_the_batch_in_one_round(task_dir, tmp_path, monkeypatc
 def test_over_sample_refuses_what_it_cannot_do():
     for argv, msg in ((["--over-sample", "2"], "over_sample needs filter_groups"),
                       (["--algo", "dapo", "--over-sample", "0"], "over_sample must be >= 1"),
-                      (["--algo", "dapo", "--over-sample", "2", "--engine", "vllm"], "needs the HF engine")):
+                      (["--algo", "dapo", "--over-sample", "2", "--env", "calc", "--reward-timeout", "0",
+                       "--max-new-tokens", "12"], "over_sample with --env")):
         with pytest.raises(ValueError, match=msg):
             parse_args(argv)

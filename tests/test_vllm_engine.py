@@ -144,6 +144,39 @@ def test_keep_support_records_topk_and_renormalised_logprobs(engine):
         assert torch.allclose(torch.tensor(s.rollout_logprobs), ref, atol=TOL, rtol=0)
 
 
+def test_until_aborts_the_running_requests_and_changes_nothing_before(engine):
+    """generate(until=...) on vLLM's request loop (over-sampling with abort): a callback that never
+    says stop changes no sample (tokens and statuses; logprobs to fp32 noise, another batching); one
+    that stops at the first finished groups leaves those whole (the very Samples it saw) and every
+    request still running "aborted", its tokens a prefix of the full run's (a row of a cut group that
+    had finished keeps its status, as in HFEngine); the engine is left with nothing running (the next call is
+    the first one again). Red check: ignoring `until` leaves nothing aborted."""
+    engine.update_weights(tiny_model(0), 0)
+    prompts = [[0, 3 + i, 9, 4 + 2 * i] for i in range(8)]
+    # EOS has p ~ 1/32 per token: with 40 tokens the groups of 2 finish at different steps
+    sp = SamplingConfig(temperature=1.0, max_new_tokens=40, stop_token_ids=(EOS,), seed=3)
+    full = engine.generate(prompts, 2, sp)
+    seen = []
+    same = engine.generate(prompts, 2, sp, until=lambda done: seen.append(done) and False)
+    assert [(s.response_ids, s.status, s.group_id) for s in same] == \
+        [(s.response_ids, s.status, s.group_id) for s in full] and len(seen) > 1
+    for a, b in zip(same, full):
+        assert torch.allclose(torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=TOL)
+    first = []
+    cut = engine.generate(prompts, 2, sp, until=lambda done: first.extend(done) or True)
+    reported = {s.group_id for s in first}
+    assert first and all(any(s is f for f in first) for s in cut if s.group_id in reported)
+    assert all(any(s.status == "aborted" for s in cut if s.group_id == g) for g in set(range(8)) - reported)
+    assert reported != set(range(8))
+    for s, f in zip(cut, full):
+        assert f.response_ids[:s.response_length] == s.response_ids
+        assert len(s.rollout_logprobs) == s.response_length
+        if s.status != "aborted":
+            assert s.response_ids == f.response_ids
+    assert [s.response_ids for s in engine.generate(prompts, 2, sp)] == [s.response_ids for s in full]
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
 def test_weight_update_matches_trainer_and_check_catches_stale_weights(engine):
     m0, m1 = tiny_model(0), tiny_model(1)
     engine.update_weights(m1, 1)

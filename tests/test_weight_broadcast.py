@@ -168,3 +168,36 @@ def test_async_vllm_batches_are_their_versions_and_a_stale_engine_fails(task, tm
         train.main([*data(task, tmp_path / "stale"), *TINY, "--steps", "4", "--async-steps", "1",
                     "--lr", "1e-2"])
     assert not os.path.exists(tmp_path / "stale" / "checkpoints" / "step_000004")
+
+
+@pytest.mark.parametrize("over_sample", [1, 4])
+def test_async_vllm_runs_dapos_refill_rounds_in_the_worker(task, tmp_path, monkeypatch, over_sample):
+    """--algo dapo --async-steps 1 --engine vllm on a reward only half the prompts can earn: the
+    worker's vLLM engine runs the refill rounds (some batch needs more than one), or with --over-sample
+    4 fills every batch in one round, aborting the rest through vLLM's request loop (aborted tokens
+    logged); every update trains 2 whole groups with reward variance, and the worker's sync check
+    passes on the versions it loads."""
+    from test_dapo import HALF
+
+    import train
+    (tmp_path / "half.py").write_text(HALF)
+    seen, real = [], train.train_on
+    monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real(run, batch))
+    out = tmp_path / "run"
+    train.main([*data(task, out), "--quiet", "--eval-every", "0", "--eval-limit", "2", "--threads", "1",
+                "--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--steps", "4",
+                "--max-new-tokens", "4", "--async-steps", "1", "--engine", "vllm",
+                "--reward", f"{tmp_path / 'half.py'}:reward", "--over-sample", str(over_sample)])
+    lines = [json.loads(x) for x in open(out / "metrics.jsonl") if '"rollout/dapo/gen_rounds"' in x]
+    rounds = [x["rollout/dapo/gen_rounds"] for x in lines]
+    if over_sample == 1:
+        assert len(lines) == 4 and max(rounds) > 1
+    else:
+        assert rounds == [1] * 4 and sum(x["rollout/dapo/aborted_tokens"] for x in lines) > 0
+    assert len(seen) == 4
+    for batch in seen:  # a full batch: 2 whole groups of 8, each with reward variance
+        assert batch.group_ids.tolist() == [0] * 8 + [1] * 8
+        for g in (0, 1):
+            assert batch.rewards[batch.group_ids == g].unique().numel() > 1
+    checked = [x["sync/max_abs_logprob_diff"] for x in lines if "sync/max_abs_logprob_diff" in x]
+    assert checked and max(checked) < 1e-3
