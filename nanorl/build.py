@@ -83,6 +83,8 @@ def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
     from nanorl.vllm_engine import VLLMEngine
     # the run's longest request, not the model's context (an episode: its prompt + every turn)
     longest = longest_prompt + max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)
+    if cfg.partial_rollout == "abort":  # a resume: prompt + tokens so far + the batch's longest budget left
+        longest += cfg.max_new_tokens
     # kv_cache_bytes None: vLLM's share of the GPU, or its CPU default
     return VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
                       max_model_len=cfg.max_model_len or longest,

@@ -208,8 +208,9 @@ def check_async(cfg) -> None:
                       (cfg.routing_replay, "--routing-replay (not built: the worker records no "
                        "routing)"),
                       (cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
-                      (cfg.partial_rollout and cfg.engine == "vllm", "--partial-rollout and --engine vllm "
-                       "(not built: the vLLM worker loads a version between batches only)")):
+                      (cfg.partial_rollout == "switch" and cfg.engine == "vllm", "--partial-rollout "
+                       "switch and --engine vllm (not built: the vLLM worker loads a version between "
+                       "batches only)")):
         need(not (on and bad), f"--async-steps with {what} is not supported")
 
 def check_estimator(cfg, fn) -> None:

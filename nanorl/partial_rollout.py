@@ -13,7 +13,8 @@ are the first of its G), so no token is more than K + 1 versions old; the buffer
 (with F = 2 it never holds more; with F > 2 the groups cut beyond G are dropped and counted); the
 worker draws its own prompts (how many depends on the buffer), and the buffer, the prompts drawn but
 not started and the loader's position go into each batch's payload, so a checkpoint resumes the very
-run. HF engine only (abort between decode steps). Test: python -m pytest tests/test_partial_rollout.py -q
+run. The HF engine aborts between its decode steps, vLLM through its request loop (VLLMEngine._until).
+Test: python -m pytest tests/test_partial_rollout.py -q
 """
 from __future__ import annotations
 
@@ -40,9 +41,9 @@ class AbortingRollout:
         """G finished groups (their n samples consecutive, group ids 0..G-1, scored): the buffered ones
         resumed first, then fresh ones; the rest of the F × G in flight aborted into the buffer."""
         version, carried, self.buffer = self.engine.version, self.buffer, []
-        seeds = [sampling.seed]  # the batch's seed, for its first engine call; later calls go on from it
+        calls = iter(range(2))  # engine calls of this batch: each its own seed (SamplingConfig.call)
         # 1. the buffer first (slime's data source pops it before new prompts), resumed to the end
-        done = self._resume(carried, sampling, seeds)
+        done = self._resume(carried, sampling, calls)
         # 2. fresh prompts: F x G groups in flight in all; abort once G have finished
         need, fresh = self.G - len(done), self.F * self.G - len(carried)
         cut, dropped = [], 0
@@ -53,9 +54,8 @@ class AbortingRollout:
             def enough(groups: list[Sample]) -> bool:  # called with the groups whose rows all stopped
                 order.extend(s.group_id for s in groups[::self.n])
                 return len(order) >= need
-            seed = seeds.pop() if seeds else None
-            samples = self.engine.generate([p.ids for p in pool], self.n,
-                                           dataclasses.replace(sampling, seed=seed), until=enough)
+            samples = self.engine.generate([p.ids for p in pool], self.n, sampling.call(next(calls)),
+                                           until=enough)
             for s in samples:
                 s.metadata["token_versions"] = [version] * len(s.response_ids)
             groups = [(pool[i // self.n], samples[i:i + self.n]) for i in range(0, len(samples), self.n)]
@@ -82,17 +82,17 @@ class AbortingRollout:
                    "async/buffered_groups": len(self.buffer), "async/dropped_groups": dropped}
         return prompts, out, metrics
 
-    def _resume(self, carried: list, sampling, seeds: list) -> list[tuple[Prompt, list[Sample]]]:
+    def _resume(self, carried: list, sampling, calls) -> list[tuple[Prompt, list[Sample]]]:
         """The buffered groups, each unfinished sample continued under the engine's weights from prompt
         + its tokens so far to its own remaining budget, finished ones as they were. One engine call for
         all: each row is cut at its budget afterwards (its first k tokens do not depend on how long the
-        call runs)."""
+        call runs; a vLLM worker's max_model_len leaves room for that: build.vllm_engine)."""
         todo = [s for _, g in carried for s in g if s.status == "aborted"]
         if not todo:
             return list(carried)
         left = [sampling.max_new_tokens - len(s.response_ids) for s in todo]
         new = self.engine.generate([s.prompt_ids + s.response_ids for s in todo], 1, dataclasses.replace(
-            sampling, max_new_tokens=max(left), seed=seeds.pop() if seeds else None))
+            sampling.call(next(calls)), max_new_tokens=max(left)))
         joined = iter([_joined(s, x, k, sampling, self.engine.version) for s, x, k in zip(todo, new, left)])
         return [(p, [next(joined) if s.status == "aborted" else s for s in g]) for p, g in carried]
 

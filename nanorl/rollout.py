@@ -23,7 +23,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -45,6 +45,17 @@ class SamplingConfig:
     # at most this many kept ids stored per token (nanorl/sampling.py)
     support_cap: int = 64
     seed: int | None = None
+
+    def call(self, i: int) -> SamplingConfig:
+        """This sampling for engine call i of a batch seeded `seed` (a batch may take several: DAPO's
+        refill rounds, resumed partial samples): call 0 keeps the batch's seed, call i > 0 gets its
+        own, drawn from a generator seeded by (seed, i), so no two calls share a random stream and a
+        batch is a function of its seed on every engine (vLLM draws an unseeded request from its
+        process-wide stream, which a resumed worker has not replayed). No seed: none for any call."""
+        if self.seed is None or i == 0:
+            return self
+        g = torch.Generator().manual_seed(self.seed * 1009 + i)
+        return replace(self, seed=int(torch.randint(2**31 - 1, (1,), generator=g)))
 
 
 class RolloutEngine:

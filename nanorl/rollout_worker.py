@@ -318,9 +318,8 @@ class Worker:
             samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
             self.hooks.postprocess(samples)
         samples = stages.keep_trainable(run, samples, metrics)
-        # later rounds go on from the first round's random stream (the batch's seed set it, once)
-        later = dataclasses.replace(sampling, seed=None)
-        kept = stages.refill_groups(run, prompts, samples, later, PhaseTimer(), metrics)
+        # the first round took the batch's seed; each later round takes its own (SamplingConfig.call)
+        kept = stages.refill_groups(run, prompts, samples, sampling, PhaseTimer(), metrics)
         # a kept group may have lost samples (failed ones, --sample-filter): its prompt from any of them
         first = {s.group_id: s for s in reversed(kept)}
         kept_prompts = [types.SimpleNamespace(ids=first[g].prompt_ids) for g in sorted(first)]

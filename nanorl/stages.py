@@ -291,7 +291,7 @@ def enough_to_train(run, n: int) -> bool:
 def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
     """DAPO dynamic sampling (nanorl/dapo.py): keep the groups whose rewards differ and generate rounds
     of fresh prompts until this rank holds len(prompts) of them, at most max_gen_batches rounds."""
-    cfg, first = run.cfg, [samples]
+    cfg, first, calls = run.cfg, [samples], [0]
 
     def draw(wanted: bool) -> list:
         if first:
@@ -299,8 +299,9 @@ def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
         more = run.loader.next_batch()  # every rank advances its prompt stream alike
         if not wanted:
             return []
+        calls[0] += 1  # a seeded batch (the async worker's): each round its own seed
         with timer("generate"):
-            new = generate(run, more, cfg.samples_per_prompt, sampling)
+            new = generate(run, more, cfg.samples_per_prompt, sampling.call(calls[0]))
         with timer("reward"):
             for s, r in zip(new, score(run, more, new)):
                 s.reward = r

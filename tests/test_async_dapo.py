@@ -120,3 +120,14 @@ def test_config_refuses_refill_with_abort_buffers():
     with pytest.raises(ValueError, match="filter-groups and --partial-rollout abort"):
         Config(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2)
     assert Config(async_steps=1, filter_groups=True, over_sample=2).filter_groups
+
+
+def test_each_engine_call_of_a_batch_has_its_own_seed():
+    """SamplingConfig.call: call 0 is the batch's own seed, later calls distinct seeds fixed by (seed,
+    call), none without a seed (the engine's stream goes on, as in a synchronous run)."""
+    from nanorl.rollout import SamplingConfig
+    sp = SamplingConfig(seed=12345)
+    seeds = [sp.call(i).seed for i in range(6)]
+    assert seeds[0] == 12345 and len(set(seeds)) == 6 and seeds == [sp.call(i).seed for i in range(6)]
+    assert SamplingConfig(seed=12346).call(1).seed != seeds[1]
+    assert SamplingConfig().call(3).seed is None and sp.call(2).max_new_tokens == sp.max_new_tokens

