@@ -49,8 +49,9 @@ PROBE_SEQUENCES = 4
 # [PROBE_MAX_TOKENS, H] hidden state whatever the context (1024 tokens cover several KV blocks, so the
 # prefix-cache path still reads cached blocks of each rollout prompt).
 PROBE_MAX_TOKENS = 1024
-# The trainer's probe forwards per check_sync, the same on every rank (FSDP all-gathers in each):
-# 1 + PROBE_SEQUENCES decode probes and PROBE_SEQUENCES scored ones, fewer real ones padded.
+# The trainer's probe rows per check_sync, the same on every rank (FSDP all-gathers in each forward):
+# 1 + PROBE_SEQUENCES decode probes and PROBE_SEQUENCES scored ones, fewer real ones padded; as many
+# share one forward as fit PROBE_MAX_TOKENS (all of them on a short-context engine, one each at 1024).
 TRAINER_PROBE_FORWARDS = 1 + 2 * PROBE_SEQUENCES
 
 
@@ -460,9 +461,10 @@ class VLLMEngine:
             cache, whose blocks hold KV of the previous weights if a reset was missed: stale KV shows;
         (b) prompt_logprobs of each rollout sequence (none yet: the fixed probe + its decoded tokens)
             bypass the cache: stale weights show.
-        The trainer runs TRAINER_PROBE_FORWARDS forwards whatever the last rollout held (pads: the
-        fixed probe, not compared): FSDP all-gathers in each; the multi-turn driver's last call differs
-        per rank.
+        The trainer scores TRAINER_PROBE_FORWARDS rows whatever the last rollout held (pads: the fixed
+        probe, not compared), as many per forward as fit PROBE_MAX_TOKENS, so every rank runs as many
+        forwards (FSDP all-gathers in each; the multi-turn driver's last call differs per rank). The two
+        engine paths share one call when there is a rollout.
         Each path's statistic is held to its bound (SYNC_BOUNDS, by the lower precision of engine and
         trainer: max in fp32, mean in bf16/fp16; `tol` replaces the bound); SyncError names the path,
         statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
@@ -488,45 +490,63 @@ class VLLMEngine:
         starts = [fixed] + [p[:max(1, room - decode_tokens)] for p, _ in rollout]
         greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
                                  logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts], greedy, use_tqdm=False,
-                                 **self._lora_kwargs())
-        gens = [list(o.outputs[0].token_ids) for o in outs]
+        score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        # with a rollout both paths go in one engine call (the scoring requests skip the prefix cache
+        # either way, and the decode requests look it up when they are scheduled); without one the
+        # scored probe is the fixed probe + its decoded tokens, so it waits for them
+        scored = [(p + r)[:room] for p, r in rollout]
+        both = starts + scored
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in both],
+                                 greedy + [score] * len(scored), use_tqdm=False, **self._lora_kwargs())
+        gens = [list(o.outputs[0].token_ids) for o in outs[:len(starts)]]
         decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)]
                    for g, o in zip(gens, outs)]
-        scored = [(p + r)[:room] for p, r in rollout] or [(fixed + gens[0])[:room]]
-        score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in scored], score, use_tqdm=False,
-                                 **self._lora_kwargs())
+        if not scored:
+            scored = [(fixed + gens[0])[:room]]
+            outs = outs + self.llm.generate([TokensPrompt(prompt_token_ids=scored[0])], score, use_tqdm=False,
+                                            **self._lora_kwargs())
         prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
-                    for s, o in zip(scored, outs)]
+                    for s, o in zip(scored, outs[len(starts):])]
 
         device, was_training = next(model.parameters()).device, model.training
         # no dropout
         model.eval()
 
-        def trainer(seq: list[int]) -> torch.Tensor:
-            """log p(seq[i] | seq[:i]), i >= 1: [S-1], from the forward training runs."""
-            ids = torch.tensor([seq], device=device)  # [1, S]
-            with autocast(device, compute):
-                h = model.base_model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]  # [S-1, H]
-                return head_logprobs(model, h, ids[0, 1:])[0].float().cpu()  # [S-1]
+        # every probe is at most `room` tokens: `per` of them share a forward of at most
+        # PROBE_MAX_TOKENS (right-padded), a count fixed by the engine's size, the same on every rank
+        per = max(1, PROBE_MAX_TOKENS // room)
+
+        def trainer(seqs: list[list[int]]) -> list[torch.Tensor]:
+            """log p(seq[i] | seq[:i]), i >= 1, of each seq ([S-1] each), from the forward training
+            runs; TRAINER_PROBE_FORWARDS rows in all, padded with the fixed probe (not scored), so
+            every rank runs as many (FSDP) forwards whatever its last rollout held."""
+            rows, out = seqs + [fixed] * (TRAINER_PROBE_FORWARDS - len(seqs)), []
+            for i in range(0, len(rows), per):
+                chunk = rows[i:i + per]
+                width = max(map(len, chunk))
+                ids = torch.tensor([r + [0] * (width - len(r)) for r in chunk], device=device)  # [R, S]
+                mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk], device=device)
+                with autocast(device, compute):
+                    h = model.base_model(input_ids=ids, attention_mask=mask,
+                                         use_cache=False).last_hidden_state  # [R, S, H]
+                    for b, r in enumerate(chunk[:max(0, len(seqs) - i)]):
+                        lp = head_logprobs(model, h[b, :len(r) - 1], ids[b, 1:len(r)])[0]  # [S-1]
+                        out.append(lp.float().cpu())
+            return out
 
         # per path: engine [N], trainer [N], and where each position is
         try:
-            paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
-            for j, (s, g, lp) in enumerate(zip(starts, gens, decoded)):
-                ref = trainer(s + g)[len(s) - 1:]  # [D] the decoded positions
-                paths["decode (prefix cache)"] += [(e, r, j, len(s) + i)
-                                                   for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
-            for j, (s, lp) in enumerate(zip(scored, prompted)):
-                ref = trainer(s)  # [S-1]
-                paths["prompt scoring (no cache)"] += [(e, r, j, i + 1)
-                                                       for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
-            for _ in range(TRAINER_PROBE_FORWARDS - len(starts) - len(scored)):
-                # lockstep pad: every rank runs as many (FSDP) forwards
-                trainer(fixed)
+            refs = trainer([s + g for s, g in zip(starts, gens)] + scored)
         finally:
             model.train(was_training)
+        paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
+        for j, (s, lp, ref) in enumerate(zip(starts, decoded, refs)):
+            ref = ref[len(s) - 1:]  # [D] the decoded positions
+            paths["decode (prefix cache)"] += [(e, r, j, len(s) + i)
+                                               for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
+        for j, (lp, ref) in enumerate(zip(prompted, refs[len(starts):])):
+            paths["prompt scoring (no cache)"] += [(e, r, j, i + 1)
+                                                   for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
         gaps = []
         for path, rows in paths.items():
             engine, ref = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])  # [N], [N]

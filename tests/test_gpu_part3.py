@@ -195,6 +195,18 @@ def test_check_sync_uses_the_fused_head_and_caps_the_probe(monkeypatch):
     assert stats["max_abs_logprob_diff"] <= 1e-4 and stats["model_runner_v2"] == 0.0
     assert max(lengths) <= 48 and max(engine.llm.lengths) <= 48
     assert len(lengths) == vllm_engine.TRAINER_PROBE_FORWARDS
+    # a short-context engine (probes of at most 47 tokens): the probes share forwards of at most 48 * 3
+    # tokens, 3 rows each, right-padded, and agree with the engine as closely (red check: a row scored
+    # from its neighbour's hidden states fails the sync check)
+    monkeypatch.setattr(vllm_engine, "PROBE_MAX_TOKENS", 48 * 3, raising=False)
+    short = p3_rank_check.fake_engine(reference, rollout, max_model_len=48)
+    lengths.clear()
+    rows = []
+    model.model.register_forward_pre_hook(lambda m, a, k: rows.append(k["input_ids"].shape[0]),
+                                          with_kwargs=True)
+    batched = short.check_sync(model)
+    assert rows == [3] * 3 and max(lengths) <= 47
+    assert batched["max_abs_logprob_diff"] <= 1e-4
 
 
 # ----------------------------------------------------------------------------- m2: fp32 ∂W accumulation
