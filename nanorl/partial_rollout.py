@@ -24,6 +24,7 @@ import torch
 
 from nanorl.data import Prompt
 from nanorl.rewards import score_samples
+from nanorl.rollout import stop_cut
 from nanorl.trajectory import Sample
 
 
@@ -117,9 +118,7 @@ class AbortingRollout:
 def _joined(old: Sample, new: Sample, left: int, sampling, version: int) -> Sample:
     """An aborted sample's tokens, then up to `left` tokens sampled after it (cut after a stop)."""
     resp = new.response_ids[:left]
-    stops = set(sampling.stop_token_ids)
-    hit = next((i for i, t in enumerate(resp) if t in stops), None)
-    k = len(resp) if hit is None else hit + 1
+    k, stopped = stop_cut(resp, set(sampling.stop_token_ids))
     support = None
     if sampling.keep_support:  # [R, K] each, -1 padded to the wider of the two
         parts = [t for t in (old.sampling_support, new.sampling_support[:k]) if t is not None]
@@ -128,5 +127,5 @@ def _joined(old: Sample, new: Sample, left: int, sampling, version: int) -> Samp
     return dataclasses.replace(
         old, response_ids=old.response_ids + resp[:k],
         rollout_logprobs=old.rollout_logprobs + new.rollout_logprobs[:k],
-        status="completed" if hit is not None else "truncated", sampling_support=support,
+        status="completed" if stopped else "truncated", sampling_support=support,
         metadata={**old.metadata, "token_versions": old.metadata["token_versions"] + [version] * k})

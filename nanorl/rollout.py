@@ -94,6 +94,13 @@ def device_generator(cpu_generator: torch.Generator, device: torch.device) -> to
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def stop_cut(response: list[int], stop_token_ids) -> tuple[int, bool]:
+    """(length, stopped): a response ends after its first stop token, which it keeps (the model learns
+    to stop), or runs to its end (truncated)."""
+    hit = next((i for i, t in enumerate(response) if t in stop_token_ids), None)
+    return (len(response), False) if hit is None else (hit + 1, True)
+
+
 def aborted_sample(prompt: list[int], group: int, version: int) -> Sample:
     """A request aborted before it sampled a token (over-sampling: the caller had enough)."""
     return Sample(prompt_ids=list(prompt), response_ids=[], rollout_logprobs=[], status="aborted",
@@ -264,12 +271,10 @@ class HFEngine(RolloutEngine):
         samples = []
         for b, (g, prompt) in enumerate(rows):
             resp = tokens[b].tolist()
-            hit = [i for i, t in enumerate(resp) if t in sp.stop_token_ids]
-            # keep the stop token: the model learns to stop
-            length = hit[0] + 1 if hit else len(resp)
+            length, stopped = stop_cut(resp, sp.stop_token_ids)
             s = Sample(prompt_ids=list(prompt), response_ids=resp[:length],
                        rollout_logprobs=logps[b, :length].tolist(),
-                       status="completed" if hit else "truncated",
+                       status="completed" if stopped else "truncated",
                        # its oldest token's version
                        weight_version=versions[0], group_id=g)
             if self.between_steps is not None:

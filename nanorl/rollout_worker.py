@@ -216,6 +216,8 @@ class Worker:
         # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
         fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
         self.episodes = episode_runner(cfg, self.engine, self.tokenizer, fmt) if cfg.env else None
+        # n scored samples per prompt: the engine's, scored by --reward, or the --env episodes, which
+        # the environment scored (train.py's stages.generate + score)
         self.scorer = Scorer(self.engine, self.rewards, self.tokenizer, self.episodes)
         self.engine.version = -1  # nothing loaded yet
         self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
@@ -276,7 +278,7 @@ class Worker:
             prompts, samples, partial_metrics, refill = self.refilled(b, sampling)
             carry = {"carry": {"loader": self.loader.state_dict()}}
         else:
-            samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
+            samples = self.scorer.scored(prompts, cfg.samples_per_prompt, sampling)
         t2 = time.perf_counter()
         if cfg.mask_offpolicy_in_partial_rollout:
             for s in samples:
@@ -315,7 +317,7 @@ class Worker:
         if cfg.over_sample > 1:
             samples = stages.oversampled_round(run, prompts, sampling, metrics)
         else:
-            samples = self.sample_and_score(prompts, cfg.samples_per_prompt, sampling)
+            samples = self.scorer.scored(prompts, cfg.samples_per_prompt, sampling)
             self.hooks.postprocess(samples)
         samples = stages.keep_trainable(run, samples, metrics)
         # the first round took the batch's seed; each later round takes its own (SamplingConfig.call)
@@ -325,16 +327,11 @@ class Worker:
         kept_prompts = [types.SimpleNamespace(ids=first[g].prompt_ids) for g in sorted(first)]
         return kept_prompts, kept, metrics, {"counters": counters, "notes": notes}
 
-    def sample_and_score(self, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
-        """n samples per prompt with their rewards: the engine's, scored by --reward, or with --env the
-        episodes of the multi-turn driver, which the environment scored (train.py's stages.generate)."""
-        return self.scorer.scored(prompts, n, sampling)
-
     def greedy_rewards(self, prompts: list) -> list[float]:
         """ReMax's baseline of each sample (in row order): the reward of its prompt's greedy response,
         sampled here from the same weights as the batch (train.py's stages.greedy_baselines, which
         reads it, samples it from the trainer's: the same version in a synchronous run)."""
-        greedy = self.sample_and_score(prompts, 1, dataclasses.replace(
+        greedy = self.scorer.scored(prompts, 1, dataclasses.replace(
             self.spec.sampling, temperature=0.0, top_k=0, top_p=1.0, keep_support=False, seed=None))
         n = self.cfg.samples_per_prompt
         return [greedy[g].total_reward for g in range(len(prompts)) for _ in range(n)]
