@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 from test_async_ranks import gap, train as launch
-from test_dapo import HALF
+from test_dapo import HALF, assert_full
 from test_pipeline import (
     task as task,  # the trained task fixture, shared (pytest finds it by name)
     weights,
@@ -57,10 +57,7 @@ def test_worker_refills_and_over_sampling_fills_the_batch_in_one_round(task, hal
     assert logged(tmp_path / "over", "rollout/dapo/oversampled_groups") == [8] * 4
     assert sum(logged(tmp_path / "over", "rollout/dapo/aborted_tokens")) > 0
     assert len(seen) == 8
-    for batch in seen:  # a full batch: 2 whole groups of 8, each with reward variance
-        assert batch.group_ids.tolist() == [0] * 8 + [1] * 8
-        for g in (0, 1):
-            assert batch.rewards[batch.group_ids == g].unique().numel() > 1
+    assert_full(seen)
     for out in ("refill", "over"):
         assert max(logged(tmp_path / out, "rollout/async/staleness_max")) <= 1
 

@@ -137,6 +137,14 @@ def reward(prompt, response, label):
 '''
 
 
+def assert_full(batches, groups=2, n=8) -> None:
+    """Every trained batch is full: `groups` whole groups of n samples, each with reward variance."""
+    for batch in batches:
+        assert batch.group_ids.tolist() == [g for g in range(groups) for _ in range(n)]
+        for g in range(groups):
+            assert batch.rewards[batch.group_ids == g].unique().numel() > 1
+
+
 def test_until_aborts_the_running_requests_and_changes_nothing_before(task_dir):
     """HFEngine.generate(until=...): a callback that never says stop changes no sample (tokens,
     logprobs, statuses: the same random stream); one that stops at the first finished groups leaves
@@ -194,10 +202,7 @@ def test_over_sample_fills_the_batch_in_one_round(task_dir, tmp_path, monkeypatc
     assert logged(tmp_path / "over", "rollout/dapo/oversampled_groups") == [8] * 4
     assert sum(logged(tmp_path / "over", "rollout/dapo/aborted_tokens")) > 0
     assert len(seen) == 4
-    for batch in seen:  # a full batch: 2 whole groups of 8, each with reward variance
-        assert batch.group_ids.tolist() == [0] * 8 + [1] * 8
-        for g in (0, 1):
-            assert batch.rewards[batch.group_ids == g].unique().numel() > 1
+    assert_full(seen)
 
 
 def test_over_sample_refuses_what_it_cannot_do():

@@ -181,7 +181,7 @@ def test_async_vllm_runs_dapos_refill_rounds_in_the_worker(task, tmp_path, monke
     and ends on the same weights, every round
     seeded by its batch (SamplingConfig.call; red check: unseeded later rounds draw from vLLM's
     process-wide stream, which the resumed worker has not replayed)."""
-    from test_dapo import HALF
+    from test_dapo import HALF, assert_full
 
     import train
     from nanorl import checkpoint
@@ -213,10 +213,7 @@ def test_async_vllm_runs_dapos_refill_rounds_in_the_worker(task, tmp_path, monke
     else:
         assert rounds == [1] * 6 and sum(x["rollout/dapo/aborted_tokens"] for x in lines) > 0
     assert len(seen) == 6
-    for batch in seen:  # a full batch: 2 whole groups of 8, each with reward variance
-        assert batch.group_ids.tolist() == [0] * 8 + [1] * 8
-        for g in (0, 1):
-            assert batch.rewards[batch.group_ids == g].unique().numel() > 1
+    assert_full(seen)
     checked = [x["sync/max_abs_logprob_diff"] for x in lines if "sync/max_abs_logprob_diff" in x]
     assert checked and max(checked) < 1e-3
 
