@@ -88,10 +88,9 @@ class Pipeline:
                                   stop_token_ids=stop_token_ids(run.model, run.tokenizer),
                                   support_cap=cfg.support_cap)
         # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
-        # rl_step draws the same ones from run.loader and `take` checks they agree. --partial-rollout
-        # abort and --filter-groups: the worker draws from a copy itself (how many a batch takes
-        # depends on its buffer, on its rewards).
-        self.own_prompts = cfg.partial_rollout == "abort" or cfg.filter_groups
+        # rl_step draws the same ones from run.loader and `take` checks they agree (unless the worker
+        # draws its own: `own_prompts`).
+        self.own_prompts = own_prompts(cfg)
         self.loader = copy.copy(run.loader)
         self.loader.load_state_dict(run.loader.state_dict())  # its own order list and position
         self.loader.rank, self.loader.world = 0, 1  # every rank's prompts: the worker samples the union
@@ -240,12 +239,18 @@ def _terminate_running() -> None:
         _RUNNING.discard(proc)
 
 
+def own_prompts(cfg) -> bool:
+    """Whether the worker draws its own prompts from a copy of the loader, the trainer's going unused:
+    how many a batch takes depends on its buffer (--partial-rollout abort) or its rewards (DAPO's
+    refill rounds, --filter-groups)."""
+    return cfg.partial_rollout == "abort" or cfg.filter_groups
+
+
 def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     """Check a scored batch (or shard) before it trains, add the worker's faults to the run totals;
     returns the step's async metrics."""
     K, abort = run.cfg.async_steps, run.cfg.partial_rollout == "abort"
-    # --partial-rollout abort, --filter-groups: the worker draws the prompts, the trainer's go unused
-    if not (abort or run.cfg.filter_groups) and got["prompt_ids"] != [p.ids for p in prompts]:
+    if not own_prompts(run.cfg) and got["prompt_ids"] != [p.ids for p in prompts]:
         raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the trainer's")
     # the bound this module promises, never trusted silently; a resumed sample's oldest tokens are
     # one batch older (nanorl/partial_rollout.py)
@@ -314,8 +319,8 @@ class Follower:
 
 
 def staleness_metrics(samples: list[Sample], step: int) -> dict:
-    """How far behind the trainer (version `step`) a batch is: per sample and per token. None for a
-    batch (or a rank's shard) with no sample, which DAPO's refill can leave when its rounds run out."""
+    """How far behind the trainer (version `step`) a batch is: per sample and per token. No metric for
+    a batch (or a rank's shard) with no sample, which DAPO's refill can leave when its rounds run out."""
     if not samples:
         return {}
     ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]

@@ -385,7 +385,7 @@ class VLLMEngine:
                 finished[g] = [sample(g, rows[f"{tag}-{g}-{j}"][1]) for j in range(n)]
             if complete:
                 stop = bool(until([smp for g in complete for smp in finished[g]]))
-        running = [rid for rid, (g, _) in rows.items() if left[g] and rows[rid][1].finish_reason == "abort"]
+        running = [rid for rid, (_, o) in rows.items() if o.finish_reason == "abort"]  # not finished
         if running:
             engine.abort_request(running)
         return list(itertools.chain.from_iterable(
