@@ -323,8 +323,8 @@ class Worker:
         # the first round took the batch's seed; each later round takes its own (SamplingConfig.call)
         kept = stages.refill_groups(run, prompts, samples, sampling, PhaseTimer(), metrics)
         # a kept group may have lost samples (failed ones, --sample-filter): its prompt from any of them
-        first = {s.group_id: s for s in reversed(kept)}
-        kept_prompts = [types.SimpleNamespace(ids=first[g].prompt_ids) for g in sorted(first)]
+        ids = {s.group_id: s.prompt_ids for s in kept}
+        kept_prompts = [types.SimpleNamespace(ids=ids[g]) for g in sorted(ids)]
         return kept_prompts, kept, metrics, {"counters": counters, "notes": notes}
 
     def greedy_rewards(self, prompts: list) -> list[float]:
