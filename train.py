@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from nanorl import build, checkpoint, distributed, pipeline, precision, stages
+from nanorl import build, checkpoint, distributed, gguf_model, pipeline, precision, stages
 from nanorl.config import Config, parse_args
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
@@ -109,9 +109,10 @@ def setup(cfg: Config) -> Run:
     train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
                                    cfg.max_prompt_len, source=cfg.train_data, fmt=fmt)
     eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.input_key, cfg.label_key, cfg.max_prompt_len,
-                               fmt, limit=cfg.eval_limit)
+                               fmt, limit=cfg.eval_limit, seen={p.text for p in train})
     if cfg.engine == "auto":
-        vllm = device.type == "cuda" and build.vllm_importable()
+        # vLLM is not given GGUF files (nanorl/gguf_model.py)
+        vllm = device.type == "cuda" and build.vllm_importable() and not gguf_model.is_gguf(cfg.model)
         cfg = dataclasses.replace(cfg, engine="vllm" if vllm else "hf")
     everything = train + [p for s in eval_sets for p in s.prompts]  # vLLM: sized for the longest request
     engine = build.make_engine(cfg, model, tokenizer, everything, device, dtype, rank)

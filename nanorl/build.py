@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from nanorl import distributed, lora, moe_replay, precision
+from nanorl import distributed, gguf_model, lora, moe_replay, precision
 from nanorl.config import Config
 from nanorl.distributed import Trained
 from nanorl.plugins import plugin_task
@@ -80,6 +80,9 @@ def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int
 
 def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
     """The VLLMEngine of a run: in the trainer's process (synchronous) or the async rollout worker's."""
+    if gguf_model.is_gguf(cfg.model):
+        raise ValueError(f"--engine vllm with the GGUF model {cfg.model}: not supported (vLLM is not given "
+                         "GGUF files); use --engine hf")
     from nanorl.vllm_engine import VLLMEngine
     # the run's longest request, not the model's context (an episode: its prompt + every turn)
     longest = longest_prompt + max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)

@@ -29,8 +29,9 @@ from nanorl.presets import PRESETS, pretrained_defaults
 # Rewards run in worker processes with this per-call timeout unless --reward-timeout says otherwise
 # (nanorl/rewards.py reads it as BOUNDED): the math verifier (SymPy), which adversarial output can keep
 # busy; the code reward, which bounds each test case itself (5 s, nanorl/code_reward.py) — 120 s per
-# program, its cases run in parallel worker processes
-BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0, "code": 120.0}
+# program, its cases run in parallel worker processes; a reasoning-gym task's checker (some parse or
+# simulate the answer)
+BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0, "code": 120.0, "reasoning_gym": 30.0}
 # Fields with a fixed set of values: argparse offers them as choices, __post_init__ checks them
 
 
@@ -40,15 +41,18 @@ class Config:
     algo: str = "grpo"
     """Preset: a named set of the fields below (each listed at the end of --help; nanorl/presets.py)."""
     model: str = ""
-    """Hugging Face name or local path of a causal LM; empty = the built-in tiny Qwen2 (nanorl/task.py)."""
+    """Hugging Face name or local path of a causal LM, or a GGUF file (nanorl/gguf_model.py); empty = the
+    built-in tiny Qwen2 (nanorl/task.py)."""
     train_data: str = ""
-    """Prompts: a .jsonl / .parquet file or a `datasets` name[:config][@split] (split default train);
-    empty = the built-in arithmetic task (nanorl/data.py)."""
+    """Prompts: a .jsonl / .parquet file, a `datasets` name[:config][@split] (split default train) or
+    reasoning_gym:NAME?size=N&seed=S&... (nanorl/reasoning_tasks.py); empty = the built-in arithmetic
+    task (nanorl/data.py)."""
     test_data: str = ""
     """Eval sets, comma-separated, each [name=]source in the same forms (split default test), logged
     as eval/<name>/...; empty = the built-in held-out split."""
     reward: str = "exact"
-    """Reward: exact, math, format, math_format, exact_format, or module:function / file.py:function
+    """Reward: exact, math, format, math_format, exact_format, code, reasoning_gym (the task's checker),
+    or module:function / file.py:function
     (fn(prompt, response, label[, sample]); dict keys starting with "_" are logged only)."""
     engine: str = "auto"
     """hf (the trainer's own module), vllm (in-process, weights hot-swapped), or auto: vllm on a GPU
@@ -88,7 +92,8 @@ class Config:
     # --- reward and plug-ins (nanorl/rewards.py, nanorl/plugins.py, docs/extending.md)
     reward_timeout: float = -1.0
     """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
-    them in-process; -1 = 10 s for the math rewards, 120 s for code (BOUNDED_REWARDS), else 0."""
+    them in-process; -1 = 10 s for the math rewards, 120 s for code, 30 s for reasoning_gym
+    (BOUNDED_REWARDS), else 0."""
     reward_postprocess: str = ""
     """module:function / file.py:function run on the step's scored Samples (groups in order): may write
     Sample.metadata and set rewards, in place."""

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanorl import checkpoint, distributed
+from nanorl import checkpoint, distributed, reasoning_tasks
 from nanorl.data import PromptFormat, build_prompts, load_rows, parse_source
 from nanorl.rewards import correct, score_samples
 from nanorl.rollout import SamplingConfig
@@ -36,25 +36,33 @@ class EvalSet:
 
 
 def set_name(source: str) -> str:
-    """`gsm8k_test.jsonl` → gsm8k_test; `openai/gsm8k:main@test` → gsm8k_main_test."""
+    """`gsm8k_test.jsonl` → gsm8k_test; `openai/gsm8k:main@test` → gsm8k_main_test;
+    `reasoning_gym:basic_arithmetic?size=50` → reasoning_gym_basic_arithmetic (its options left out)."""
     name, config, split = parse_source(source, "test")
     if name.endswith((".jsonl", ".json", ".parquet")):
         return os.path.splitext(os.path.basename(name))[0]
+    config = config and config.partition("?")[0]
     parts = [os.path.basename(name.rstrip("/")), config, split if "@" in source else None]
     return "_".join(p for p in parts if p)
 
 
 def load_eval_sets(spec: str, tokenizer, input_key: str, label_key: str, max_prompt_len: int,
-                   fmt: PromptFormat, limit: int = 0) -> list[EvalSet]:
-    """The eval sets of `--test-data` ("[name=]source,..."), each cut to `limit` prompts (0 = all)."""
+                   fmt: PromptFormat, limit: int = 0, seen: set[str] | None = None) -> list[EvalSet]:
+    """The eval sets of `--test-data` ("[name=]source,..."), each cut to `limit` prompts (0 = all).
+    seen: the train set's prompt texts, dropped from reasoning-gym sets (nanorl/reasoning_tasks.py)."""
     sets = []
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, eq, source = item.partition("=")
+        # a name is a plain word: in reasoning_gym:task?size=50 the "=" is an option's
+        eq = eq and not any(c in name for c in ":?&/")
         name, source = (name, source) if eq else (set_name(item), item)
         if any(s.name == name for s in sets):
             raise ValueError(f"--test-data: two eval sets are named {name!r}; name them apart as name=source")
         prompts = build_prompts(load_rows(source, split="test"), tokenizer, input_key, label_key,
                                 max_prompt_len, source=source, fmt=fmt)[0]
+        # reasoning-gym sets from near seeds share items: held out means never trained on
+        if seen is not None and reasoning_tasks.is_source(source):
+            prompts = reasoning_tasks.drop_seen(prompts, seen, name)
         sets.append(EvalSet(name, prompts[:limit] if limit else prompts))
     return sets
 

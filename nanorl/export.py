@@ -8,7 +8,8 @@ started from (its saved --model) is loaded, the adapters applied with PEFT's own
 `PeftModel.from_pretrained`, merged (`merge_and_unload`: W + (α/r)·B·A) and saved with
 `save_pretrained`, so OUT has the base model's names and no adapter tensor. A full checkpoint already
 is a Hugging Face directory: its model is loaded and saved again the same way. The tokenizer's files
-are copied.
+are copied. A run that started from a GGUF file exports alike: its checkpoints hold plain weights, and
+a LoRA run's base is that file, dequantized again (nanorl/gguf_model.py).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import shutil
 import torch
 
 from nanorl.checkpoint import CheckpointError, list_checkpoints, verify
+from nanorl.gguf_model import load_causal_lm
 
 TOKENIZER_FILES = ("tokenizer", "special_tokens_map", "vocab.", "merges.txt", "added_tokens", "chat_template")
 
@@ -52,7 +54,8 @@ def export(path: str, out: str) -> str:
     if layout == "sharded":
         raise CheckpointError(f"{ckpt}: a sharded (--fsdp) checkpoint; export supports full and LoRA ones")
     if layout == "lora":
-        base = AutoModelForCausalLM.from_pretrained(state["config"]["model"], dtype=torch.float32)
+        # the run's --model: a HF model or a GGUF file (nanorl/gguf_model.py)
+        base = load_causal_lm(state["config"]["model"], dtype=torch.float32)
         model = PeftModel.from_pretrained(base, ckpt).merge_and_unload()
     else:
         model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)

@@ -23,6 +23,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
+from nanorl import gguf_model
 from nanorl.entropy import fused_linear_logprobs_entropy, naive_logprobs_entropy
 from nanorl.precision import head_is_fp32
 from nanorl.trajectory import PaddedBatch
@@ -48,15 +49,14 @@ def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtyp
     cannot hold an RL-sized update; nanorl/precision.py). compute_dtype: the run's --dtype, the dtype
     every forward runs in (autocast). Attention: flash-attention 2 when it is installed, the device is
     CUDA and compute_dtype is bf16/fp16 (packed varlen micro-batches, nanorl/batching.py), else sdpa:
-    flash-attn refuses the fp32 q/k/v of an fp32 run."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    flash-attn refuses the fp32 q/k/v of an fp32 run. A GGUF file (or a directory holding one) loads
+    dequantized, with the tokenizer and chat template in it (nanorl/gguf_model.py)."""
+    tokenizer = gguf_model.load_tokenizer(name_or_path)
     # many base models ship without a pad token
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=torch.float32,
-                                                 attn_implementation=best_attn_implementation(compute_dtype))
+    model = gguf_model.load_causal_lm(name_or_path, dtype=torch.float32,
+                                      attn_implementation=best_attn_implementation(compute_dtype))
     model.to(device)
     # training forwards never need the KV cache
     model.config.use_cache = False

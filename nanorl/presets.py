@@ -82,8 +82,9 @@ def pretrained_defaults(model: str, overridden: set[str]) -> dict:
 
 def model_hidden_size(model: str) -> int:
     """The hidden size in a checkpoint's config (a local path or a cached/downloadable hub name)."""
-    from transformers import AutoConfig
+    from nanorl.gguf_model import load_config
 
-    cfg = AutoConfig.from_pretrained(model)
+    # a GGUF file's config is in its metadata
+    cfg = load_config(model)
     cfg = getattr(cfg, "text_config", None) or cfg  # multimodal configs nest the language model's
     return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 0)

