@@ -94,6 +94,7 @@ def test_resume_is_the_uninterrupted_run(task, half, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+@pytest.mark.slow
 def test_two_ranks_with_one_worker_equal_one_process_on_the_union(task, half, tmp_path):
     """DAPO with --over-sample 2 and K = 1 for 3 steps: 2 ranks (gloo) log the rewards and rounds of one
     process and end on its weights within twice the fp32 floor (one process against itself with

@@ -12,6 +12,8 @@ from test_lockstep import run as launch
 
 from nanorl import checkpoint
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 BASE = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8",
         "--quiet", "--threads", "1", "--schedule", "constant", "--lr", "1e-3", "--warmup-steps", "0"]
 

@@ -26,6 +26,8 @@ from nanorl.config import Config
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.task import build_model, build_tokenizer, problems, save_model_dir
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--prompts-per-step", "2", "--samples-per-prompt", "2", "--eval-every", "0", "--eval-limit", "4",
         "--max-new-tokens", "3", "--quiet", "--threads", "1", "--schedule", "constant"]

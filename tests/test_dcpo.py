@@ -15,6 +15,8 @@ import train
 from nanorl.plugins import load_file
 from nanorl.trajectory import Sample
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = str(ROOT / "examples" / "dcpo.py")
 dcpo = load_file(EXAMPLE)  # the very module --plugin loads

@@ -20,16 +20,26 @@ from nanorl.plan import make_plan
 from nanorl.policy import load_model
 
 
-@pytest.fixture(scope="session")
-def world(tmp_path_factory):
-    """The 60-step warm start (the student) and the same model given 300 more SFT steps (the teacher)."""
-    root = tmp_path_factory.mktemp("distill")
+def make_world(root, teacher_steps: int) -> dict:
+    """The 60-step warm start (the student) and the same model given more SFT steps (the teacher)."""
     paths = task.make_default(str(root / "task"), sft_steps=60)
     model, tok = load_model(paths["model"])
-    task.warm_start(model, tok, task.problems()[0], steps=300, seed=1)
+    task.warm_start(model, tok, task.problems()[0], steps=teacher_steps, seed=1)
     teacher = str(root / "teacher")
     task.save_model_dir(model, tok, teacher)
     return {**paths, "teacher": teacher}
+
+
+@pytest.fixture(scope="session")
+def world(tmp_path_factory):
+    """A teacher 100 SFT steps past the student: another policy, which is all the plumbing tests need."""
+    return make_world(tmp_path_factory.mktemp("distill"), teacher_steps=100)
+
+
+@pytest.fixture(scope="session")
+def strong_world(tmp_path_factory):
+    """A teacher 300 SFT steps past the student (98% held-out): the one the learning test distils."""
+    return make_world(tmp_path_factory.mktemp("distill_strong"), teacher_steps=300)
 
 
 def argv(world, out, *flags):
@@ -109,6 +119,7 @@ def test_the_dump_holds_the_teachers_own_log_probs(world, tmp_path):
     _, batch, metrics = one_step(world, tmp_path, "--algo", "distill", "--teacher", world["teacher"],
                                  "--dump-rollouts", "1")
     recs = dump.read(os.path.join(tmp_path, "rollouts", "step_000001.jsonl"))
+    assert len(recs) == 16  # 4 prompts x 4 samples, each checked below (none would check nothing)
     teacher, tok = load_model(world["teacher"])
     for r in recs:
         prompt, ids = tok(r["prompt"])["input_ids"], r["tokens"]["id"]
@@ -139,9 +150,11 @@ def test_distill_coef_adds_the_signal_to_a_task_rewards_advantage(world, tmp_pat
     assert torch.allclose(t.advantages, want, atol=1e-6) and "train/teacher_kl" in metrics
 
 
-def test_distill_lifts_the_warm_start_past_itself(world, tmp_path):
+@pytest.mark.slow
+def test_distill_lifts_the_warm_start_past_itself(strong_world, tmp_path):
     """150 steps of --algo distill (lr 3e-4): 27.5% -> 73.0% held-out on seed 0 here (GRPO from the
     same start, same steps: 66.0%; side by side over seeds: bench.py --only distill)."""
+    world = strong_world
     res = train.main(argv(world, tmp_path, "--algo", "distill", "--teacher", world["teacher"],
                           "--steps", "150", "--lr", "3e-4", "--eval-every", "0"))
     before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
@@ -152,6 +165,7 @@ def test_distill_lifts_the_warm_start_past_itself(world, tmp_path):
     assert sum(kl[-20:]) / 20 < sum(kl[:20]) / 20  # the student moved toward the teacher
 
 
+@pytest.mark.slow
 def test_two_ranks_with_a_sharded_teacher(world, tmp_path):
     """--fsdp over 2 CPU ranks (gloo): the teacher is sharded like the reference, so its scoring pass is
     a collective every rank runs in lockstep; the run completes with the ranks in sync and a teacher

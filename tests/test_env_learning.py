@@ -15,7 +15,11 @@ Run: python -m pytest tests/test_env_learning.py -q -s
 import json
 import time
 
+import pytest
+
 import train
+
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
 
 def test_calculator_use_and_accuracy_rise(tmp_path):

@@ -136,6 +136,7 @@ def first_eval(out) -> dict:
     return json.loads(open(os.path.join(out, "metrics.jsonl")).readline())  # step 0: before training
 
 
+@pytest.mark.slow
 def test_train_logs_every_set_and_shards_over_two_ranks(task, tmp_path):
     """train.py with two eval sets logs eval/<name>/...; over 2 ranks (gloo) every rank scores a slice
     and the step-0 greedy accuracies equal the 1-rank run's exactly (same weights, same prompts)."""

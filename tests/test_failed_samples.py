@@ -121,6 +121,7 @@ def test_a_filter_that_returns_no_verdict_per_sample_is_an_error(task, tmp_path)
         run.logger.close()
 
 
+@pytest.mark.slow
 def test_sample_filter_on_two_ranks_with_unequal_drops(task, tmp_path):
     """Rank 0 keeps the even groups, rank 1 nothing: both ranks finish every step (no hang), rank 1
     joins each update with zero-weight rows, and the counts are the pooled ones."""

@@ -27,20 +27,52 @@ def test_every_module_with_a_main_is_an_entry_point_listed_here():
     assert mains <= {e[1] for e in ENTRY_POINTS if e[0] == "-m"}, mains
 
 
-@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=[" ".join(e) for e in ENTRY_POINTS])
-def test_entry_point_answers_help_and_refuses_an_unknown_flag(entry, tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+# One child process runs every entry point as `python ...` would (runpy: the script or module as __main__,
+# sys.argv set), twice each: --help, then an unknown flag. One interpreter pays the torch import once.
+DRIVER = """
+import contextlib, io, json, os, runpy, shutil, sys
+out = {}
+for entry in json.loads(sys.argv[1]):
+    for name, args in (("help", ["--help"]), ("bad", ["x", "y", "--no-such-flag-nanorl"])):
+        stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                if entry[0] == "-m":
+                    sys.argv = [entry[1], *args]
+                    runpy.run_module(entry[1], run_name="__main__", alter_sys=True)
+                else:
+                    sys.argv = [entry[0], *args]
+                    runpy.run_path(entry[0], run_name="__main__")
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out[" ".join(entry) + " " + name] = [code, stdout.getvalue(), stderr.getvalue(), os.listdir(".")]
+        for f in os.listdir("."):  # what one entry wrote is that entry's failure only
+            shutil.rmtree(f) if os.path.isdir(f) else os.remove(f)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def entry_results(tmp_path_factory):
     # Run from an empty folder: --help must write nothing (nanorl.task once made a model in "./--help")
-    run = lambda *a: subprocess.run([sys.executable,  # noqa: E731
-                                     *(os.path.join(ROOT, x) if x.endswith(".py") else x for x in entry), *a],
-                                    cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    ok = run("--help")
-    assert ok.returncode == 0 and ok.stdout.startswith("usage:"), ok.stdout[-2000:] + ok.stderr[-2000:]
-    assert os.listdir(tmp_path) == []
+    cwd = tmp_path_factory.mktemp("empty")
+    entries = [[os.path.join(ROOT, x) if x.endswith(".py") else x for x in e] for e in ENTRY_POINTS]
+    run = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(entries)], cwd=cwd, capture_output=True,
+                         text=True, timeout=600, env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    return {k.replace(ROOT + os.sep, ""): v for k, v in got.items()}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS, ids=[" ".join(e) for e in ENTRY_POINTS])
+def test_entry_point_answers_help_and_refuses_an_unknown_flag(entry, entry_results):
+    code, stdout, stderr, files = entry_results[" ".join(entry) + " help"]
+    assert code == 0 and stdout.startswith("usage:"), stdout[-2000:] + stderr[-2000:]
+    assert files == []
     # Two stand-in positionals so that commands with required arguments reach the unknown flag too
-    bad = run("x", "y", "--no-such-flag-nanorl")
-    assert bad.returncode == 2 and "error: unrecognized arguments:" in bad.stderr, bad.stderr[-2000:]
-    assert "--no-such-flag-nanorl" in bad.stderr and os.listdir(tmp_path) == []
+    code, stdout, stderr, files = entry_results[" ".join(entry) + " bad"]
+    assert code == 2 and "error: unrecognized arguments:" in stderr, stderr[-2000:]
+    assert "--no-such-flag-nanorl" in stderr and files == []
 
 
 @pytest.fixture(scope="module")

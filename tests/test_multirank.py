@@ -20,6 +20,8 @@ import torch
 
 from nanorl.task import make_default
 
+pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

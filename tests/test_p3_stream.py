@@ -88,12 +88,14 @@ def torchrun(mode: str, port: int, timeout: int = 300) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_stream_in_engine_dtype_on_two_fsdp_ranks():
     res = torchrun("stream", port=29651)
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(res.stdout.count(f"rank {r} stream ok") for r in (0, 1)) == [1, 1], res.stdout
 
 
+@pytest.mark.slow
 def test_rank_check_streams_and_catches_a_planted_difference():
     res = torchrun("ranks", port=29652)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -186,6 +186,7 @@ def _rank_metrics(rank, init_file, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_metadata_metrics_are_pooled_over_ranks(tmp_path):
     torch.multiprocessing.spawn(_rank_metrics, args=(str(tmp_path / "init"), tmp_path), nprocs=2)
     got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in (0, 1)]

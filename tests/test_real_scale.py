@@ -146,6 +146,7 @@ RUNS = [pytest.param(0, "hf", id="grpo-hf"), pytest.param(1, "hf", id="ppo-hf"),
         pytest.param(0, "vllm", id="grpo-vllm", marks=NEEDS_VLLM)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("line,engine", RUNS)
 def test_readme_command_runs(line, engine, real, tmp_path):
     """The README's command lines themselves in bf16, sizes shrunk: they complete, log finite numbers
@@ -212,6 +213,7 @@ def test_master_weights_are_fp32_and_keep_a_1e6_update(real, tmp_path):
     run.logger.close()
 
 
+@pytest.mark.slow
 def test_checkpointing_and_token_budget_bound_the_step_memory(real, tmp_path):
     """Peak memory of one train step on the real-shape model — plain, with --gradient-checkpointing,
     and with checkpointing + a token budget — at two rollout-batch sizes. Measured as the torch
@@ -280,6 +282,7 @@ def test_fp32_lm_head_narrows_the_rollout_trainer_gap(real, tmp_path):
     run.logger.close()
 
 
+@pytest.mark.slow
 def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
     """The README's training line on the files its data lines made (GSM8K rows, MATH-500 as a second
     eval set), with a scripted engine: for every prompt the first response boxes the label's answer
@@ -321,6 +324,7 @@ def test_readme_command_pays_right_answers_with_the_math_reward(real, tmp_path):
         run.logger.close()
 
 
+@pytest.mark.slow
 def test_readme_tool_command_runs_at_the_real_shape(real, tmp_path):
     """The README's `--env python_tool` line (its multi-turn section) on the real-shape model and the
     GSM8K files, HF engine, sizes shrunk: episodes run through the ChatML template and the run completes."""

@@ -7,6 +7,7 @@ The judge is a real HTTP server on 127.0.0.1 speaking vLLM's OpenAI chat-complet
 (tests/test_judges.py JudgeServer), the run the real train.main.
 """
 import json
+import re
 
 import pytest
 from test_judges import JudgeServer
@@ -94,19 +95,33 @@ def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monk
     assert last["rollout/reward_faults/judge/unreachable"] == 2 * per_step
 
 
-def test_an_in_process_judge_runs_in_the_step(task, tmp_path):
+def test_an_in_process_judge_runs_in_the_step(task, tmp_path, monkeypatch):
     """Without --judge-url the judge model is loaded in-process (an HF engine, greedy): here the task's
-    own tiny model judges "{prompt}{response}=" — it answers with digits, a number on the 0-99 scale
-    or nothing usable. Every sample of the step is either judged (a `judge` component in [0, 1]) or a
-    counted reward fault; nothing else, and the run finishes."""
+    own tiny model judges "{prompt}{response}=" — it answers with digits, a number on the 0-99 scale.
+    With this seed every one of the step's 16 samples is judged (red when the judge calls fail: each
+    would be a counted reward fault, dropped): no faults, and the logged `judge` component is the
+    mean of the judge's own answers / 99, added to `correct` in the reward; the run finishes."""
+    from nanorl import judges
+    answers, real_ask = [], judges._InProcess.ask
+
+    def ask(self, texts):  # what the in-process judge model answered, as the scorer got it
+        out = real_ask(self, texts)
+        answers.extend(out)
+        return out
+
+    monkeypatch.setattr(judges._InProcess, "ask", ask)
     res = train.main(args(task, tmp_path, "--steps", "1", "--judge", "{prompt}{response}=", "--judge-model",
                           task["model"], "--judge-parse", "number:0:99"))
     row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line][0]
     faults = sum(v for k, v in row.items() if k.startswith("rollout/reward_faults/judge/"))
     assert res["step"] == 1
-    assert row["rollout/dropped_frac"] * 16 == pytest.approx(faults)  # each failed call, one dropped sample
-    if faults < 16:  # some were judged: their component is a score in [0, 1]
-        assert 0.0 <= row["rollout/reward/judge"] <= 1.0
+    assert len(answers) == 16 and all(isinstance(a, str) for a in answers)  # one answer per sample
+    assert faults == 0 and row["rollout/dropped_frac"] == 0.0  # every call succeeded, nothing dropped
+    scores = [float(re.search(r"-?\d+(?:\.\d+)?", a).group()) / 99 for a in answers]
+    assert all(0.0 <= x <= 1.0 for x in scores)
+    assert row["rollout/reward/judge"] == pytest.approx(sum(scores) / 16, rel=1e-5)
+    total = row["rollout/reward/correct"] + row["rollout/reward/judge"]  # default weights: 1 each
+    assert row["rollout/reward_mean"] == pytest.approx(total, rel=1e-5)
 
 
 def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
@@ -138,6 +153,7 @@ def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
     assert len(calls) == 2 and all(len(c[0]) == 16 for c in calls)  # one call per step, all 16 samples
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
             if "rollout/reward/rm" in line]
+    assert len(rows) == 2  # both steps logged the component (zip below would pass on none)
     for row, (_, _, out) in zip(rows, calls):
         assert row["rollout/reward/rm"] == pytest.approx(sum(out) / 16, rel=1e-5)
         assert row["rollout/reward_mean"] == pytest.approx(row["rollout/reward/rm"], rel=1e-5)  # correct=0

@@ -149,8 +149,22 @@ def rm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rm_path(rm_dir):
+def trained_rm(rm_dir):
+    """The preference RM (~1.5 min to train): for the tests that need its judgement (the slow tier)."""
     return make_rm(rm_dir)
+
+
+@pytest.fixture(scope="module")
+def rm_path(rm_dir):
+    """An untrained RM saved as a real checkpoint, its score head scaled so that scores spread (~0.3):
+    enough for the plumbing tests (batching, pooling, templates, dtypes), which need no judgement."""
+    model, tokenizer = build_rm(seed=0)
+    with torch.no_grad():
+        model.score.weight.mul_(100.0)
+    path = str(rm_dir / "plain_rm")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
 
 
 def held_out_accuracy(rm: RewardModel, pairs) -> float:
@@ -159,10 +173,11 @@ def held_out_accuracy(rm: RewardModel, pairs) -> float:
     return sum(c > r for c, r in zip(chosen, rejected)) / len(pairs)
 
 
-def test_rm_prefers_the_right_sum_on_held_out_problems(rm_path, rm_dir):
+@pytest.mark.slow
+def test_rm_prefers_the_right_sum_on_held_out_problems(trained_rm, rm_dir):
     """The 200 held-out problems were never trained on: random wrong sums (seed 1), and the policy's own
     wrong samples there (another sampling seed)."""
-    rm = RewardModel(rm_path, "cpu")
+    rm = RewardModel(trained_rm, "cpu")
     _, test_items = task.problems(seed=0)
     random_acc = held_out_accuracy(rm, preference_pairs(test_items, seed=1))
     policy = task.make_default(str(rm_dir / "task"))["model"]
@@ -300,7 +315,8 @@ def greedy_accuracy(model_dir: str) -> float:
     return hits / len(test_items)
 
 
-def test_grpo_rewarded_only_by_the_rm_raises_held_out_accuracy(rm_path, rm_dir, tmp_path):
+@pytest.mark.slow
+def test_grpo_rewarded_only_by_the_rm_raises_held_out_accuracy(trained_rm, rm_dir, tmp_path):
     """RLHF in small: GRPO from the 90-step policy with `--reward-model` and `--reward-weights
     correct=0,rm=1`, so the RM's score is the whole reward; the exact-match rule still runs and is
     logged (rollout/reward/correct, eval/accuracy read --reward's verdict, not the RM's), which is how
@@ -320,7 +336,7 @@ def test_grpo_rewarded_only_by_the_rm_raises_held_out_accuracy(rm_path, rm_dir, 
         out = tmp_path / f"seed{seed}"
         res = train.main(["--algo", "grpo", "--model", task_files["model"],
                           "--train-data", task_files["train"], "--test-data", task_files["test"],
-                          "--reward-model", rm_path,
+                          "--reward-model", trained_rm,
                           "--reward-weights", "correct=0,rm=1", "--kl-coef", "0.05", "--seed", str(seed),
                           "--steps", "300", "--eval-every", "0", "--quiet", "--out-dir", str(out)])
         before, after = res["before"]["eval/accuracy"], res["after"]["eval/accuracy"]
@@ -333,6 +349,7 @@ def test_grpo_rewarded_only_by_the_rm_raises_held_out_accuracy(rm_path, rm_dir, 
     assert sum(gains) / len(gains) >= 0.08, gains
 
 
+@pytest.mark.slow
 def test_a_sharded_rm_scores_as_the_whole_one_with_unequal_ranks(tmp_path):
     """--fsdp: the RM's weights are sharded over 2 gloo ranks (each holds about half); each forward
     all-gathers, so the rank with fewer micro-batches runs unread ones until both have run as many —

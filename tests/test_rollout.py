@@ -53,6 +53,7 @@ def test_rollout_logprobs_match_trainer_recompute(model):
 def test_greedy_is_argmax_of_full_forward(model):
     eng = HFEngine(model, pad_id=PAD)
     s = eng.generate([[5, 6, 7]], 1, SamplingConfig(temperature=0.0, max_new_tokens=4))[0]
+    assert len(s.response_ids) == 4  # no stop token: the whole budget (an empty response checks nothing)
     ids = [5, 6, 7]
     for tok in s.response_ids:
         with torch.no_grad():

@@ -240,17 +240,15 @@ def test_support_from_vllm_topk_logprobs():
 
 
 def test_matches_trainer_support_hook_when_available():
-    entropy = pytest.importorskip("nanorl.entropy")
-    if not hasattr(entropy, "naive_logprobs_entropy"):
-        pytest.skip("nanorl.entropy has no naive_logprobs_entropy yet")
+    from nanorl import entropy  # written: a missing or renamed function fails, never skips
     logits = torch.randn(32, 300) * 3.0
     tok, lp, sup = sample_next(logits, 0.8, top_k=20, top_p=0.9, record_support=True,
                                generator=torch.Generator().manual_seed(1))
     trainer_lp, _ = entropy.naive_logprobs_entropy(logits, tok, temperature=0.8, support=sup)
     assert (torch.exp(trainer_lp.float() - lp) - 1).abs().max() <= 1e-6
-    if hasattr(entropy, "logprobs_and_entropy"):  # the dispatched kernel (Triton interpreter here)
-        kernel_lp, _ = entropy.logprobs_and_entropy(logits, tok, temperature=0.8, support=sup)
-        assert (torch.exp(kernel_lp.float() - lp) - 1).abs().max() <= 1e-6
+    # the dispatched kernel (Triton interpreter here)
+    kernel_lp, _ = entropy.logprobs_and_entropy(logits, tok, temperature=0.8, support=sup)
+    assert (torch.exp(kernel_lp.float() - lp) - 1).abs().max() <= 1e-6
 
 
 def _keep_mask_full_sort(z, top_k, top_p):

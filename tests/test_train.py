@@ -125,6 +125,7 @@ def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
     lcfg = update.loss_config(run)
     whole = _grads(run, batch, [list(range(16))], lcfg)
     split = _grads(run, batch, [[0, 5, 9], [1, 2, 3, 4, 6], [7, 8], [10, 11, 12, 13, 14, 15]], lcfg)
+    assert len(whole) == len(split) > 0  # the same parameters got gradients (zip would hide a missing one)
     for a, b in zip(whole, split):
         assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (a - b).abs().max()
 
