@@ -11,6 +11,8 @@ PRETRAINED_HIDDEN) first gets PRETRAINED_DEFAULTS, each with the reason it was c
 """
 from __future__ import annotations
 
+import os
+
 # name -> (one line for --help, field overrides). The defaults of Config are GRPO's.
 PRESETS: dict[str, tuple[str, dict]] = {
     "grpo": ("group-normalised advantages, PPO clip, K3 KL as a loss (DeepSeekMath)",
@@ -66,15 +68,31 @@ PRETRAINED_DEFAULTS: dict[str, tuple[object, str]] = {
 PRETRAINED_HIDDEN = 512  # every pretrained LM from ~100M parameters up; nanorl's tiny models are <= 256
 
 
+def cpu_defaults() -> dict[str, tuple[object, str]]:
+    """What replaces two of the GPU choices above on a machine without CUDA. Measured with GRPO on
+    SmolLM2-135M (8 x 8 samples, 24 tokens, 2 threads; docs/bench_results.md): activation checkpointing
+    re-runs the forward and buys memory a laptop has (train phase 11 s without, 19 s with, in bf16);
+    bf16 autocast pays only where the CPU has bf16 instructions (train 11 s vs fp32's 15 s), and is
+    emulated, ~18x slower, where it has not (an AVX2-only CPU)."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    return {"gradient_checkpointing": (False, "a CPU run: recomputing the forward costs more than it saves"),
+            "dtype": ("bfloat16" if native else "float32",
+                      "this CPU has bf16 instructions" if native else "this CPU has no bf16 instructions")}
+
+
 def pretrained_defaults(model: str, overridden: set[str]) -> dict:
-    """PRETRAINED_DEFAULTS when `model` is a pretrained-scale checkpoint, printed once (the ones a
-    flag or the preset sets are left out); {} for the built-in or a tiny model."""
+    """PRETRAINED_DEFAULTS when `model` is a pretrained-scale checkpoint (cpu_defaults over them without
+    CUDA), printed once (the ones a flag or the preset sets are left out); {} for the built-in or a tiny
+    model."""
     hidden = model_hidden_size(model) if model else 0
     if hidden < PRETRAINED_HIDDEN:
         return {}
-    chosen = {k: v for k, (v, _) in PRETRAINED_DEFAULTS.items() if k not in overridden}
+    import torch
+    table = {**PRETRAINED_DEFAULTS, **({} if torch.cuda.is_available() else cpu_defaults())}
+    chosen = {k: v for k, (v, _) in table.items() if k not in overridden}
     if chosen:
-        why = "; ".join(f"{k}={v} ({PRETRAINED_DEFAULTS[k][1]})" for k, v in chosen.items())
+        why = "; ".join(f"{k}={v} ({table[k][1]})" for k, v in chosen.items())
         print(f"nanorl: pretrained-model defaults for {model} (hidden size {hidden} >= {PRETRAINED_HIDDEN}): "
               f"{why}. Flags override them.", flush=True)
     return chosen

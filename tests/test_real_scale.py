@@ -120,8 +120,10 @@ def metrics_lines(out: Path) -> list[dict]:
     return [json.loads(x) for x in open(out / "metrics.jsonl") if '"train/loss"' in x]
 
 
-def test_readme_gpu_block_is_the_real_command(real):
-    """The rehearsed block holds the real-model command (bf16, math reward, vLLM) and every line parses."""
+def test_readme_gpu_block_is_the_real_command(real, monkeypatch):
+    """The rehearsed block holds the real-model command (bf16, math reward, vLLM) and every line parses,
+    with the defaults a pretrained model gets on a GPU (parsed as on a CUDA machine)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cmds = readme_commands()
     assert len(cmds) >= 2
     first = first_command(real)
@@ -134,6 +136,19 @@ def test_readme_gpu_block_is_the_real_command(real):
         assert cfg.reward_timeout > 0  # the math verifier runs bounded, in worker processes
         # pretrained-model defaults apply: a real lr, checkpointing and a token budget
         assert cfg.lr == 1e-6 and cfg.gradient_checkpointing and cfg.max_tokens_per_micro_batch == 16384
+
+
+def test_a_cpu_run_of_a_pretrained_model_skips_the_gpu_choices_that_slow_it(real):
+    """Without CUDA: no activation checkpointing, and bf16 autocast only on a CPU with bf16 instructions
+    (nanorl/presets.py cpu_defaults); a flag still overrides either."""
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    native = "avx512_bf16" in flags or "amx_bf16" in flags
+    base = ["--model", real["model"], "--train-data", real["gsm8k_train.jsonl"]]
+    cfg = parse_args(base)
+    assert not cfg.gradient_checkpointing and cfg.dtype == ("bfloat16" if native else "float32")
+    assert cfg.lr == 1e-6 and cfg.max_tokens_per_micro_batch == 16384  # the rest as on a GPU
+    cfg = parse_args(base + ["--gradient-checkpointing", "--dtype", "float16"])
+    assert cfg.gradient_checkpointing and cfg.dtype == "float16"
 
 
 def hf_variant(argv: list[str]) -> list[str]:
