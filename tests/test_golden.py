@@ -134,14 +134,22 @@ def run_all(out: str, cases: list[str]) -> None:
         json.dump({"fingerprint": fingerprint(), "steps": STEPS, "cases": rows}, f, indent=0, sort_keys=True)
 
 
-def run_portable(out: str, cases: list[str], timeout: float = 900) -> dict:
-    """The cases in a child process under PORTABLE (its output goes to ours); their rows and fingerprint."""
+def run_portable(script: str, out: str, *args: str, timeout: float = 900) -> dict:
+    """`python script --out out *args` in a child process under PORTABLE; the JSON it wrote to `out`
+    (this file's cases, or tests/test_rollout_pin.py's)."""
     env = {**os.environ, **PORTABLE}
-    child = [sys.executable, os.path.abspath(__file__), "--out", out, *cases]
+    child = [sys.executable, os.path.abspath(script), "--out", out, *args]
     proc = subprocess.run(child, env=env, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-    assert proc.returncode == 0, f"the golden run failed:\n{proc.stdout[-4000:]}"
+    assert proc.returncode == 0, f"{os.path.basename(script)}'s portable run failed:\n{proc.stdout[-4000:]}"
     return json.load(open(out))
+
+
+def assert_same_versions(recorded: dict, got: dict) -> None:
+    """The recording's torch and transformers are this run's: other versions compute other bits."""
+    want, have = ({k: fp[k] for k in ("torch", "transformers")} for fp in (recorded, got))
+    assert want == have, (f"recorded with {want}, this is {have}: install those (the README's install "
+                          "line) or re-record on the old code first")
 
 
 @pytest.fixture(scope="module")
@@ -155,11 +163,8 @@ def golden():
 
 @pytest.fixture(scope="module")
 def observed(golden, tmp_path_factory):
-    got = run_portable(str(tmp_path_factory.mktemp("golden") / "observed.json"), list(CASES))
-    versions = {k: golden["fingerprint"][k] for k in ("torch", "transformers")}
-    mine = {k: got["fingerprint"][k] for k in ("torch", "transformers")}
-    assert versions == mine, (f"golden recorded with {versions}, this is {mine}: install those (the README's "
-                              "install line) or re-record on the old code first")
+    got = run_portable(__file__, str(tmp_path_factory.mktemp("golden") / "observed.json"), *CASES)
+    assert_same_versions(golden["fingerprint"], got["fingerprint"])
     return got["cases"]
 
 
@@ -194,7 +199,7 @@ if __name__ == "__main__":
     if sys.argv[1:2] == ["--out"]:  # the child
         run_all(sys.argv[2], sys.argv[3:])
     elif sys.argv[1:] == ["--record"]:
-        data = run_portable(GOLDEN + ".tmp", list(CASES))
+        data = run_portable(__file__, GOLDEN + ".tmp", *CASES)
         os.replace(GOLDEN + ".tmp", GOLDEN)
         print(f"wrote {GOLDEN}: {len(data['cases'])} cases")
     else:

@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
-from test_golden import PORTABLE, fingerprint  # noqa: E402
+from test_golden import PORTABLE, assert_same_versions, fingerprint, run_portable  # noqa: E402
 
 from nanorl.rollout import HFEngine, SamplingConfig  # noqa: E402
 from nanorl.task import ENDOFTEXT, QWEN25_05B  # noqa: E402
@@ -77,14 +76,6 @@ def run_cases(model) -> dict:
     return out
 
 
-def run_portable(out: str) -> dict:
-    """run_cases in a child process under PORTABLE; its {"fingerprint", "cases"}."""
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--out", out], env={**os.environ,
-                          **PORTABLE}, cwd=ROOT, timeout=900, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return json.load(open(out))
-
-
 @pytest.fixture(scope="module")
 def golden():
     return json.load(open(GOLDEN))
@@ -94,9 +85,8 @@ def golden():
 def test_real_shape_samples_are_pinned(golden, tmp_path):
     if platform.machine() not in ("x86_64", "AMD64"):  # the pinned kernels are x86-64's
         pytest.skip(f"pinned on x86-64, this is {platform.machine()}")
-    data = run_portable(str(tmp_path / "pin.json"))
-    versions = {k: golden["fingerprint"][k] for k in ("torch", "transformers")}
-    assert versions == {k: data["fingerprint"][k] for k in versions}, (versions, data["fingerprint"])
+    data = run_portable(__file__, str(tmp_path / "pin.json"))
+    assert_same_versions(golden["fingerprint"], data["fingerprint"])
     got = data["cases"]
     assert set(got) == set(golden["cases"])
     for case, want in golden["cases"].items():
@@ -120,7 +110,7 @@ if __name__ == "__main__":
         json.dump({"fingerprint": fingerprint(), "cases": run_cases(real_shape_model())},
                   open(sys.argv[2], "w"), indent=0)
     elif sys.argv[1:] == ["--record"]:
-        run_portable(GOLDEN + ".tmp")
+        run_portable(__file__, GOLDEN + ".tmp")
         os.replace(GOLDEN + ".tmp", GOLDEN)
         print("recorded", GOLDEN)
     else:
