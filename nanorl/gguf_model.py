@@ -19,33 +19,38 @@ import os
 PIP = "pip install gguf"
 
 
+def _found(path: str) -> tuple[str, str] | None:
+    """(directory, file name) of the GGUF file `path` names or the one a directory holds (a directory
+    with a config.json is a Hugging Face directory); None for anything else. A missing .gguf file or
+    several in one directory: one line."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: no such GGUF file")
+        return os.path.split(os.path.abspath(path))
+    if not os.path.isdir(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} GGUF files ({', '.join(found)}); name one: "
+                         f"--model {os.path.join(path, found[0])}")
+    return (path, found[0]) if found else None
+
+
 def locate(path: str) -> tuple[str, dict]:
     """(what from_pretrained reads, its extra keyword arguments): (the file's directory, {"gguf_file":
     its name}) for a GGUF file or a directory holding one (and no config.json); (path, {}) for
     anything else. A missing .gguf file, several in one directory, or no `gguf` package: one line."""
-    if path.endswith(".gguf"):
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path}: no such GGUF file")
-        directory, name = os.path.split(os.path.abspath(path))
-    elif os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        found = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
-        if not found:
-            return path, {}
-        if len(found) > 1:
-            raise ValueError(f"{path} holds {len(found)} GGUF files ({', '.join(found)}); name one: "
-                             f"--model {os.path.join(path, found[0])}")
-        directory, name = path, found[0]
-    else:
+    found = _found(path)
+    if found is None:
         return path, {}
     if importlib.util.find_spec("gguf") is None:
         raise ImportError(f"{path} is a GGUF file: loading it needs the gguf package ({PIP})")
-    return directory, {"gguf_file": name}
+    return found[0], {"gguf_file": found[1]}
 
 
 def is_gguf(path: str) -> bool:
     """Whether --model `path` names a GGUF file (or a directory holding one) rather than a HF model."""
-    return path.endswith(".gguf") or (os.path.isdir(path) and not os.path.isfile(
-        os.path.join(path, "config.json")) and any(n.endswith(".gguf") for n in os.listdir(path)))
+    return _found(path) is not None
 
 
 def load_causal_lm(path: str, **kwargs):
