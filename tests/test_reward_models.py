@@ -196,24 +196,25 @@ def samples():
 
 def test_batched_equals_one_by_one_and_micro_batching_changes_nothing(rm_path):
     """Right padding keeps every real token's inputs and positions; the score is gathered at the last
-    real token. Equal to a few fp32 ulps (rel 1e-6; measured 1.4e-6 on a score of 4.7, 3 ulps), not
-    bitwise: a padded batch runs attention through a masked kernel over a wider matrix, whose float
-    sums are ordered differently from an unpadded row's."""
+    real token. Equal to float rounding (rel 1e-5; measured 1.4e-6 on a score of 4.7 on one CPU, 2.2e-6
+    on 2.16 on an AVX-512 Xeon; a padding or gather bug moves a score by > 1e-2), not bitwise: a padded
+    batch runs attention through a masked kernel over a wider matrix, whose float sums are ordered
+    differently from an unpadded row's."""
     rm = RewardModel(rm_path, "cpu")
     prompts, responses = samples()
     alone = [rm.score([p], [r])[0] for p, r in zip(prompts, responses)]
     batched = rm.score(prompts, responses)
-    assert batched == pytest.approx(alone, rel=1e-6, abs=1e-6)
+    assert batched == pytest.approx(alone, rel=1e-5, abs=1e-6)
     # the scores differ from each other: equality above is not a constant model
     assert max(alone) - min(alone) > 0.1
     longest = max(len(rm.encode(p, r)) for p, r in zip(prompts, responses))
     for budget in (longest, 2 * longest):
         tiny = RewardModel(rm_path, "cpu", max_tokens_per_batch=budget)
-        assert tiny.score(prompts, responses) == pytest.approx(alone, rel=1e-6, abs=1e-6), budget
+        assert tiny.score(prompts, responses) == pytest.approx(alone, rel=1e-5, abs=1e-6), budget
     # results come back in the input order
     order = [3, 0, 9, 1, 8, 2, 7, 4, 6, 5]
     assert rm.score([prompts[i] for i in order], [responses[i] for i in order]) == pytest.approx(
-        [alone[i] for i in order], rel=1e-6, abs=1e-6)
+        [alone[i] for i in order], rel=1e-5, abs=1e-6)
     assert rm.score([], []) == []
     with pytest.raises(ValueError, match="2 prompts but 1 responses"):
         rm.score(prompts[:2], responses[:1])
