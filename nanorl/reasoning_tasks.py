@@ -12,18 +12,22 @@ comes from seed + i, so near seeds share items: the default test seed is a billi
 `drop_seen` removes from eval sets every train question (the run prints how many). The label holds
 task, config and index: the reward worker rebuilds the item (its metadata need not be JSON) and runs
 the task's `score_answer(answer, entry)` on the last <answer>...</answer> of the response (the tags
-reasoning-gym's prompts ask for: add them with --prompt-template), else on its last non-empty line.
+reasoning-gym's prompts ask for: add them with --prompt-template), else on its last number when the
+task's answer is a number, else on its last non-empty line (`final_answer`).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import json
+import re
 
 PREFIX = "reasoning_gym"
 PIP = "pip install reasoning-gym"
 # (size, seed) when the source does not say: held-out items from seeds a billion away from training's
 DEFAULTS = {"train": (1000, 0), "test": (200, 1_000_000_000)}
+# a whole number or decimal, signed
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def is_source(source: str) -> bool:
@@ -112,13 +116,18 @@ def drop_seen(prompts: list, seen: set[str], name: str, log=print) -> list:
     return kept
 
 
-def final_answer(response: str) -> str | None:
-    """The text of the response's last <answer>...</answer>, else its last non-empty line (None: empty)."""
+def final_answer(response: str, answer: str) -> str | None:
+    """The text of the response's last <answer>...</answer>; else, when the task's answer is a number,
+    the response's last number ("32 + 59 = 91." -> "91": lm-evaluation-harness's "flexible extract"
+    for GSM8K, as the math reward's unmarked tail); else its last non-empty line (None: empty)."""
     from reasoning_gym.utils import extract_answer
 
     tagged = extract_answer(response)
     if tagged is not None:
         return tagged
+    if _NUMBER.fullmatch(answer.strip()):
+        numbers = _NUMBER.findall(response)
+        return numbers[-1] if numbers else None
     lines = [x.strip() for x in response.strip().splitlines() if x.strip()]
     return lines[-1] if lines else None
 
@@ -137,4 +146,4 @@ def reward(prompt: str, response: str, label: str) -> float:
     if str(entry["answer"]) != info.get("answer", str(entry["answer"])):
         raise ValueError(f"reward reasoning_gym: item {index} of {name} rebuilt with another answer "
                          "(a different reasoning-gym version?)")
-    return float(dataset.score_answer(final_answer(response), entry))
+    return float(dataset.score_answer(final_answer(response, str(entry["answer"])), entry))

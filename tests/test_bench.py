@@ -22,7 +22,7 @@ import bench  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
            "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay", "reward_model",
-           "async_steps", "default", "default_threads", "distill", "lora_memory"}
+           "async_steps", "default", "default_threads", "distill", "lora_memory", "real_model"}
 
 
 @pytest.mark.slow
@@ -37,6 +37,7 @@ def test_quick_run_reports_every_entry(tmp_path):
     rows = data["rows"]
     # An entry whose optional package is missing is skipped (README install: no vLLM), every other one runs
     skipped = {n for n, (module, _) in bench.NEEDS.items() if importlib.util.find_spec(module) is None}
+    skipped |= {"real_model"} if bench.smollm2_path() is None else set()
     assert set(data["skipped"]) == skipped and all(f"skipped {n}: needs" in proc.stdout for n in skipped)
     assert set(bench.Bench.ENTRIES) == ENTRIES and {r["bench"] for r in rows} == ENTRIES - skipped
     assert data["failed"] == []
@@ -96,6 +97,13 @@ def test_quick_run_reports_every_entry(tmp_path):
     threads = {(r["case"], r["impl"]): r for r in rows if r["bench"] == "default_threads"}
     assert set(threads) == {(c, f"{n} thread(s)") for c in ("machine as it is", "one core busy")
                             for n in (1, 2)}
+
+    real = {(r["case"].split(": ")[1], r["impl"]): r for r in rows if r["bench"] == "real_model"}
+    # each phase beside its plain-PyTorch reference on the same tokens, and the whole step
+    assert "real_model" in skipped or set(real) == {
+        ("generate", "plain generate"), ("generate", "nanorl generate"), ("logprob", "plain forward"),
+        ("logprob", "nanorl logprob"), ("train", "plain fwd+bwd+AdamW"), ("train", "nanorl train"),
+        ("whole step", "nanorl rl_step")} and all(r["median"] > 0 for r in real.values())
 
     shares = {r["impl"]: r["padding_share"] for r in rows if r["bench"] == "padding"}
     assert shares["token budget, packed"] == 0.0

@@ -22,9 +22,14 @@ EXAMPLE = str(ROOT / "examples" / "dcpo.py")
 dcpo = load_file(EXAMPLE)  # the very module --plugin loads
 
 
+def char_ids(text: str) -> list[int]:
+    """`text`'s ids under the built-in character tokenizer (the one dcpo.tokenizer() has by default)."""
+    return dcpo.tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
 def scored(response: str, label: str, group: int = 0) -> Sample:
     """A Sample of the character task (one token per character, then EOS), scored by dcpo.reward."""
-    s = Sample(prompt_ids=[2], response_ids=[5] * len(response) + [1], group_id=group)
+    s = Sample(prompt_ids=[2], response_ids=char_ids(response) + [1], group_id=group)
     r = dcpo.reward("1+2+3=", response, label, s)
     s.reward = {"correct": r["correct"]}
     s.metadata.update({k[1:]: v for k, v in r.items() if k.startswith("_")})
@@ -46,6 +51,27 @@ def test_reward_parses_answer_confidence_and_position():
     s = scored("5", "6")
     assert (s.reward == {"correct": 0.0} and "dcpo/confidence" not in s.metadata
             and s.metadata["dcpo/format_rate"] == 0)
+
+
+def test_token_position_is_the_old_character_index_under_the_character_tokenizer():
+    """The character task's positions are what the one token per character rule gave; the mapping
+    (its BPE side: tests/test_real_tokenizer.py) also places a <pad> sampled mid-answer, and a piece
+    that straddles the separator and the digit starts the confidence span."""
+    tok = dcpo.tokenizer()
+    for text in ("16-7", "6-9", "-3-4", "16", "16-", "16-77", "1-2-3", ""):
+        char = dcpo.parse(text)[2]
+        for eos in ([1], []):  # completed, truncated
+            assert dcpo.token_position(tok, char_ids(text) + eos, char) == char, (text, eos)
+    # "1", <pad>, "6-7", EOS: the <pad> decodes to nothing (the old rule gave no calibration signal)
+    assert dcpo.token_position(tok, [3, 0, 8, 13, 9, 1], 3) == 4
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+    core = Tokenizer(models.WordLevel({"<eos>": 0, "1": 1, "16": 2, "-7": 3, "6-7": 4}, unk_token="<eos>"))
+    core.decoder = decoders.Fuse()
+    pieces = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>")
+    assert dcpo.token_position(pieces, [2, 3, 0], 3) == 1  # "16" "-7": the piece holding the digit
+    assert dcpo.token_position(pieces, [1, 4, 0], 3) == 1  # "1" "6-7": even with the answer's last digit
+    assert dcpo.token_position(pieces, [2, 0], 2) == 1     # "16": no confidence, the EOS
 
 
 def test_postprocess_hand_values():

@@ -205,3 +205,37 @@ def test_smollm2_samples_trains_and_exports(smollm2, tmp_path):
     assert res["step"] == 1
     hf, hf_tok = exported(tmp_path / "run", tmp_path / "hf")
     assert type(hf).__name__ == "LlamaForCausalLM" and chat_ids(hf_tok, "hi") == chat_ids(tok, "hi")
+
+
+LAPTOP = "<!-- laptop recipe: tests/test_gguf.py runs this line (sizes aside) -->"
+SMALL = ["--steps", "1", "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4",
+         "--eval-limit", "3", "--eval-every", "0", "--threads", "1", "--quiet"]
+
+
+def readme_laptop_line() -> list[str]:
+    """The README's laptop-recipe `python train.py` line (after its marker), continuation lines joined."""
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert LAPTOP in text, "README's laptop recipe lost its marker"
+    block = text.split(LAPTOP, 1)[1].split("```bash", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    lines = [shlex.split(x, comments=True) for x in block.splitlines()]
+    found = [x for x in lines if x[:2] == ["python", "train.py"]]
+    assert len(found) == 1, block
+    return found[0][2:]
+
+
+@pytest.mark.slow
+def test_the_readmes_laptop_recipe_runs_as_written(smollm2, tmp_path, capsys):
+    """The README's real-model line itself, on the GGUF where .ci/fetch-smollm2 put it, sizes shrunk:
+    it trains a step and prints the before/after accuracy on the held-out set it drew."""
+    argv = readme_laptop_line()
+    model = argv.index("--model") + 1
+    assert argv[model].endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and "reasoning_gym" in argv
+    argv[model] = smollm2
+    res = train.main(argv + SMALL + ["--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert res["step"] == 1 and "accuracy before: " in out and "accuracy after: " in out
+    # the held-out set lost the train set's questions, and said how many
+    assert "questions that are in the train set" in out

@@ -1,14 +1,17 @@
 """A real tokenizer where the built-in character tokenizer hides bugs: SmolLM2-135M-Instruct's (byte-level
 BPE, 49152 ids, a ChatML chat template, EOS = pad = <|im_end|> id 2), read from its GGUF file (the
 `smollm2` fixture, tests/conftest.py). Stop tokens, chat-template prompts, the response mask when the pad
-id is also the EOS that ended a response, detokenized rewards, rollout dumps, and the token-in/token-out
-frame of an environment turn.
+id is also the EOS that ended a response, detokenized rewards, rollout dumps, the token-in/token-out
+frame of an environment turn, and where DCPO's confidence (examples/dcpo.py) starts among the tokens.
 """
+from pathlib import Path
+
 import pytest
 
 from nanorl import dump, rewards
 from nanorl.data import PromptFormat, build_prompts
 from nanorl.env import ChatTurns
+from nanorl.plugins import load_file
 from nanorl.rollout import stop_token_ids
 from nanorl.trajectory import Sample, collate
 
@@ -94,3 +97,28 @@ def test_an_environment_turn_is_framed_as_the_chat_template_frames_it(tok):
     assert tok.decode(ids) == want
     # and the sampled tokens are kept as sampled, never re-encoded with their neighbours
     assert ids[len(encode(tok, prompt)):][:len(encode(tok, reply))] == encode(tok, reply)
+
+
+def test_dcpo_places_the_confidence_on_the_token_where_it_starts(tok, monkeypatch):
+    """DCPO's reward parses the text (a character index) and must hand on a token index: a BPE word is one
+    token of several characters, so the character index would point past the digit (the one token per
+    character rule gave these responses no calibration signal at all)."""
+    dcpo = load_file(str(Path(__file__).resolve().parents[1] / "examples" / "dcpo.py"))
+    ids = encode(tok, "The answer is 42-9") + [2]
+    with pytest.raises(ValueError, match="DCPO_TOKENIZER"):  # the default, character, tokenizer's decode
+        dcpo.reward("3+4+9=", "The answer is 42-9", "16", Sample(prompt_ids=[1], response_ids=ids))
+    monkeypatch.setattr(dcpo, "tokenizer", lambda: tok)  # what $DCPO_TOKENIZER=<the GGUF> loads
+    for text in ("16-7", " 1234-5", "The answer is 42-9", "Sure: 3+4+9 = 16 -8", "The answer is 42"):
+        ids = encode(tok, text) + [2]  # + <|im_end|>
+        char = dcpo.parse(text)[2]
+        raw = dcpo.reward("3+4+9=", text, "16", Sample(prompt_ids=[1], response_ids=ids))
+        pos = int(raw["_dcpo/conf_pos"])
+        assert tok.decode(ids[:pos], skip_special_tokens=True) == text[:char], text
+        if char < len(text):  # the digit starts the token at `pos`
+            digit = text[char:]
+            assert tok.decode(ids[pos:], skip_special_tokens=True).startswith(digit), text
+            assert digit not in tok.decode(ids[:pos]), text
+        else:  # no confidence: the span is where it belongs, the <|im_end|>
+            assert pos == len(ids) - 1, text
+        # SmolLM2 splits digits (and a leading space) one per token: only the words move the position
+        assert (pos == char) == (text in ("16-7", " 1234-5")), text

@@ -55,11 +55,15 @@ def test_the_tasks_checker_scores_in_the_reward_workers():
     wrong = str(list(reversed(ast.literal_eval(right))))
     answer = json.loads(arith["answer"])["answer"]
     cases = [(arith, f"Let me think.\n<answer>{answer}</answer>", 1.0),
-             (arith, f"The sum is\n{answer}", 1.0),                    # no tags: the last line
+             (arith, f"The sum is\n{answer}", 1.0),                    # no tags: the last number
+             (arith, f"3 + 4 = 7, so {answer}.", 1.0),
+             (arith, f"{answer} is what 3 + 4 is", 0.0),
              (arith, f"<answer>{int(answer) + 1}</answer>", 0.0),
              (arith, "", 0.0),
              (sort, f"<answer>{right}</answer>", 1.0),
-             (sort, f"<answer>{wrong}</answer>", 0.0)]
+             (sort, f"<answer>{wrong}</answer>", 0.0),
+             # not a number: the last line, as the task's checker parses it
+             (sort, f"Sorted:\n{right}", 1.0)]
     runner = RewardRunner(fn, timeout=30, workers=2)
     try:
         # timeout > 0: every call runs in a worker process
