@@ -1,19 +1,24 @@
-"""gpu_check.py — the one-shot device check: what a lent GPU machine runs once, in <= 8 minutes.
+"""gpu_check.py — the one-shot device check: what a lent GPU machine runs once, in ~6 minutes.
 
     python gpu_check.py --json gpu_check.json  # one CUDA device (same as: python bench.py --gpu --json ...)
-    python gpu_check.py --smoke                # every stage at tiny sizes, on a CPU (tests/test_gpu_check.py)
+    python gpu_check.py --cpu                  # the CPU dry run, every stage at tiny sizes (test_gpu_check)
+    python gpu_check.py --help                 # the stages, in run order, with their time limits
 
 Made for one CUDA device without vLLM, flash-attn or network: models are real shapes with random weights
-built in memory (nanorl/task.py). Six stages run in order of value (the first three in ~5 min), each
-under its own time limit: 1 step (fwd+bwd+AdamW of the Qwen2.5-0.5B shape: time, MFU, peak memory),
-2 head (the Triton fused head against torch and fp32), 3 README (train.py with the README's GPU line),
-4 FSDP (save/resume equivalence), 5 async, 6 MoE (routing replay). A stage whose dependency is absent is
-skipped with the reason, a stage that raises or runs out of time is a FAIL row, and the next stage runs.
+built in memory (nanorl/task.py). Ten stages run in order of value, each under its own time limit: 1 step
+(fwd+bwd+AdamW of the Qwen2.5-0.5B shape: time, MFU, peak memory), 2 head (the Triton fused head against
+torch and fp32), then what issue 45 fixes and only a GPU shows: 7 B1 (the async vLLM worker's weight
+channel on one GPU, two processes), 8 M4 (the memory plan against a 7B shape's measured peak), 6 MoE
+(B2: routing replay's recompute with the batch on the GPU), 9 M2 (the fused head on a second GPU), 10
+TF32 (the fp32 sync bound); then 4 FSDP (save/resume equivalence), 5 async, 3 README (train.py with the
+README's GPU line). A stage whose dependency is absent is skipped with the reason, a stage that raises or
+runs out of time is a FAIL row, and the next stage runs; the table is printed and written (--table).
 Each stage's pass criterion is a pure function over its measured results (`crit_*`), so tests feed it
-planted faults. Start at `main`, then `run_stage`. Each stage's sizes and criteria:
-docs/from-slime-verl.md, "gpu_check.py"; MFU: `step_flops`. Rewards: --reward math needs math-verify
-(not on the device image: docs/bench_results.md); without it stages 3 and 6 are skipped and 5 uses a
-stand-in reward.
+planted faults. --cpu runs every stage's code with the device parts stood in for (the host's shared
+memory for CUDA IPC, tensor bytes for the allocator, the torch path for a second GPU). Start at `main`,
+then `run_stage`. Sizes and criteria of stages 1-6: docs/from-slime-verl.md, "gpu_check.py"; MFU:
+`step_flops`. Rewards: --reward math needs math-verify (not on the device image: docs/bench_results.md);
+without it stage 3 is skipped and 5 and 6 use a stand-in reward.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import math
 import os
 import pathlib
 import platform
+import re
 import resource
 import signal
 import statistics
@@ -35,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -60,6 +67,10 @@ QWEN3_MOE = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size
                  num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
                  vocab_size=151936, max_position_embeddings=40960, norm_topk_prob=True, rope_theta=1e6,
                  rms_norm_eps=1e-6, tie_word_embeddings=False, num_hidden_layers=2)
+# Qwen/Qwen2.5-7B-Instruct's config.json: stage 8's shape (7.62B parameters)
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, max_position_embeddings=32768,
+                 tie_word_embeddings=False, rope_theta=1e6, rms_norm_eps=1e-6)
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=2048, num_hidden_layers=2)
 
@@ -88,19 +99,24 @@ class Sizes:
     # stage 3 (the README's 1024); stages 5-6 use moe_new_tokens
     max_new_tokens: int
     moe_new_tokens: int
+    # Qwen2Config fields of stage 8's model, and its micro-batch: big_rows × big_T tokens
+    big: dict
+    big_rows: int
+    big_T: int
 
 
 FULL = Sizes(dict(QWEN25_05B, num_hidden_layers=24), rows=4, T=2048, prompts=64, prompt_len=128,
              new_tokens=128,
              reps=5, head=((896, 151936), (3584, 152064)), N=16384, chunk=2048,
              dense=dict(QWEN25_05B, num_hidden_layers=24), moe=QWEN3_MOE, max_new_tokens=1024,
-             moe_new_tokens=128)
+             moe_new_tokens=128, big=QWEN25_7B, big_rows=8, big_T=2048)
 SMOKE = Sizes(dict(QWEN25_05B, **TINY, vocab_size=512), rows=2, T=32, prompts=4, prompt_len=8, new_tokens=8,
               reps=2, head=((32, 151936), (48, 152064)), N=64, chunk=16,
               dense=dict(QWEN25_05B, **TINY),
               moe=dict(QWEN3_MOE, **TINY, moe_intermediate_size=16, num_experts=8,
                                                          num_experts_per_tok=2, head_dim=8),
-              max_new_tokens=8, moe_new_tokens=8)
+              max_new_tokens=8, moe_new_tokens=8, big=dict(QWEN25_7B, **TINY, vocab_size=512), big_rows=2,
+              big_T=32)
 
 
 # ----------------------------------------------------------------------------- FLOPs and peaks
@@ -552,6 +568,8 @@ def head_case(c: Check, H: int, V: int, backend: str) -> dict:
 
 
 def head_stage(c: Check) -> dict:
+    """2: the Triton fused head (logprobs, entropy, Σπ², gradients) against the torch path and fp32, at the
+    Qwen2.5-0.5B and 7B head shapes: errors, time, peak memory."""
     backend = "triton" if c.device.type == "cuda" or entropy.TRITON_INTERPRETED else "torch"
     if backend == "torch":
         c.row("2 head", "backend", "torch", "no CUDA: the torch path stands in for the kernel (smoke)")
@@ -702,10 +720,12 @@ def crit_async(r: dict) -> list[str]:
 
 
 def moe_stage(c: Check) -> dict:
-    """6: --routing-replay on a Qwen3-MoE shape, HF engine (records routing: R3), attention audited."""
+    """6 (B2): --routing-replay on a Qwen3-MoE shape, HF engine (records routing: R3), attention audited:
+    the replayed recompute with the batch on the GPU; --reward math where math-verify imports, else the
+    stand-in reward (no extra wheel needed)."""
     out = pathlib.Path(c.workdir, "run_moe").as_posix()
-    argv = rehearsal_argv(c.real_format("moe"), out, "hf", c.sizes.moe_new_tokens, steps=2) + [
-        "--routing-replay", *c.threads]
+    argv = rehearsal_argv(c.real_format("moe"), out, "hf", c.sizes.moe_new_tokens, steps=2,
+                          reward=c.reward()) + ["--routing-replay", *c.threads]
     with attention_audit() as calls:
         r = train_in_process(argv)
     r.update(steps=read_steps(out), want_steps=2, attn=dict(calls), need=("routing/disagreement",))
@@ -735,17 +755,354 @@ def need_moe() -> str | None:
     return None if hasattr(transformers, "Qwen3MoeConfig") else "transformers has no Qwen3MoeConfig"
 
 
-def need_math_moe() -> str | None:
-    return need_moe() or need_math()
+# ----------------------------------------------------------------------------- stages 7-10: issue 45
+# Stages whose failure can poison the process (an illegal memory access ends every later CUDA call) or
+# whose memory must be measured alone run in a child process: `in_child` calls a function of this file
+# there and reads its JSON answer.
+CHILD_TAG = "gpu_check child result: "
+CHILD = ("import json, sys, gpu_check; print(gpu_check.CHILD_TAG + json.dumps(getattr(gpu_check, sys.argv[1])"
+         "(**json.loads(sys.argv[2])), default=str), flush=True)")
+
+
+def in_child(c: Check, fn: str, kwargs: dict, **env: str) -> dict:
+    """gpu_check.fn(**kwargs) in a fresh process (env added), within the stage's time left: its result,
+    or {"error": ...} with the end of its output when it died."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **env}
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-c", CHILD, fn, json.dumps(kwargs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=max(10, c.deadline - time.monotonic()))
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(CHILD_TAG):
+            return json.loads(line[len(CHILD_TAG):])
+    return dict(error=f"child exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}")
+
+
+# 7 (B1): the async vLLM worker's weight channel on one GPU, without vLLM
+def checksum(t: torch.Tensor) -> int:
+    """A position-weighted sum of a tensor's bit patterns (int64, wrapping): the same on both ends when
+    every bit crossed, moved by a flipped, lost or shifted element."""
+    words = t.detach().reshape(-1).view({1: torch.uint8, 2: torch.int16, 4: torch.int32,
+                                         8: torch.int64}[t.element_size()])
+    pos = torch.arange(words.numel(), device=t.device) % 65521 + 1
+    return int((words.to(torch.int64) * pos).sum())
+
+
+def transport_worker(spec, env: dict, versions: list[int], out) -> None:
+    """Stage 7's worker process, what rollout_worker does with the channel minus vLLM: with the
+    environment pipeline.worker_device gives the async worker (CUDA_VISIBLE_DEVICES naming only its
+    GPU), it finds that GPU by UUID, takes each version, checksums every tensor, says whether it read the
+    trainer's shared slot, and releases it."""
+    from nanorl import weight_broadcast
+    try:
+        os.environ.update(env)  # before CUDA starts in this process
+        rx = weight_broadcast.Receiver(spec)
+        bounds = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in
+                  (weight_broadcast._open(s, rx.device) for s in spec.shared or [])]
+        for v in versions:
+            if not rx.wait_for(v, timeout=120):
+                raise TimeoutError(f"version {v} did not arrive in 120 s")
+            views = rx.slot(v)
+            lo, hi = bounds[v % len(bounds)] if bounds else (0, 0)
+            inside = all(lo <= t.data_ptr() < hi for t in views.values())
+            out.put(("version", v, [checksum(views[names[0]]) for names, *_ in spec.layout], inside,
+                     str(rx.device)))
+            rx.release(v)
+        out.put(("done",))
+    except Exception:  # noqa: BLE001  (the stage reports it)
+        out.put(("error", traceback.format_exc()[-1500:]))
+
+
+def transport_stage(c: Check) -> dict:
+    """7 (B1): --async-steps K --engine vllm on one GPU. The transport weight_broadcast chooses for
+    trainer and worker on the same GPU (ipc: NCCL refuses two ranks on one device), then 4 versions of
+    the stage-1 shape in bf16 into a spawned worker over 3 slots (the 4th reuses the 1st's, after the
+    worker released it), each checksummed on both ends; time per version. --cpu: the host stand-in
+    (the slots in shared memory, the same code otherwise)."""
+    import torch.multiprocessing as mp
+
+    from nanorl import pipeline, weight_broadcast
+    from nanorl.rollout_worker import slot_layout
+    dev, model = c.device, c.model()
+    want = "ipc"
+    transport = weight_broadcast.backend_for(dev, dev) if dev.type == "cuda" else want
+    layout, size = slot_layout(model, torch.bfloat16)
+    spec = weight_broadcast.ChannelSpec(weight_broadcast.free_port(), transport, layout, size, slots=3,
+                                        device=str(dev))
+    r = dict(transport=transport, want=want, versions=[], sent={}, seconds=[], error="", gib=size / 2**30)
+    if transport != want:  # NCCL between two ranks on one GPU: the B1 failure itself, not run
+        return r
+    tx = weight_broadcast.Sender(spec, dev)  # first: it puts the shared slots' openers into spec
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    current = torch.cuda.current_device() if dev.type == "cuda" else 0
+    _, env = pipeline.worker_device(str(dev), os.environ, torch.cuda.device_count(), current)
+    child = ctx.Process(target=transport_worker, args=(spec, env, [0, 1, 2, 3], out), daemon=True)
+    child.start()
+
+    def take() -> bool:
+        """The worker's next report; False once it is done or failed."""
+        got = tuple(out.get(timeout=max(1, c.deadline - time.monotonic())))
+        r["versions"].append(got)
+        return got[0] == "version"
+    try:
+        tx.connect()
+        ended = False
+        for v in [0, 1, 2, 3]:
+            if v >= spec.slots and not take():  # the staleness rule's guarantee: slot v % 3 was released
+                ended = True
+                break
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1e-3)
+            state = model.state_dict()
+            r["sent"][v] = [checksum(state[names[0]].to(dt)) for names, dt, _, _ in layout]
+            sync(dev)
+            t = time.perf_counter()
+            tx.publish(model, v)
+            r["seconds"].append(time.perf_counter() - t)
+        while not ended and take():
+            pass
+    except Exception as e:  # noqa: BLE001  (a finding: reported by crit_transport)
+        r["error"] = f"{type(e).__name__}: {e}"
+    finally:
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+        tx.close()
+    errors = [g[1] for g in r["versions"] if g[0] == "error"]
+    r["error"] = r["error"] or "; ".join(errors)
+    per = statistics.median(r["seconds"]) if r["seconds"] else float("nan")
+    c.row("7 B1", f"weight channel on one {dev.type} device: {len(layout)} tensors, {r['gib']:.2f} GiB bf16",
+          f"transport {transport}", f"{fmt_s(per)} per version, {r['gib'] / per:.1f} GiB/s" if r["seconds"]
+          else "no version sent", seconds=r["seconds"])
+    return r
+
+
+def crit_transport(r: dict) -> list[str]:
+    """Stage 7: the one-device transport is ipc, every version arrived bit for bit (checksums) in the
+    trainer's shared slot, no error."""
+    if r["transport"] != r["want"]:
+        return [f"transport {r['transport']} chosen for one device, want {r['want']} (NCCL refuses two ranks "
+                "on one GPU)"]
+    bad = [f"error: {r['error'][-400:]}"] if r["error"] else []
+    got = {g[1]: g for g in r["versions"] if g[0] == "version"}
+    if sorted(got) != sorted(r["sent"]) or not got:
+        bad.append(f"versions received {sorted(got)}, sent {sorted(r['sent'])}")
+    for v, g in sorted(got.items()):
+        if g[2] != r["sent"].get(v):
+            bad.append(f"version {v}: checksums differ in {sum(a != b for a, b in zip(g[2], r['sent'][v]))} "
+                       "tensors")
+        if not g[3]:
+            bad.append(f"version {v}: read outside the trainer's shared slot (a copy crossed)")
+    return bad
+
+
+# 8 (M4): the memory plan against a measured peak
+def memory_child(config: dict, rows: int, T: int, device: str) -> dict:
+    """In its own process (nothing else on the GPU): a random-init Qwen2 of `config` in fp32 masters,
+    activation checkpointing, fused AdamW, bf16 autocast; two steps of two rows × T micro-batches (the
+    second's forward holds the first's gradients and autocast's weight copies, as a run's does). The
+    state bytes counted from the tensors, the allocator's peak over the second step, and the plan."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nanorl import build, memory_plan
+    from nanorl.config import Config
+    dev = torch.device(device)
+    precision.setup_device(dev)
+    torch.manual_seed(0)
+    config = Qwen2Config(**config, attn_implementation=batching.best_attn_implementation(torch.bfloat16))
+    with torch.device(dev):
+        model = Qwen2ForCausalLM(config)
+    model.config.use_cache = False
+    precision.enable_gradient_checkpointing(model)
+    model.train()
+    cfg = Config(model="random", dtype="bfloat16", gradient_checkpointing=True, kl_coef=0.0, engine="hf",
+                 max_tokens_per_micro_batch=rows * T)
+    total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    plan = memory_plan.estimate(build.model_shape(model), cfg, vllm=False, device_bytes=total)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.99), fused=True)
+    P = T // 4
+    batch = bench_steps.random_batch([(P, T - P)] * rows, config.vocab_size, dev)
+    adv = torch.randn(batch.response_ids.shape, device=dev)  # [rows, T − P]
+    scored = int(batch.response_mask.sum())
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    measured, t0 = dict(masters=nbytes(model.parameters())), time.perf_counter()
+    r = dict(line=plan.line(), device_bytes=total, oom=False)
+    try:
+        for step in range(2):
+            if dev.type == "cuda" and step == 1:
+                torch.cuda.reset_peak_memory_stats(dev)
+            for _ in range(2):
+                with precision.autocast(dev, torch.bfloat16):
+                    loss = bench_steps.micro_batch_loss(model, batch, adv, 2 * scored, 2 * rows)
+                loss.backward()
+            measured["grads"] = nbytes(p.grad for p in model.parameters() if p.grad is not None)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        sync(dev)
+    except torch.OutOfMemoryError as e:
+        r.update(oom=True, error=str(e)[:300])
+    measured["adam"] = nbytes(t for s in optimizer.state.values() for k, t in s.items() if k != "step")
+    measured["peak"] = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    # the training phase's peak: this process samples nothing
+    planned = dict(masters=plan.resident["fp32 masters"], grads=plan.train["gradients"],
+                   adam=plan.resident["Adam"], peak=sum(plan.resident.values()) + sum(plan.train.values()))
+    r.update(measured=measured, estimate=planned, fits=plan.fits(), seconds=time.perf_counter() - t0,
+             params=sum(p.numel() for p in model.parameters()))
+    return r
+
+
+def memory_stage(c: Check) -> dict:
+    """8 (M4): the memory plan (nanorl/memory_plan.py) of a 7B shape with --kl-coef 0, the HF engine and a
+    16k-token micro-batch, against the state counted from the tensors and the peak the allocator saw;
+    a fresh process with expandable segments. --cpu: tiny sizes, the state terms only (no allocator)."""
+    s = c.sizes
+    r = in_child(c, "memory_child", dict(config=s.big, rows=s.big_rows, T=s.big_T, device=str(c.device)),
+                 PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    if "measured" in r:
+        m, e = r["measured"], r["estimate"]
+        c.row("8 M4", f"{r['params'] / 1e9:.2f}B shape, {s.big_rows}×{s.big_T} tokens, checkpointing, fused "
+                      "AdamW", "n/a (no CUDA)" if m["peak"] is None else f"peak {m['peak'] / 2**30:.1f} GiB",
+              f"plan {e['peak'] / 2**30:.1f} GiB" + (" (OOM)" if r["oom"] else "") + "; counted: " +
+              ", ".join(f"{k} {m.get(k, 0) / 2**30:.2f}" for k in ("masters", "grads", "adam")) + " GiB",
+              line=r["line"])
+    return r
+
+
+def crit_memory(r: dict) -> list[str]:
+    """Stage 8: the state terms (masters, gradients, AdamW moments) as the plan counts them (2%), and on
+    CUDA the measured peak within 10% of the plan's training peak, without running out of memory where
+    the plan says the run fits."""
+    if "measured" not in r:
+        return [f"error: {r.get('error', '')[-400:]}"]
+    m, e, bad = r["measured"], r["estimate"], []
+    for k in ("masters", "grads", "adam"):
+        got = m.get(k, 0)  # an OOM before the first step leaves no gradients counted
+        if not abs(got - e[k]) <= 0.02 * e[k]:
+            bad.append(f"{k}: {got / 2**30:.2f} GiB counted, {e[k] / 2**30:.2f} GiB planned")
+    if r["oom"] and r["fits"]:
+        bad.append(f"out of memory where the plan fits ({e['peak'] / 2**30:.1f} GiB): {r.get('error', '')}")
+    if m["peak"] is not None and not abs(m["peak"] - e["peak"]) <= 0.10 * e["peak"]:
+        bad.append(f"peak {m['peak'] / 2**30:.1f} GiB measured, {e['peak'] / 2**30:.1f} GiB planned (±10%)")
+    return bad
+
+
+# 9 (M2): the fused head with its tensors on another device than the current one
+def device_head_child(H: int, V: int, N: int, chunk: int, device: str, backend: str) -> dict:
+    """The current device stays cuda:0, the head's tensors live on `device` (cuda:1): the Triton kernels
+    must launch on their tensors' device. Compared with the torch path on the same tensors."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(0)
+    h, w = peaked_head(N, H, V, dev)
+    g = torch.Generator().manual_seed(1)
+    targets = torch.randint(0, V, (N,), generator=g).to(dev)                              # [N]
+    out = {}
+    for b in dict.fromkeys((backend, "torch")):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        lp, ent = entropy.fused_linear_logprobs_entropy(hh, ww, targets, 0.7, None, chunk_size=chunk,
+                                                        backend=b)
+        gh, gw = torch.autograd.grad(lp.sum() + 0.1 * ent.sum(), [hh, ww])
+        sync(dev)
+        out[b] = [x.detach().float() for x in (lp, ent, gh, gw)]
+    errs = {n: float((a - b).abs().max() / (b.abs().max() if n.startswith("grad") else 1))
+            for n, a, b in zip(("logprob", "entropy", "grad_h", "grad_w"), out[backend], out["torch"])}
+    return dict(errors=errs, devices=sorted({str(x.device) for x in out[backend]}), want=str(dev),
+                current=torch.cuda.current_device() if dev.type == "cuda" else None, backend=backend)
+
+
+def need_second_gpu() -> str | None:
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        return "one GPU: M2 (the fused head on a second device) needs two"
+    return None
+
+
+def device_head_stage(c: Check) -> dict:
+    """9 (M2): the Triton fused head (logprobs, entropy, both gradients) with its tensors on cuda:1 while
+    cuda:0 is current, against the torch path, in a child process (a kernel launched on the wrong device
+    can end the process's CUDA context). --cpu: the torch path on the host stands in."""
+    H, V = c.sizes.head[-1]
+    cuda = c.device.type == "cuda"
+    r = in_child(c, "device_head_child", dict(H=H, V=V, N=c.sizes.N, chunk=c.sizes.chunk,
+                                              device="cuda:1" if cuda else "cpu",
+                                              backend="triton" if cuda else "torch"))
+    if "errors" in r:
+        c.row("9 M2", f"fused head on {r['want']}, current device {r['current']}, {r['backend']}",
+              ", ".join(f"{k} {v:.1e}" for k, v in r["errors"].items()), "vs the torch path")
+    return r
+
+
+def crit_device_head(r: dict) -> list[str]:
+    """Stage 9: no error, every output on the tensors' device, and the kernel agrees with the torch path
+    (stage 2's "bf16 vs torch path" bounds)."""
+    if "errors" not in r:
+        return [f"error: {r.get('error', '')[-400:]}"]
+    tol = dict(logprob=1e-3, entropy=1e-3, grad_h=1 / 64, grad_w=1 / 64)
+    bad = [f"outputs on {r['devices']}, want {r['want']}"] if r["devices"] != [r["want"]] else []
+    return bad + [f"{k} vs torch path: max|Δ| {v:.2e} > {tol[k]:.0e}" for k, v in r["errors"].items()
+                  if not (finite(v) and v <= tol[k])]
+
+
+# 10: TF32 against the fp32 sync bound
+def tf32_stage(c: Check) -> dict:
+    """10: an fp32 run's logprobs with TF32 matmuls (what train.py's precision.setup_device turns on) vs
+    full fp32 (what vLLM computes by default), on the stage-1 shape with its LM head scaled to peaked
+    logits; the statistic the sync check holds to the bound `vllm_engine.sync_bound` picks for this
+    process's precision. --cpu: no TF32 (the precision setting is a no-op there)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nanorl.policy import response_logprobs
+    from nanorl.vllm_engine import SYNC_BOUNDS, sync_bound
+    s, dev = c.sizes, c.device
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = Qwen2ForCausalLM(Qwen2Config(**s.model, attn_implementation="sdpa"))
+    model.config.use_cache = False
+    model.eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # logits of std ~5: a trained model's spread (tied: embeddings too)
+    P = s.T // 4
+    batch = bench_steps.random_batch([(P, s.T - P)] * s.rows, model.config.vocab_size, dev)
+    stat, bound, named = sync_bound(torch.float32, torch.float32)  # under this process's precision
+    was, lp = torch.get_float32_matmul_precision(), {}
+    try:
+        for precision_ in ("highest", was):
+            torch.set_float32_matmul_precision(precision_)
+            with torch.no_grad():
+                lp[precision_] = response_logprobs(model, batch, 1.0, entropy=False)[0]   # [rows, T − P]
+    finally:
+        torch.set_float32_matmul_precision(was)
+    d = (lp[was] - lp["highest"]).abs()[batch.response_mask > 0]
+    r = dict(precision=was, stat=stat, bound=bound, named=named, max=float(d.max()), mean=float(d.mean()),
+             fp32_bound=SYNC_BOUNDS[torch.float32][1])
+    c.row("10 TF32", f"fp32 logprobs, matmul precision {was} vs highest, {s.rows}×{s.T}",
+          f"max {r['max']:.1e}, mean {r['mean']:.1e}", f"sync check: {stat} <= {bound:g} ({named}); the "
+          f"fp32 max bound {r['fp32_bound']:g} would " + ("fail" if r["max"] > r["fp32_bound"] else "hold"))
+    del model
+    return r
+
+
+def crit_tf32(r: dict) -> list[str]:
+    """Stage 10: the sync check's statistic of the TF32 gap within the bound sync_bound picks here (a
+    build that held a TF32 run to the fp32 max bound would raise a false sync error)."""
+    value = r[r["stat"]]
+    if not (finite(value) and value <= r["bound"]):
+        return [f"{r['stat']} |Δlogprob| {value:.2e} > the sync bound {r['bound']:g} ({r['named']}, matmul "
+                f"precision {r['precision']}): a healthy fp32 run would fail its sync check"]
+    return []
 
 
 # (label, stage, criterion, time limit in s on the device, dependency check → skip reason or None)
 STAGES = (("1 step", step_stage, crit_step, 100, None),
           ("2 head", head_stage, crit_heads, 70, None),
-          ("3 README", readme_stage, crit_run, 150, need_math),
+          ("7 B1", transport_stage, crit_transport, 60, None),
+          ("8 M4", memory_stage, crit_memory, 150, None),
+          ("6 MoE", moe_stage, crit_run, 60, need_moe),
+          ("9 M2", device_head_stage, crit_device_head, 60, need_second_gpu),
+          ("10 TF32", tf32_stage, crit_tf32, 45, None),
           ("4 FSDP", fsdp_stage, crit_resume, 60, need_fsdp),
           ("5 async", async_stage, crit_async, 60, None),
-          ("6 MoE", moe_stage, crit_run, 60, need_math_moe))
+          ("3 README", readme_stage, crit_run, 150, need_math))
 
 
 # ----------------------------------------------------------------------------- running and reporting
@@ -791,44 +1148,64 @@ def run_stage(c: Check, label: str, stage, criterion, limit: int, need) -> dict:
     return dict(status="fail" if reasons else "pass", reasons=reasons, results=results)
 
 
+def stage_list() -> str:
+    """--help's list: each stage in run order, its time limit on the device and its first doc line."""
+    def first(doc: str) -> str:  # its first sentence, on one line
+        words = re.sub(r"^\d+:? ", "", " ".join(doc.split()).split(". ")[0])  # the label says it
+        return words if len(words) <= 92 else words[:89] + "..."
+    lines = [f"  {label:<9} {limit:>4} s  {first(stage.__doc__)}" for label, stage, _, limit, _ in STAGES]
+    return "stages, in run order (--only takes their numbers):\n" + "\n".join(lines)
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, epilog=stage_list(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true",
+                   help="the CPU dry run: tiny sizes, every stage on the host (CUDA hidden), the device "
+                        "parts stood in for")
     p.add_argument("--smoke", action="store_true",
-                   help="tiny sizes, every stage (a CPU runs it; figures mean nothing)")
+                   help="tiny sizes, every stage, on this machine's device (figures mean nothing)")
     p.add_argument("--json", default="", help="also write machine, sizes, rows and each stage's results here")
+    p.add_argument("--table", default="gpu_check.txt", help="write the printed table here too")
     p.add_argument("--only", default="", help="comma-separated stage numbers to run (e.g. 1,2); default all")
-    p.add_argument("--budget", type=int, default=480,
+    p.add_argument("--budget", type=int, default=360,
                    help="seconds for the whole run; later stages are skipped")
     args = p.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.cpu:  # before CUDA starts: this process and every child see no GPU
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    smoke = args.smoke or args.cpu
+    device = torch.device("cuda" if not args.cpu and torch.cuda.is_available() else "cpu")
     # TF32 for the fp32 matmuls, as train.py sets it
     precision.setup_device(device)
     info = machine(device)
     print("machine: " + ", ".join(f"{k}={v}" for k, v in info.items()), file=sys.stderr, flush=True)
-    start, sizes, stages = time.monotonic(), SMOKE if args.smoke else FULL, {}
+    start, sizes, stages = time.monotonic(), SMOKE if smoke else FULL, {}
     only = {x.strip() for x in args.only.split(",") if x.strip()}
     with tempfile.TemporaryDirectory(prefix="nanorl-gpu-check-") as workdir:
-        c = Check(sizes, device, workdir, smoke=args.smoke)
+        c = Check(sizes, device, workdir, smoke=smoke)
         for label, stage, criterion, limit, need in STAGES:
             left = int(args.budget - (time.monotonic() - start))
-            print(f"[{time.monotonic() - start:5.0f} s] {label} ...", file=sys.stderr, flush=True)
             if only and label.split()[0] not in only:
                 continue
+            print(f"[{time.monotonic() - start:5.0f} s] {label} ...", file=sys.stderr, flush=True)
             if left <= 0:
                 c.row(label, "stage", "SKIP", "out of time (--budget)")
                 stages[label] = dict(status="skip", reasons=["out of time"])
                 continue
             # smoke: CPU sizes, but a busy CPU is slower than the device: limits at 3×
-            stages[label] = run_stage(c, label, stage, criterion, min(limit * (3 if args.smoke else 1), left),
+            stages[label] = run_stage(c, label, stage, criterion, min(limit * (3 if smoke else 1), left),
                                       need)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     failed = [f"{k}: {'; '.join(v['reasons'])}" for k, v in stages.items() if v["status"] == "fail"]
     total = round(time.monotonic() - start, 1)
-    print(table(c.rows) + f"\nfailed: {failed or 'none'}\nseconds: {total}", flush=True)
+    report = table(c.rows) + f"\nfailed: {failed or 'none'}\nseconds: {total}"
+    print(report, flush=True)
+    if args.table:
+        pathlib.Path(args.table).write_text(report + "\n")
     if args.json:
-        out = dict(machine=info, smoke=args.smoke, sizes=dataclasses.asdict(sizes), rows=c.rows,
+        out = dict(machine=info, smoke=smoke, sizes=dataclasses.asdict(sizes), rows=c.rows,
                    stages=stages,
                    failed=failed, seconds=total)
         pathlib.Path(args.json).write_text(json.dumps(out, indent=1, default=str))

@@ -6,7 +6,9 @@ the policy module itself (no copy, no sync) unless --fsdp shards it; vLLM holds 
 weights, loaded from the same path and synced after every step; the reference model is a frozen
 copy that exists only when a KL term is on; AdamW is fused (one kernel over every tensor). --lora-rank:
 PEFT adapters are injected into the policy, the optimizer holds only them and the reference is the
-policy with its adapters off (nanorl/lora.py).
+policy with its adapters off (nanorl/lora.py). On CUDA, `load_policy` prints the run's memory plan and
+refuses a run that cannot fit the GPU (nanorl/memory_plan.py), and an async run's rollout device is
+checked before anything loads (nanorl/weight_broadcast.py `check_devices`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import os
 
 import torch
 
-from nanorl import distributed, gguf_model, lora, moe_replay, precision
+from nanorl import distributed, gguf_model, lora, memory_plan, moe_replay, precision, weight_broadcast
 from nanorl.config import Config
 from nanorl.distributed import Trained
 from nanorl.plugins import plugin_task
@@ -47,7 +49,10 @@ def with_task_files(cfg: Config, rank: int, world: int) -> Config:
 
 def load_policy(cfg: Config, device, dtype):
     """The policy (fp32 master weights, train mode) and its tokenizer, with the flags that patch it
-    (--lora-rank last: PEFT's adapters in place, the base frozen)."""
+    (--lora-rank last: PEFT's adapters in place, the base frozen); on CUDA, checked against the GPU's
+    memory (`check_memory`) before anything else is built."""
+    if cfg.async_steps:  # a rollout device that cannot work fails here, before minutes of loading
+        weight_broadcast.check_devices(device, cfg.rollout_device, broadcast=engine_of(cfg, device) == "vllm")
     # --fsdp: loaded (and copied) in host memory; fully_shard then moves only each rank's shards to the device
     model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
     if cfg.routing_replay:
@@ -61,7 +66,54 @@ def load_policy(cfg: Config, device, dtype):
     if cfg.lora_rank:
         lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     model.train()  # Hugging Face checkpoints only in train mode; dropout is 0 in these models
+    if torch.device(device).type == "cuda":
+        check_memory(cfg, model, torch.device(device))
     return model, tokenizer
+
+
+def engine_of(cfg: Config, device) -> str:
+    """The engine --engine names; auto as train.setup resolves it: vLLM on a GPU when importable, not for
+    GGUF files (vLLM is not given them)."""
+    if cfg.engine != "auto":
+        return cfg.engine
+    cuda = torch.device(device).type == "cuda"
+    return "vllm" if cuda and vllm_importable() and not gguf_model.is_gguf(cfg.model) else "hf"
+
+
+def model_shape(model) -> memory_plan.Shape:
+    """What the memory plan reads of a loaded model: parameter counts, and its sizes from the config."""
+    c = model.config.get_text_config()  # a multimodal config nests the language model's
+    # Architectures differ here: head_dim is absent where it is hidden / heads; MoE configs name the
+    # expert width and experts per token (Qwen3-MoE: moe_intermediate_size; Mixtral: intermediate_size)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    width = (getattr(c, "moe_intermediate_size", None) or getattr(c, "intermediate_size", None)
+             or 4 * c.hidden_size)
+    params = list(model.parameters())  # tied parameters once
+    return memory_plan.Shape(params=sum(p.numel() for p in params),
+                             trainable=sum(p.numel() for p in params if p.requires_grad),
+                             layers=c.num_hidden_layers, hidden=c.hidden_size,
+                             intermediate=width * (getattr(c, "num_experts_per_tok", None) or 1),
+                             vocab=c.vocab_size, kv_width=kv_heads * head_dim)
+
+
+def check_memory(cfg: Config, model, device: torch.device) -> memory_plan.Plan:
+    """Print the memory plan of this GPU (rank 0), and raise a ValueError naming the levers when it
+    exceeds the GPU's memory: a 7B GRPO run with default flags would otherwise fail at its first step,
+    or when vLLM first wakes up (nanorl/memory_plan.py)."""
+    joined = torch.distributed.is_initialized()
+    rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if joined else (0, 1)
+    # the async worker runs beside rank 0, on its GPU unless --rollout-device names another
+    here = cfg.async_steps > 0 and rank == 0 and \
+        weight_broadcast.physical_id(cfg.rollout_device or device) == weight_broadcast.physical_id(device)
+    plan = memory_plan.estimate(model_shape(model), cfg, vllm=engine_of(cfg, device) == "vllm", world=world,
+                                device_bytes=torch.cuda.get_device_properties(device).total_memory,
+                                worker_here=here)
+    if rank == 0:
+        print(f"nanorl: {plan.line()}", flush=True)
+    if not plan.fits():
+        raise ValueError(f"--model {cfg.model}: {plan.refusal()}")
+    return plan
 
 
 def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):

@@ -13,6 +13,7 @@ the comparison with verl's entropy: docs/from-slime-verl.md, "nanorl/entropy.py"
 
 Test: python -m pytest tests/test_entropy.py -q   (runs the Triton kernels in the interpreter)
 """
+import contextlib
 import math
 import os
 
@@ -121,22 +122,31 @@ def _block_v(V):
     return min(triton.next_power_of_2(V), _MAX_BLOCK_V)
 
 
+def _launch_guard(x):
+    """Where a kernel reading x runs: Triton launches on torch's CURRENT CUDA device, not x's, so a
+    tensor on another GPU (the async rollout worker's scoring, issue 45 M2) would be read from the
+    wrong device (an illegal memory access). The interpreter (CPU tensors) needs no guard."""
+    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
+
+
 def _triton_forward(x, targets, inv_temp, ignore_index, want_sq=False):
     N, V = x.shape
     lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
     norm = torch.empty(2, N, device=x.device, dtype=torch.float32)
     sq = torch.empty(N if want_sq else 0, device=x.device, dtype=torch.float32)
     if N > 0:
-        _fwd_kernel[(N,)](x, x.stride(0), targets, lp, ent, norm[0], norm[1], sq if want_sq else lp, V,
-                          inv_temp, ignore_index, BLOCK_V=_block_v(V), WITH_SQ=want_sq, num_warps=8)
+        with _launch_guard(x):
+            _fwd_kernel[(N,)](x, x.stride(0), targets, lp, ent, norm[0], norm[1], sq if want_sq else lp, V,
+                              inv_temp, ignore_index, BLOCK_V=_block_v(V), WITH_SQ=want_sq, num_warps=8)
     return lp, ent, norm, sq
 
 
 def _triton_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
     N, V = x.shape
     if N > 0:
-        _bwd_kernel[(N,)](x, x.stride(0), out, out.stride(0), targets, norm[0], norm[1], ent, g_lp,
-                          g_ent, V, inv_temp, ignore_index, BLOCK_V=_block_v(V), num_warps=8)
+        with _launch_guard(x):
+            _bwd_kernel[(N,)](x, x.stride(0), out, out.stride(0), targets, norm[0], norm[1], ent, g_lp,
+                              g_ent, V, inv_temp, ignore_index, BLOCK_V=_block_v(V), num_warps=8)
     return out
 
 

@@ -16,6 +16,7 @@ Test: python -m pytest tests/test_pipeline.py -q
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -23,6 +24,7 @@ import os
 import pickle
 import queue
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +42,43 @@ def start_method(device: str) -> str:
     """fork on CPU: the worker starts in ~0.1 s with everything imported. CUDA cannot fork: spawn
     re-imports torch and transformers (seconds) and re-runs a script that has no __main__ guard."""
     return "spawn" if torch.device(device).type == "cuda" or torch.cuda.is_initialized() else "fork"
+
+
+def worker_device(device: str, environ: Mapping[str, str], count: int, current: int) -> tuple[str, dict]:
+    """The rollout worker's device as its own process names it, and the environment it starts with.
+
+    vLLM 0.32's in-process executor takes logical cuda:0 whatever device it is handed, so a worker
+    meant for cuda:1 would put vLLM beside the trainer. The worker's process sees only its GPU
+    (CUDA_VISIBLE_DEVICES, read once when CUDA initialises: set in the environment the spawned process
+    starts with, before any import can touch CUDA) and calls it cuda:0. `device` is named as the
+    trainer sees it: logical index i is the i-th entry of the trainer's own CUDA_VISIBLE_DEVICES
+    (`environ`), if set; `count`: the CUDA devices the trainer sees; `current`: its current device
+    (what a bare "cuda" means). A CPU device needs nothing: (device, {})."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return device, {}
+    index = current if d.index is None else d.index
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [x.strip() for x in visible.split(",")] if visible is not None else list(map(str, range(count)))
+    if not 0 <= index < min(count, len(entries)):
+        raise ValueError(f"--rollout-device {device}: the trainer's process sees {count} CUDA device(s)")
+    return "cuda:0", {"CUDA_VISIBLE_DEVICES": entries[index]}
+
+
+@contextlib.contextmanager
+def _environment(extra: dict):
+    """os.environ with `extra` set while a process starts: a spawned process starts with the parent's
+    environment of that moment. The trainer's own CUDA is initialised already: it is not affected."""
+    before = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------- the trainer side
@@ -70,8 +109,11 @@ class Pipeline:
 
     def __init__(self, run: Trainer, restored: dict[int, dict]):
         cfg, self.run, self.K = run.cfg, run, run.cfg.async_steps
-        device = cfg.rollout_device or str(next(run.model.parameters()).device)
+        device = cfg.rollout_device or str(next(run.model.parameters()).device)  # as the trainer names it
         ctx = mp.get_context(start_method(device))
+        # a bare "cuda" is the current device (0 before CUDA initialises)
+        current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        inside, env = worker_device(device, os.environ, torch.cuda.device_count(), current)
         dtype, trainer_device = precision.compute_dtype(cfg.dtype), next(run.model.parameters()).device
         if cfg.engine == "vllm":  # versions broadcast over a process group (nanorl/weight_broadcast.py)
             layout, size = slot_layout(run.model, dtype)
@@ -104,7 +146,7 @@ class Pipeline:
                 self.submitted = b + 1
             else:
                 break
-        spec = WorkerSpec(cfg, device, sampling, run.step, greedy_baselines=run.plan.greedy_baselines,
+        spec = WorkerSpec(cfg, inside, sampling, run.step, greedy_baselines=run.plan.greedy_baselines,
                           longest_prompt=max(len(p.ids) for p in run.loader.prompts), world=run.world,
                           loader=self.loader if self.own_prompts else None, carry=carry)
         self.requests, self.results = ctx.Queue(), ctx.Queue()
@@ -118,7 +160,8 @@ class Pipeline:
         # with vLLM in the worker after a vLLM test in the same pytest process).
         gc.freeze()
         try:
-            self.proc.start()
+            with _environment(env):  # the worker's GPU, the only one it sees (worker_device)
+                self.proc.start()
         finally:
             gc.unfreeze()
         _stop_at_exit(self.proc)

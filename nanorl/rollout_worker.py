@@ -57,7 +57,7 @@ def batch_seed(seed: int, b: int) -> int:
 class WorkerSpec:
     """What the worker process needs (picklable: the spawn start method sends it)."""
     cfg: object               # the run's Config: model, dtype, reward, KL, async flags
-    device: str
+    device: str               # as the worker's process names it (cuda:0: pipeline.worker_device)
     sampling: SamplingConfig  # the run's sampling; the worker sets its per-batch seed
     start_version: int        # v0: the version the trainer starts from (0, or the resumed step)
     greedy_baselines: bool = False  # the estimator reads ReMax's baselines (plan.greedy_baselines)
@@ -384,6 +384,10 @@ def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
     # itself: on SIGTERM (close(), the trainer's exit: `_stop_at_exit`) and when orphaned.
     signal.signal(signal.SIGTERM, _leave)
     torch.set_num_threads(spec.cfg.threads or 1)
+    # The one GPU the trainer left visible (pipeline.worker_device), current before anything allocates:
+    # a kernel launched on the current device (Triton's, nanorl/entropy.py) must find its tensors there
+    if torch.device(spec.device).type == "cuda":
+        torch.cuda.set_device(torch.device(spec.device))
     _PARENT.append(os.getppid())
     worker = None
     try:

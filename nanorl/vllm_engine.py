@@ -43,6 +43,11 @@ CPU_KV_CACHE_BYTES = 256 << 20
 # to ~3x that noise; fp16 carries 3 more mantissa bits. Stale weights or a stale prefix cache move
 # the mean by ~1 nat (measured on the tiny models of tests/test_vllm_engine.py).
 SYNC_BOUNDS = {torch.float32: ("max", 1e-3), torch.bfloat16: ("mean", 0.1), torch.float16: ("mean", 0.05)}
+# fp32 matmuls at TF32 (torch's process-wide fp32 matmul precision "high" / "medium") round their inputs
+# to 10 mantissa bits, fp16's: an fp32 check is held to fp16's bound then, as the fp32 max would fail
+# healthy runs. vLLM 0.32's worker sets that precision from VLLM_FLOAT32_MATMUL_PRECISION (default
+# "highest", TF32 off) when it starts, in this process: by default an fp32 run on CUDA checks at fp32.
+TF32_SYNC_BOUND = SYNC_BOUNDS[torch.float16]
 # last-rollout sequences scored by check_sync (one per group, the first sample)
 PROBE_SEQUENCES = 4
 # check_sync cuts every probe to this many tokens: the trainer's probe forward then costs at most one
@@ -56,6 +61,22 @@ TRAINER_PROBE_FORWARDS = 1 + 2 * PROBE_SEQUENCES
 
 
 _REQUESTS = itertools.count()  # request-id prefixes of the request loop (VLLMEngine._until)
+
+
+def tf32_matmuls() -> bool:
+    """Whether fp32 matmuls may run at TF32 on either side of the sync check: the trainer's (this
+    process's precision now) or the engine's (captured at its start from VLLM_FLOAT32_MATMUL_PRECISION)."""
+    engine = os.environ.get("VLLM_FLOAT32_MATMUL_PRECISION", "highest").lower()
+    return torch.get_float32_matmul_precision() != "highest" or engine != "highest"
+
+
+def sync_bound(engine_dtype: torch.dtype, compute_dtype: torch.dtype) -> tuple[str, float, str]:
+    """check_sync's (statistic, bound, precision named in its error), by the lower precision of engine
+    and trainer (SYNC_BOUNDS; fp32 with TF32 matmuls: TF32_SYNC_BOUND)."""
+    lowest = max({engine_dtype, compute_dtype}, key=lambda d: torch.finfo(d).eps)
+    if lowest == torch.float32 and tf32_matmuls():
+        return (*TF32_SYNC_BOUND, "torch.float32 with TF32 matmuls")
+    return (*SYNC_BOUNDS.get(lowest, SYNC_BOUNDS[torch.bfloat16]), str(lowest))
 
 
 class SyncError(RuntimeError):
@@ -225,12 +246,16 @@ class VLLMEngine:
         if self.records_routing:
             # vLLM 0.32 (needs prefix caching, MoE)
             llm_kwargs["enable_return_routed_experts"] = True
-        # vLLM 0.32's LoRA: one adapter at a time, the trainer's newest (_lora)
+        # vLLM 0.32's LoRA: one adapter at a time, the trainer's newest (_lora); it takes only some
+        # max_lora_rank values: the smallest that holds the adapters' rank (config_checks refuses more)
         if lora_rank:
-            llm_kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+            from nanorl.config_checks import vllm_max_lora_rank
+            llm_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
         self._lora, self._lora_dir = None, tempfile.mkdtemp(prefix="nanorl-lora-") if lora_rank else None
         # vLLM's CPU worker disables it process-wide; restore
         set_threads = torch.set_num_threads
+        # vLLM's worker sets the process's fp32 matmul precision (VLLM_FLOAT32_MATMUL_PRECISION): said below
+        matmul_precision = torch.get_float32_matmul_precision()
         # A trainer's default group (torchrun, world N) is reused by vLLM 0.32 (its TP groups are
         # singletons, one independent engine per rank; creating the engine is then a collective:
         # every rank must create one). It must outlive the engine: see close().
@@ -255,6 +280,10 @@ class VLLMEngine:
                              f"--max-model-len / --max-new-tokens. vLLM: {e}") from e
         finally:
             torch.set_num_threads = set_threads
+        if torch.get_float32_matmul_precision() != matmul_precision:  # e.g. train.py's TF32 on CUDA, undone
+            log.warning(f"VLLMEngine: vLLM set this process's fp32 matmul precision to "
+                        f"{torch.get_float32_matmul_precision()!r} (was {matmul_precision!r}): the trainer's "
+                        "fp32 matmuls follow it too (VLLM_FLOAT32_MATMUL_PRECISION sets it)")
         cfg = self.llm.llm_engine.vllm_config
         self.block_size, self.dtype = cfg.cache_config.block_size, cfg.model_config.dtype
         self.vocab_size = cfg.model_config.get_vocab_size()
@@ -465,8 +494,8 @@ class VLLMEngine:
         probe, not compared), as many per forward as fit PROBE_MAX_TOKENS, so every rank runs as many
         forwards (FSDP all-gathers in each; the multi-turn driver's last call differs per rank). The two
         engine paths share one call when there is a rollout.
-        Each path's statistic is held to its bound (SYNC_BOUNDS, by the lower precision of engine and
-        trainer: max in fp32, mean in bf16/fp16; `tol` replaces the bound); SyncError names the path,
+        Each path's statistic is held to its bound (`sync_bound`: by the lower precision of engine and
+        trainer, max in fp32, mean in bf16/fp16 and TF32; `tol` replaces the bound); SyncError names the path,
         statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
         logprobs less than the noise: this catches broken syncs (nothing loaded, wrong names, stale
         cache, unrepacked experts), not one missed step."""
@@ -478,8 +507,7 @@ class VLLMEngine:
 
         model = getattr(model, "module", model)
         compute = self.dtype if compute_dtype is None else compute_dtype
-        lowest = max({self.dtype, compute}, key=lambda d: torch.finfo(d).eps)
-        stat, bound = SYNC_BOUNDS.get(lowest, SYNC_BOUNDS[torch.bfloat16])
+        stat, bound, lowest = sync_bound(self.dtype, compute)
         bound = bound if tol is None else tol
         # vLLM 0.32 needs room for one output token after a prompt
         room = min(self.max_model_len - 1, PROBE_MAX_TOKENS)

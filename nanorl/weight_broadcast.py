@@ -1,16 +1,18 @@
 """Weight versions from the trainer to the async rollout worker over a two-rank process group: link 8
 of the chain when the worker runs vLLM (--async-steps K --engine vllm, nanorl/pipeline.py).
 
-The trainer (rank 0, `Sender`) broadcasts every state-dict tensor of a version, in a fixed order, cast
-to the engine's dtype on its own device; the worker (rank 1, `Receiver`) takes them in a background
-thread into a staging slot, so its engine keeps sampling while a version crosses. NCCL when both ends
-are CUDA devices (device to device: no host copy, no fp32 copy), gloo otherwise (host tensors, as on
-CPU). One collective per tensor over one group: no file descriptor per tensor (the shared-memory path
-of the HF worker needs one per slot). The group is its own (a TCPStore and a ProcessGroup object), not
-torch.distributed's default group, which a multi-rank trainer and vLLM each use for themselves.
+The trainer (rank 0, `Sender`) sends every state-dict tensor of a version, in a fixed order, cast to
+the engine's dtype on its own device; the worker (rank 1, `Receiver`) takes each version in a
+background thread, so its engine keeps sampling while a version crosses. The transport follows the two
+ends' physical devices (`transport_for`, decided on the trainer's side and sent in `ChannelSpec`):
+"nccl" between two GPUs (device to device), "ipc" on one GPU (NCCL refuses two ranks on one device:
+the trainer's K+2 slots on that GPU, shared once through CUDA IPC handles; only a version number
+crosses, over gloo), "gloo" when an end is not CUDA (host tensors, as on CPU). One collective per
+tensor over one group: no file descriptor per tensor. The group is its own (a TCPStore and a
+ProcessGroup object), not torch.distributed's default group, which a multi-rank trainer and vLLM use.
 
-Start at `Sender.publish` and `Receiver._run`. Key choice: up to K+2 versions held by the worker (the
-loaded one and the K+1 that can be published before it moves on, under the staleness rule
+Start at `transport_for`, `Sender.publish` and `Receiver._run`. Key choice: up to K+2 versions held
+(the loaded one and the K+1 that can be published before it moves on, under the staleness rule
 rollout_worker.sampled_from), so the trainer's publish never waits for the worker to finish a batch.
 Test: python -m pytest tests/test_weight_broadcast.py -q
 """
@@ -25,9 +27,11 @@ import traceback
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 HOST = "127.0.0.1"  # one node: the worker is a child process of the trainer
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for the other end
+TRANSPORTS = ("gloo", "nccl", "ipc")
 
 
 def free_port() -> int:
@@ -37,23 +41,93 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# ----------------------------------------------------------------------------- which transport
+
+
+def physical_id(device) -> str | None:
+    """The physical GPU behind a CUDA device: its UUID, the same in every process whatever
+    CUDA_VISIBLE_DEVICES renumbers (the worker's cuda:0 may be the trainer's cuda:1); None off CUDA."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if d.index is None else d.index
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def transport_for(trainer: str | None, worker: str | None) -> str:
+    """The transport between two ends, by their physical devices (`physical_id`; None: not a GPU):
+    gloo when either end is not a GPU, ipc when both are the same GPU (NCCL refuses two ranks on one
+    device: "Duplicate GPU detected"), nccl between two GPUs."""
+    if trainer is None or worker is None:
+        return "gloo"
+    return "ipc" if trainer == worker else "nccl"
+
+
+def backend_for(trainer_device: torch.device, worker_device: torch.device) -> str:
+    """The transport between the trainer's device and the worker's, both named in the trainer's
+    numbering (pipeline.Pipeline calls this in the trainer's process)."""
+    return transport_for(physical_id(trainer_device), physical_id(worker_device))
+
+
+def check_devices(trainer_device, rollout_device: str, broadcast: bool) -> str | None:
+    """At set-up, before anything loads: a ValueError naming --rollout-device when the async worker's
+    device cannot work here (a GPU that does not exist; with `broadcast`, i.e. --engine vllm, two GPUs
+    without NCCL), else the transport `backend_for` will choose (None without `broadcast`)."""
+    worker = torch.device(rollout_device or trainer_device)
+    if worker.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (worker.index or 0) >= count:
+            raise ValueError(f"--rollout-device {rollout_device or trainer_device}: this machine has "
+                             f"{count} CUDA device(s)")
+    if not broadcast:
+        return None
+    transport = backend_for(torch.device(trainer_device), worker)
+    if transport == "nccl" and not dist.is_nccl_available():
+        raise ValueError(f"--rollout-device {rollout_device}: a second GPU takes its weights over NCCL, "
+                         "which this torch lacks; leave --rollout-device empty (the trainer's GPU, CUDA IPC)")
+    return transport
+
+
+def local_device(spec: ChannelSpec) -> torch.device:
+    """The worker's device in the worker's own numbering: the visible GPU with the spec's UUID
+    (CUDA_VISIBLE_DEVICES may have renumbered it), the host for gloo."""
+    if spec.backend == "gloo":
+        return torch.device("cpu")
+    if spec.physical is None:  # the host stand-in of ipc (tests): the slots are host shared memory
+        return torch.device(spec.device)
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == spec.physical:
+            return torch.device("cuda", i)
+    raise RuntimeError(f"async worker: GPU {spec.physical} ({spec.device} in the trainer's numbering) is not "
+                       "visible here (CUDA_VISIBLE_DEVICES)")
+
+
 @dataclasses.dataclass
 class ChannelSpec:
     """What the worker needs to open its end (picklable: sent to the spawned or forked worker)."""
     port: int
-    backend: str                # "nccl" when trainer and worker devices are both CUDA, else "gloo"
+    backend: str                # the transport (`transport_for`): "gloo", "nccl" or "ipc"
     layout: list[tuple]         # (names, dtype, shape, byte offset) per tensor, in broadcast order
     size: int                   # one version's bytes (rollout_worker.slot_layout gives both)
     slots: int                  # versions the worker may hold at once: K + 2
-    device: str                 # where the worker's staging slots live (its rollout device for NCCL)
+    device: str                 # the worker's device, in the trainer's numbering
+    # The worker's GPU (physical_id, filled in here, in the trainer's process): the worker finds its
+    # device by it, whatever CUDA_VISIBLE_DEVICES its process was started with. None off CUDA.
+    physical: str | None = None
+    # ipc: one opener per slot, which the Sender fills in before the worker starts: CUDA IPC arguments
+    # (reduce_tensor's), or on the host a shared-memory tensor (the CPU stand-in the tests run)
+    shared: list | None = None
 
-
-def backend_for(trainer_device: torch.device, worker_device: torch.device) -> str:
-    return "nccl" if trainer_device.type == worker_device.type == "cuda" else "gloo"
+    def __post_init__(self):
+        if self.backend not in TRANSPORTS:
+            raise ValueError(f"weight channel: transport {self.backend!r}, not one of {TRANSPORTS}")
+        if self.physical is None:
+            self.physical = physical_id(self.device)
 
 
 def open_group(rank: int, port: int, backend: str):
-    """This end of the two-rank group; blocks until the other end has opened its own."""
+    """This end of the two-rank group; blocks until the other end has opened its own. ipc's group
+    carries only version numbers, on the host: gloo."""
     store = dist.TCPStore(HOST, port, 2, rank == 0, timeout=TIMEOUT, wait_for_workers=False)
     if backend == "nccl":  # written against torch's documented API; not run here (no GPU)
         opts = dist.ProcessGroupNCCL.Options()
@@ -69,58 +143,107 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
+def _views(flat: torch.Tensor, layout: list[tuple]) -> dict[str, torch.Tensor]:
+    """One version's tensors, views into one flat buffer at the layout's (64-byte aligned) offsets."""
+    views = {}
+    for names, dt, shape, off in layout:
+        view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+        views.update(dict.fromkeys(names, view))
+    return views
+
+
+def _share(flat: torch.Tensor):
+    """An opener of `flat` for another process: CUDA IPC arguments (they do not keep the memory alive:
+    the Sender holds `flat`), or the host tensor moved to shared memory."""
+    return list(reduce_tensor(flat)[1]) if flat.is_cuda else flat.share_memory_()
+
+
+def _open(shared, device: torch.device) -> torch.Tensor:
+    if isinstance(shared, torch.Tensor):
+        return shared
+    args = list(shared)
+    # reduce_tensor's index 6 is the exporter's device index: this process's index of the same GPU
+    # (as vLLM 0.32's IPC weight transfer does), since CUDA_VISIBLE_DEVICES may number it otherwise
+    args[6] = device.index
+    return rebuild_cuda_tensor(*args)
+
+
 class Sender:
-    """The trainer's end. `connect()` once the worker has started, then `publish` every version."""
+    """The trainer's end. `connect()` once the worker has started, then `publish` every version.
+    ipc: make it before the spec goes to the worker (it puts the slots' openers in the spec)."""
 
     def __init__(self, spec: ChannelSpec, device: torch.device):
         # gloo moves host tensors: a CUDA trainer talking to a CPU worker casts on its device, then copies
-        self.spec, self.device = spec, device if spec.backend == "nccl" else torch.device("cpu")
-        self.group, self.latest = None, -1
+        self.spec, self.device = spec, device if spec.backend != "gloo" else torch.device("cpu")
+        self.group, self.latest, self.flat, self.slot_views = None, -1, [], []
+        if spec.backend == "ipc":  # version v is written into slot v % slots (`publish`)
+            self.flat = [torch.empty(spec.size, dtype=torch.uint8, device=self.device)
+                         for _ in range(spec.slots)]
+            spec.shared = [_share(f) for f in self.flat]
+            self.slot_views = [_views(f, spec.layout) for f in self.flat]
 
     def connect(self) -> None:
         self.group = open_group(0, self.spec.port, self.spec.backend)
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Broadcast version `version` of `model`: a header (the version), then each tensor in layout
-        order, cast to its layout dtype (the engine's) on the trainer's device before it crosses."""
+        """Send version `version` of `model`, each tensor cast to its layout dtype (the engine's) on the
+        trainer's device: after a header (the version) over nccl / gloo, or (ipc) into the version's
+        shared slot, the header last, once the copies are done."""
         state = model.state_dict()
-        _broadcast(self.group, torch.tensor([version], dtype=torch.long, device=self.device))
-        for names, dt, _, _ in self.spec.layout:
-            # tied names share one tensor: sent once, under its first name
-            _broadcast(self.group, state[names[0]].detach().to(dt).to(self.device).contiguous())
+        header = torch.tensor([version], dtype=torch.long,
+                              device=self.device if self.spec.backend == "nccl" else "cpu")
+        if self.spec.backend == "ipc":
+            self._write_slot(state, version)
+            _broadcast(self.group, header)
+        else:
+            _broadcast(self.group, header)
+            for names, dt, _, _ in self.spec.layout:
+                # tied names share one tensor: sent once, under its first name
+                _broadcast(self.group, state[names[0]].detach().to(dt).to(self.device).contiguous())
         self.latest = version
+
+    def _write_slot(self, state: dict, version: int) -> None:
+        """Slot version % slots is free: it held version − slots, which no batch still to be sampled
+        reads (the worker loads version ≥ v − K for batch v; rollout_worker.SharedWeights has the same
+        argument for K+1 slots)."""
+        views = self.slot_views[version % len(self.flat)]
+        for names, *_ in self.spec.layout:
+            views[names[0]].copy_(state[names[0]].detach())  # cast in the copy: no temporary
+        if self.device.type == "cuda":  # the worker reads it once the header arrives: written by then
+            torch.cuda.synchronize(self.device)
 
     def newest(self) -> int:
         return self.latest
 
     def close(self) -> None:
         self.group = None  # the last reference: the group is destroyed now, in this process
+        self.flat, self.slot_views = [], []  # ipc: the worker has ended (pipeline.close joins it first)
 
 
 class Receiver:
     """The worker's end: what rollout_worker.Worker reads as it reads SharedWeights (`wait_for`, `slot`,
     `newest`), plus `release(version)` once a version is loaded. A thread receives each version into a
-    free staging slot (one flat buffer, every tensor a view) and marks it held."""
+    staging slot (one flat buffer, every tensor a view: its own, or with ipc the trainer's) and marks it
+    held."""
 
     def __init__(self, spec: ChannelSpec):
-        self.spec, self.device = spec, torch.device(spec.device if spec.backend == "nccl" else "cpu")
+        self.spec, self.device = spec, local_device(spec)
         self.layout = spec.layout  # as SharedWeights.layout: the worker checks its model against it
+        self.shared = []
+        if spec.backend == "ipc":
+            if spec.shared is None:
+                raise RuntimeError("weight channel: ipc slots not shared (make the Sender before the worker)")
+            self.shared = [_views(_open(s, self.device), self.layout) for s in spec.shared]
         self.group = open_group(1, spec.port, spec.backend)
         self.held: dict[int, dict[str, torch.Tensor]] = {}  # version -> its tensors, by state-dict name
         self.free: list[dict[str, torch.Tensor]] = []
-        self.made, self.latest, self.error = 0, -1, None
+        self.made, self.latest, self.error = len(self.shared), -1, None
         self.cond = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name="nanorl-weight-receiver").start()
 
     def _new_slot(self) -> dict[str, torch.Tensor]:
-        """One version's tensors, views into one flat buffer at the layout's (64-byte aligned) offsets."""
-        flat = torch.empty(self.spec.size, dtype=torch.uint8, device=self.device)
-        views = {}
-        for names, dt, shape, off in self.layout:
-            view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
-            views.update(dict.fromkeys(names, view))
-        return views
+        return _views(torch.empty(self.spec.size, dtype=torch.uint8, device=self.device), self.layout)
 
     def _take_slot(self) -> dict[str, torch.Tensor]:
         with self.cond:
@@ -134,15 +257,21 @@ class Receiver:
     def _run(self) -> None:
         try:
             while True:
-                header = torch.empty(1, dtype=torch.long, device=self.device)
+                header = torch.empty(1, dtype=torch.long, device=self.device if self.spec.backend == "nccl"
+                                     else "cpu")
                 _broadcast(self.group, header)
-                views = self._take_slot()
-                for names, *_ in self.layout:
-                    _broadcast(self.group, views[names[0]])
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                version = int(header.item())
+                if self.shared:  # ipc: the version is in the trainer's slot already
+                    views = self.shared[version % len(self.shared)]
+                else:
+                    views = self._take_slot()
+                    for names, *_ in self.layout:
+                        _broadcast(self.group, views[names[0]])
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
                 with self.cond:
-                    version = int(header.item())
+                    if self.shared:  # its slot held version − slots until now: no longer readable
+                        self.held.pop(version - len(self.shared), None)
                     self.held[version], self.latest = views, version
                     self.cond.notify_all()
         except Exception:  # the trainer went away, or the transfer broke: wait_for reports it
@@ -166,10 +295,15 @@ class Receiver:
 
     def release(self, version: int) -> None:
         """Version `version` is loaded: every older one held goes back to the free slots (it stays:
-        the next batch may be sampled from it again)."""
+        the next batch may be sampled from it again). ipc: the trainer's slots are reused in turn; the
+        copies out of them are finished here, before the trainer may write that slot again."""
+        if self.shared and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         with self.cond:
             for v in [v for v in self.held if v < version]:
-                self.free.append(self.held.pop(v))
+                views = self.held.pop(v)
+                if not self.shared:
+                    self.free.append(views)
             self.cond.notify_all()
 
     def newest(self) -> int:

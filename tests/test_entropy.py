@@ -292,6 +292,47 @@ def test_dispatch_on_cpu():
     assert E._backend(x) == ("triton" if E.TRITON_INTERPRETED else "torch")
 
 
+@pytest.mark.skipif(not E.HAS_TRITON, reason="triton is not installed: no kernel is launched")
+def test_kernels_launch_on_their_tensors_device(monkeypatch):
+    """M2 (issue 45): Triton launches on torch's current CUDA device, not the tensors'; both launches
+    must run inside torch.cuda.device(x.device). No GPU here: the guard and the kernels are recorders
+    (the guard's own choice is checked below on a fake cuda:1 tensor, the launches on CPU tensors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    entered, launches = [], []
+
+    class Device:  # stands in for torch.cuda.device: records where it would switch to
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            entered.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", Device)
+    with FakeTensorMode():
+        on_gpu1 = torch.empty(3, 5, device="cuda:1")                          # [N, V], no storage
+    guard = E._launch_guard(on_gpu1)
+    assert isinstance(guard, Device) and guard.device == torch.device("cuda", 1)
+    assert not isinstance(E._launch_guard(torch.empty(3, 5)), Device)     # CPU / interpreter: none
+
+    class Kernel:  # kernel[grid](...) records the device in force at the launch
+        def __init__(self, name):
+            self.name = name
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: launches.append((self.name, list(entered)))
+
+    monkeypatch.setattr(E, "_launch_guard", lambda x: Device(x.device))
+    monkeypatch.setattr(E, "_fwd_kernel", Kernel("fwd"))
+    monkeypatch.setattr(E, "_bwd_kernel", Kernel("bwd"))
+    x, t = torch.randn(3, 5), torch.tensor([0, 1, 2])                        # [N, V], [N]
+    _, ent, norm, _ = E._triton_forward(x, t, 1.0, -100)
+    E._triton_backward(x, t, norm, ent, torch.ones(3), torch.ones(3), 1.0, -100, torch.empty_like(x))
+    assert launches == [("fwd", [x.device]), ("bwd", [x.device])]
+
+
 def _run_python(code, **env):
     full_env = dict(os.environ, PYTHONPATH=ROOT, **env)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=full_env, cwd=ROOT,

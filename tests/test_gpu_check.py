@@ -28,31 +28,46 @@ import gpu_check  # noqa: E402
 from nanorl import entropy  # noqa: E402
 from nanorl.config import Config  # noqa: E402
 
-STAGES = {"1 step", "2 head", "3 README", "4 FSDP", "5 async", "6 MoE"}
+STAGES = {"1 step", "2 head", "3 README", "4 FSDP", "5 async", "6 MoE", "7 B1", "8 M4", "9 M2", "10 TF32"}
 ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
-def test_smoke_run_passes_every_stage(tmp_path):
-    """Every stage end to end at tiny sizes on this CPU (train.py in-process, under torchrun, under
-    ulimit -n 1024), judged by its own criterion; one table, and the JSON."""
-    out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, "gpu_check.py", "--smoke", "--json", str(out)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True, timeout=900)
+def test_cpu_dry_run_passes_every_stage(tmp_path):
+    """`gpu_check.py --cpu`: every stage end to end at tiny sizes on this CPU (train.py in-process, under
+    torchrun, under ulimit -n 1024; the weight channel's worker spawned; the memory and second-device
+    stages in child processes), judged by its own criterion; one table, written to --table, and the
+    JSON."""
+    out, written = tmp_path / "gpu.json", tmp_path / "table.txt"
+    argv = ["gpu_check.py", "--cpu", "--json", str(out), "--table", str(written)]
+    proc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=1200)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["failed"] == [] and data["smoke"] is True
     assert set(data["stages"]) == STAGES
     math_verify = gpu_check.math_reward_or_skip() is None
     for label, stage in data["stages"].items():
-        want = "skip" if label in ("3 README", "6 MoE") and not math_verify else "pass"
+        want = "skip" if label == "3 README" and not math_verify else "pass"
         assert stage["status"] == want, (label, stage["reasons"])
     verdicts = [r for r in data["rows"] if r["what"] == "pass criterion"]
     assert {r["section"] for r in verdicts} <= STAGES and all(r["value"] == "PASS" for r in verdicts)
     assert "section" in proc.stdout and "failed: none" in proc.stdout  # the one table, at the end
+    assert written.read_text().startswith("section") and "failed: none" in written.read_text()
     head = data["stages"]["2 head"]["results"]
     assert {k for k in head} == {"H32_V151936", "H48_V152064"}
     assert all(case["median_entropy"] <= 0.5 * math.log(case["V"]) for case in head.values())
+
+
+def test_help_lists_every_stage_in_run_order(capsys):
+    with pytest.raises(SystemExit) as e:
+        gpu_check.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--cpu" in out and "--table" in out
+    lines = out.rsplit("stages, in run order", 1)[1].splitlines()[1:]
+    listed = [line.split()[:2] for line in lines if line.strip()]
+    assert [" ".join(x) for x in listed] == [label for label, *_ in gpu_check.STAGES]
+    assert {label for label, *_ in gpu_check.STAGES} == STAGES
 
 
 # ----------------------------------------------------------------------------- stage 1
@@ -277,3 +292,84 @@ def test_a_stage_that_raises_or_lacks_its_dependency_is_a_row_not_a_crash(tmp_pa
     assert skipped["status"] == "skip" and failed["status"] == "fail"
     assert "ZeroDivisionError" in failed["reasons"][0]
     assert [r["value"] for r in c.rows] == ["SKIP", "FAIL"]
+
+
+# ----------------------------------------------------------------------------- stages 7-10 (issue 45)
+def test_transport_stage_on_the_host_stand_in(tmp_path):
+    """Stage 7's code path on the CPU: the trainer's slots in shared memory, the worker spawned with
+    the environment the async worker gets, 4 versions over 3 slots, checksums equal on both ends, every
+    version read in the trainer's slot."""
+    c = gpu_check.Check(gpu_check.SMOKE, torch.device("cpu"), str(tmp_path), smoke=True,
+                        deadline=time.monotonic() + 120)
+    r = gpu_check.transport_stage(c)
+    assert gpu_check.crit_transport(r) == [], r
+    assert r["transport"] == "ipc" and sorted(r["sent"]) == [0, 1, 2, 3]
+
+
+TRANSPORT = dict(transport="ipc", want="ipc", error="", sent={0: [1, 2], 1: [3, 4]},
+                 versions=[("version", 0, [1, 2], True, "cuda:0"), ("version", 1, [3, 4], True, "cuda:0"),
+                           ("done",)])
+
+
+@pytest.mark.parametrize("fault", [
+    lambda r: r.update(transport="nccl"),                        # B1: NCCL chosen for one GPU
+    lambda r: r["versions"].__setitem__(1, ("version", 1, [3, 5], True, "cuda:0")),  # a bit lost
+    lambda r: r["versions"].__setitem__(0, ("version", 0, [1, 2], False, "cuda:0")),  # copied, not shared
+    lambda r: r["versions"].pop(1),                              # a version never arrived
+    lambda r: r.update(error="RuntimeError: ncclInvalidUsage"),
+])
+def test_transport_criterion_fails_on_planted_fault(fault):
+    assert gpu_check.crit_transport(copy.deepcopy(TRANSPORT)) == []
+    bad = copy.deepcopy(TRANSPORT)
+    fault(bad)
+    assert gpu_check.crit_transport(bad)
+
+
+def test_memory_child_counts_the_state_the_plan_counts():
+    """Stage 8's child function on the CPU at tiny sizes: masters, gradients and AdamW moments counted
+    from the tensors equal the plan's terms (the allocator's peak is CUDA's: None here)."""
+    s = gpu_check.SMOKE
+    r = gpu_check.memory_child(config=s.big, rows=s.big_rows, T=s.big_T, device="cpu")
+    assert gpu_check.crit_memory(r) == [], r
+    assert r["measured"]["peak"] is None and r["measured"]["grads"] == r["estimate"]["grads"] > 0
+
+
+GiB = 2 ** 30
+MEMORY = dict(measured=dict(masters=28.4 * GiB, grads=28.4 * GiB, adam=56.8 * GiB, peak=131 * GiB),
+              estimate=dict(masters=28.4 * GiB, grads=28.4 * GiB, adam=56.8 * GiB, peak=134.8 * GiB),
+              oom=False, fits=True)
+
+
+@pytest.mark.parametrize("fault", [
+    lambda r: r["measured"].update(adam=28.4 * GiB),    # the plan counts a moment the optimizer does not hold
+    lambda r: r["measured"].update(peak=160 * GiB),     # activations far past the plan (checkpointing off?)
+    lambda r: r["measured"].update(peak=100 * GiB),     # the plan far too high: it would refuse runs that fit
+    lambda r: r.update(oom=True),                       # out of memory where the plan says it fits
+    lambda r: r.pop("measured"),                        # the child died
+])
+def test_memory_criterion_fails_on_planted_fault(fault):
+    assert gpu_check.crit_memory(copy.deepcopy(MEMORY)) == []
+    bad = copy.deepcopy(MEMORY)
+    fault(bad)
+    assert gpu_check.crit_memory(bad)
+
+
+def test_device_head_child_on_the_host_and_its_criterion():
+    r = gpu_check.device_head_child(H=16, V=512, N=32, chunk=8, device="cpu", backend="torch")
+    assert gpu_check.crit_device_head(r) == [] and r["devices"] == ["cpu"]
+    for fault in (dict(devices=["cuda:0"]), dict(errors={**r["errors"], "grad_w": 0.5}),
+                  dict(errors={**r["errors"], "logprob": float("nan")})):
+        assert gpu_check.crit_device_head({**r, **fault})
+    assert gpu_check.crit_device_head({"error": "CUDA error: an illegal memory access was encountered"})
+
+
+def test_tf32_stage_on_the_host_and_its_criterion(tmp_path):
+    c = gpu_check.Check(gpu_check.SMOKE, torch.device("cpu"), str(tmp_path), smoke=True)
+    r = gpu_check.tf32_stage(c)
+    assert gpu_check.crit_tf32(r) == [] and r["stat"] == "max"  # no TF32 on a CPU: the fp32 bound
+    # on a GPU, TF32 on: the mean held to fp16's bound; a build that kept the fp32 max bound fails
+    tf32 = dict(precision="high", stat="mean", bound=0.05, named="torch.float32 with TF32 matmuls", max=8e-3,
+                mean=6e-4, fp32_bound=1e-3)
+    assert gpu_check.crit_tf32(tf32) == []
+    assert gpu_check.crit_tf32({**tf32, "stat": "max", "bound": 1e-3, "named": "torch.float32"})
+    assert gpu_check.crit_tf32({**tf32, "mean": 0.2})

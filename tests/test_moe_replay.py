@@ -297,3 +297,54 @@ def test_routing_disagreement_by_layer():
     assert mr.routing_disagreement_by_layer(a, b) == [0.0, 0.5]
     with pytest.raises(ValueError, match="equal"):
         mr.routing_disagreement_by_layer(a, b[..., :1])
+
+
+def _r3_run_and_batch():
+    """A learner namespace (what update.routing_forward reads) on a tiny Qwen3-MoE, and an R3 batch:
+    two samples whose routing was recorded at 'rollout' (the model's own natural choice)."""
+    from types import SimpleNamespace
+
+    from nanorl import trajectory as traj
+    from nanorl.config import Config
+    model = make("qwen3_moe").eval()
+    samples = []
+    for p, r in ([[1, 2, 3], [10, 11]], [[4, 5], [12, 13, 14]]):
+        with torch.no_grad(), mr.record(model) as rec:
+            model(torch.tensor([p + r]))
+        samples.append(traj.Sample(prompt_ids=p, response_ids=r, routed_experts=rec.experts[0]))
+    run = SimpleNamespace(cfg=Config(routing_replay=True), model=model, world=1)
+    return run, traj.collate(samples, pad_id=0)
+
+
+def test_routing_forward_r3_metric_on_the_batch_device(monkeypatch):
+    """B2 (issue 45): R3's disagreement metric compares the recorded ids (on the batch's device, where
+    stages.to_batch put them) with the trainer's own choice (gathered on the CPU). On CUDA the mixed
+    devices raised "Expected all tensors to be on the same device" at the first recompute.
+
+    A meta tensor stands in for the device copy of the recorded ids: torch refuses cpu-vs-meta
+    operands exactly as it refuses cpu-vs-cuda. Replay itself is handed the real ids (the part a
+    meta tensor cannot run), and the metric's value read (.item(), impossible on meta) is skipped."""
+    from nanorl import update
+    run, batch = _r3_run_and_batch()
+    metrics = {}
+    logp = update.routing_forward(run, batch, None, metrics)                # the CPU run, real values
+    assert metrics["routing/replay_mode"] == 3.0 and metrics["routing/disagreement"] == 0.0
+    ids, seen = batch.routed_experts, batch.routed_mask                     # [B, P+T, L, k], [B, P+T]
+    real_replay, devices = mr.replay, []
+
+    def replay(model, experts, mask=None):  # the device copy replays what it stands for
+        return real_replay(model, ids if experts.is_meta else experts, seen if mask.is_meta else mask)
+
+    def metric(a, b, mask=None):  # the real comparison (torch raises on mixed devices), no value read
+        differ, valid = mr._differ(a, b, mask)                               # [B, P+T, L] each
+        devices.append({t.device.type for t in (a, b, mask, differ & valid)})
+        return 0.0
+
+    monkeypatch.setattr(mr, "replay", replay)
+    monkeypatch.setattr(mr, "routing_disagreement", metric)
+    monkeypatch.setattr(mr, "routing_disagreement_by_layer", lambda a, b, m=None: [metric(a, b, m)])
+    batch.routed_experts, batch.routed_mask = ids.to("meta"), seen.to("meta")
+    metrics = {}
+    again = update.routing_forward(run, batch, None, metrics)
+    assert devices == [{"meta"}, {"meta"}], devices                          # both metrics, on its device
+    assert torch.equal(again, logp) and metrics["routing/replay_mode"] == 3.0

@@ -38,12 +38,14 @@ def version(model, v: int):
     return m
 
 
-def _receive(spec, versions, out):
-    """The worker's end: receive `versions` in order, compare each with the expected tensors."""
+def _receive(spec, versions, out, acks):
+    """The worker's end: receive `versions` in order, compare each with the expected tensors, and say
+    when each is loaded (`acks`)."""
     try:
         rx = wb.Receiver(spec)
         base = tiny_model(0)
-        report = {"bitwise": [], "tied_one_tensor": None, "slots_made": None}
+        report = {"bitwise": [], "tied_one_tensor": None, "slots_made": None, "in_shared_slots": []}
+        shared = [(int(t.data_ptr()), int(t.data_ptr()) + t.numel()) for t in spec.shared or []]
         for v in versions:
             assert rx.wait_for(v, timeout=60), f"version {v} never arrived"
             got = rx.slot(v)
@@ -53,28 +55,38 @@ def _receive(spec, versions, out):
                                          for k in want))
             tied = got["lm_head.weight"], got["model.embed_tokens.weight"]
             report["tied_one_tensor"] = tied[0].data_ptr() == tied[1].data_ptr()
+            # ipc: every view lies in the slot the trainer shared for this version (no copy crossed)
+            lo, hi = shared[v % len(shared)] if shared else (0, -1)
+            report["in_shared_slots"].append(all(lo <= t.data_ptr() < hi for t in got.values()))
             rx.release(v)
+            acks.put(v)
         report["slots_made"] = rx.made
         out.put(report)
     except Exception as e:  # reported, so the test fails with it instead of timing out
         out.put({"error": repr(e)})
 
 
-def test_versions_arrive_bit_for_bit_in_the_engine_dtype_tied_once():
+@pytest.mark.parametrize("transport", ["gloo", "ipc"])
+def test_versions_arrive_bit_for_bit_in_the_engine_dtype_tied_once(transport):
+    """gloo: each tensor broadcast into the worker's slot; ipc (one GPU, here its host stand-in: the
+    trainer's slots in shared memory, as CUDA IPC shares them on a GPU): only the version number
+    crosses and the worker reads the trainer's slot."""
     model = tiny_model(0)
     layout, size = slot_layout(model, torch.bfloat16)
     names = [n for entry in layout for n in entry[0]]
     assert len(layout) == len(names) - 1  # lm_head.weight rides with embed_tokens.weight: one entry
-    spec = wb.ChannelSpec(wb.free_port(), "gloo", layout, size, slots=3, device="cpu")
+    spec = wb.ChannelSpec(wb.free_port(), transport, layout, size, slots=3, device="cpu")
+    tx = wb.Sender(spec, torch.device("cpu"))  # first, as pipeline.Pipeline: ipc shares its slots in spec
     ctx = mp.get_context("fork")
-    out = ctx.Queue()
+    out, acks = ctx.Queue(), ctx.Queue()
     versions = [0, 1, 2, 3]
-    child = ctx.Process(target=_receive, args=(spec, versions, out))
+    child = ctx.Process(target=_receive, args=(spec, versions, out, acks))
     child.start()
     try:
-        tx = wb.Sender(spec, torch.device("cpu"))
         tx.connect()
         for v in versions:
+            if transport == "ipc" and v >= spec.slots:  # the staleness rule: slot v % 3 is read by now
+                assert acks.get(timeout=TIMEOUT) == v - spec.slots
             tx.publish(version(model, v), v)
         report = out.get(timeout=TIMEOUT)
     finally:
@@ -84,7 +96,66 @@ def test_versions_arrive_bit_for_bit_in_the_engine_dtype_tied_once():
     assert "error" not in report, report
     # every version exact in bf16; the tied pair is one tensor; released slots are reused (never > 3)
     assert report["bitwise"] == [True] * 4 and report["tied_one_tensor"] and report["slots_made"] <= 3
+    assert report["in_shared_slots"] == [transport == "ipc"] * 4
     assert tx.newest() == 3
+
+
+class FakeGPUs:
+    """torch.cuda as a machine with these physical GPUs (UUIDs) visible, in this order, looks to
+    weight_broadcast: what CUDA_VISIBLE_DEVICES shows a process."""
+
+    def __init__(self, monkeypatch, uuids):
+        props = [type("Props", (), {"uuid": u})() for u in uuids]
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+
+
+def test_transport_is_chosen_by_physical_device(monkeypatch):
+    """B1: NCCL refuses two ranks on one GPU, so one GPU gets ipc and only two GPUs get nccl — decided
+    by physical id, not by device type (red before: cuda:0 to cuda:0 chose nccl)."""
+    assert wb.transport_for(None, None) == "gloo"
+    assert wb.transport_for("GPU-a", None) == wb.transport_for(None, "GPU-a") == "gloo"
+    assert wb.transport_for("GPU-a", "GPU-a") == "ipc"
+    assert wb.transport_for("GPU-a", "GPU-b") == "nccl"
+    FakeGPUs(monkeypatch, ["GPU-a", "GPU-b"])
+    cuda = torch.device
+    assert wb.backend_for(cuda("cuda:0"), cuda("cuda:0")) == "ipc"
+    assert wb.backend_for(cuda("cuda"), cuda("cuda:0")) == "ipc"  # no index: the current device
+    assert wb.backend_for(cuda("cuda:0"), cuda("cuda:1")) == "nccl"
+    assert wb.backend_for(cuda("cpu"), cuda("cuda:1")) == "gloo"
+    assert wb.backend_for(cuda("cuda:1"), cuda("cpu")) == "gloo"
+
+
+def test_the_worker_finds_its_gpu_by_physical_id_whatever_its_numbering(monkeypatch):
+    """The trainer names the worker's GPU cuda:1 and records its UUID; the worker, started with
+    CUDA_VISIBLE_DEVICES showing only that GPU, finds it as its cuda:0."""
+    FakeGPUs(monkeypatch, ["GPU-a", "GPU-b"])
+    spec = wb.ChannelSpec(0, "nccl", [], 64, slots=3, device="cuda:1")
+    assert spec.physical == "GPU-b"
+    FakeGPUs(monkeypatch, ["GPU-b"])  # the worker's view
+    assert wb.local_device(spec) == torch.device("cuda:0")
+    FakeGPUs(monkeypatch, ["GPU-a"])
+    with pytest.raises(RuntimeError, match="GPU-b .*not visible"):
+        wb.local_device(spec)
+    assert wb.local_device(wb.ChannelSpec(0, "gloo", [], 64, slots=3, device="cpu")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="transport 'shm'"):
+        wb.ChannelSpec(0, "shm", [], 64, slots=3, device="cpu")
+
+
+def test_set_up_refuses_a_rollout_device_that_cannot_work(monkeypatch):
+    FakeGPUs(monkeypatch, ["GPU-a", "GPU-b"])
+    monkeypatch.setattr(wb.dist, "is_nccl_available", lambda: True)
+    assert wb.check_devices(torch.device("cuda:0"), "", broadcast=True) == "ipc"
+    assert wb.check_devices(torch.device("cuda:0"), "cuda:1", broadcast=True) == "nccl"
+    assert wb.check_devices(torch.device("cuda:0"), "cuda:1", broadcast=False) is None
+    with pytest.raises(ValueError, match=r"--rollout-device cuda:2: this machine has 2 CUDA device"):
+        wb.check_devices(torch.device("cuda:0"), "cuda:2", broadcast=False)
+    monkeypatch.setattr(wb.dist, "is_nccl_available", lambda: False)
+    with pytest.raises(ValueError, match="--rollout-device cuda:1: .*NCCL"):
+        wb.check_devices(torch.device("cuda:0"), "cuda:1", broadcast=True)
+    assert wb.check_devices(torch.device("cpu"), "", broadcast=True) == "gloo"
 
 
 # ----------------------------------------------------------------------------- the vLLM worker
