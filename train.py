@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from nanorl import build, checkpoint, distributed, gguf_model, pipeline, precision, stages
-from nanorl.config import Config, parse_args
+from nanorl.config import Config, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
 from nanorl.kl import AdaptiveKLController, FixedKLController
-from nanorl.logger import Logger, PhaseTimer
+from nanorl.logger import Logger, PhaseTimer, RunDirError, RunDirLock, claim_run_dir
 from nanorl.plan import Plan, make_plan
 from nanorl.plugins import Hooks, apply as apply_plugins
 from nanorl.rewards import RewardRunner, load_reward_fn
@@ -107,7 +107,8 @@ def setup(cfg: Config) -> Run:
     teacher = load_teacher(cfg, model, tokenizer, device, dtype)  # first: a wrong vocabulary fails at start
     fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
     train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
-                                   cfg.max_prompt_len, source=cfg.train_data, fmt=fmt)
+                                   cfg.max_prompt_len, source=cfg.train_data, fmt=fmt,
+                                   log=print if rank == 0 else None)
     eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.input_key, cfg.label_key, cfg.max_prompt_len,
                                fmt, limit=cfg.eval_limit, seen={p.text for p in train})
     if cfg.engine == "auto":
@@ -208,10 +209,49 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = apply_plugins(parse_args(argv) if not isinstance(argv, Config) else argv)
     rank, world, _ = distributed.init()  # first: an error anywhere after this stops every rank with it
     with distributed.fail_together(rank, world):
-        result = run_training(cfg)
+        lock = claim_out_dir(cfg, rank, world)  # before anything is written there
+        try:
+            result = run_training(cfg)
+        finally:
+            lock.release()
     # every rank got here: the group can go (a gloo group left alive can abort the exit)
     distributed.shutdown()
     return result
+
+
+def claim_out_dir(cfg: Config, rank: int, world: int) -> RunDirLock:
+    """--out-dir at start-up: rank 0 (its only writer) locks it for the run and refuses an earlier run's
+    directory without --resume / --overwrite (nanorl/logger.py claim_run_dir); every rank raises the
+    same RunDirError. `setup` alone claims nothing (benchmarks and tests drive runs side by side)."""
+    lock, err = RunDirLock(None), None
+    if rank == 0:
+        try:
+            lock = claim_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+        except RunDirError as e:
+            err = str(e)
+    if world > 1:  # rank 0's verdict on every rank
+        box = [err]
+        torch.distributed.broadcast_object_list(box, src=0)
+        err = box[0]
+    if err is not None:
+        raise RunDirError(err)
+    return lock
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """`python train.py ...`: `main`, where a user's mistake (a config rule, a refused --out-dir, a
+    bad flag) ends the run with one line on stderr and exit status 2 (argparse's convention), no
+    traceback; a bug keeps its traceback. Programmatic callers of main get the exception."""
+    try:
+        main(argv)
+    except Exception as e:
+        line = user_error_line(e, os.path.basename(sys.argv[0]) or "train.py")
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        distributed.end_process(2)  # several ranks: exit without the interpreter's teardown (see there)
+        raise SystemExit(2) from None
+    distributed.end_process()  # several ranks: exit without the interpreter's teardown (see there)
 
 
 def run_training(cfg: Config) -> dict:
@@ -225,7 +265,11 @@ def run_training(cfg: Config) -> dict:
     before = evaluate_run(run)  # every rank scores a slice of every eval set (nanorl/evaluation.py)
     if before:
         run.logger.print(f"held-out greedy accuracy at step {run.step}: {100 * before['eval/accuracy']:.1f}%")
-        run.logger.log(run.step, before)
+    # the training prompts that build_prompts dropped (said at start-up), once in the first row
+    dropped = {} if resumed else {f"data/{k}": v for k, v in run.counters.items()
+                                  if k.startswith("prompts_skipped_") and v}
+    if before or dropped:
+        run.logger.log(run.step, {**before, **dropped})
     start = time.time()
     while run.step < cfg.steps and not stop["now"]:
         metrics = distributed.reduce_metrics(rl_step(run), run.world)
@@ -266,5 +310,4 @@ def run_training(cfg: Config) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    distributed.end_process()  # several ranks: exit without the interpreter's teardown (see there)
+    cli()

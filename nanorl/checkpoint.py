@@ -47,9 +47,10 @@ MANIFEST = "manifest.json"
 PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # config fields a resumed run may change without a note (where it writes, how long it runs, how it evaluates)
+# (lr: applied and said in the resume line, `_apply_lr`; overwrite: a start-up choice about out_dir)
 FREE_FIELDS = {"resume", "steps", "out_dir", "save_every", "eval_every", "eval_limit", "quiet", "threads",
                "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k",
-               "test_data", "eval_temperature", "eval_max_new_tokens"}
+               "test_data", "eval_temperature", "eval_max_new_tokens", "lr", "overwrite"}
 
 
 class CheckpointError(Exception):
@@ -418,7 +419,9 @@ def resume(state: State, cfg, path_or_latest: str, logger=None) -> str | None:
     else:
         raise CheckpointError(f"no valid checkpoint in {root}:\n  " + "\n  ".join(skipped))
     _apply(state, cfg, logger, path, *loaded)
-    log(f"resumed from {path} at step {state.step}")
+    saved_lr = loaded[0]["config"].get("lr", cfg.lr)
+    lr = f"; --lr {cfg.lr:g} applied (the checkpoint's run had {saved_lr:g})" if saved_lr != cfg.lr else ""
+    log(f"resumed from {path} at step {state.step}{lr}")
     return path
 
 
@@ -476,6 +479,8 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
     except (RuntimeError, ValueError, KeyError, CheckpointException) as e:
         raise CheckpointError(f"{path} does not fit this run (another model or --vf-coef?): {e}") from None
     state.scheduler.load_state_dict(tensors["scheduler"])
+    if saved["config"].get("lr", cfg.lr) != cfg.lr:
+        _apply_lr(state, cfg.lr)
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
     state.loader.load_state_dict(saved["loader"])
     state.counters.update(saved["counters"])
@@ -493,6 +498,19 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
         state.engine.update_weights(state.model, version=state.step)
     if saved.get("metrics_bytes") is not None:
         _cut_metrics(logger, cfg.out_dir, os.path.dirname(os.path.normpath(path)), saved["metrics_bytes"])
+
+
+def _apply_lr(state: State, lr: float) -> None:
+    """A resume with another --lr: the schedule continues at its restored step from the new base rate,
+    exactly as a run started with it would be there (LambdaLR: base_lr × factor(step)). The optimizer's
+    and the scheduler's saved state carry the old base rate (base_lrs, initial_lr, the current lr),
+    which would otherwise go on silently (build.make_optimizer: every group takes --lr)."""
+    sched = state.scheduler
+    sched.base_lrs = [lr] * len(sched.base_lrs)
+    lrs = [lr * factor(sched.last_epoch) for factor in sched.lr_lambdas]
+    for group, group_lr in zip(state.optimizer.param_groups, lrs):
+        group["initial_lr"], group["lr"] = lr, group_lr
+    sched._last_lr = lrs  # what get_last_lr (the logged train/lr) reads until the next step
 
 
 def _cut_metrics(logger, out_dir: str, root: str, size: int) -> None:

@@ -20,10 +20,11 @@ import argparse
 import ast
 import inspect
 import json
+import re
 from dataclasses import dataclass, fields
 
 from nanorl import config_checks
-from nanorl.config_checks import BUILTIN_ENV_NAMES, CHOICES  # noqa: F401 (read from here too)
+from nanorl.config_checks import BUILTIN_ENV_NAMES, CHOICES, ConfigError  # noqa: F401 (read from here too)
 from nanorl.presets import PRESETS, pretrained_defaults
 
 # Rewards run in worker processes with this per-call timeout unless --reward-timeout says otherwise
@@ -32,6 +33,9 @@ from nanorl.presets import PRESETS, pretrained_defaults
 # program, its cases run in parallel worker processes; a reasoning-gym task's checker (some parse or
 # simulate the answer)
 BOUNDED_REWARDS = {"math": 10.0, "math_format": 10.0, "code": 120.0, "reasoning_gym": 30.0}
+# A user's reward (file.py:fn / module:fn) may hang on anything (a network call, a solver, a bug): by
+# default it runs in worker processes too, and a call past this many seconds scores 0 and is counted
+USER_REWARD_TIMEOUT = 60.0
 # Fields with a fixed set of values: argparse offers them as choices, __post_init__ checks them
 
 
@@ -93,7 +97,7 @@ class Config:
     reward_timeout: float = -1.0
     """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs
     them in-process; -1 = 10 s for the math rewards, 120 s for code, 30 s for reasoning_gym
-    (BOUNDED_REWARDS), else 0."""
+    (BOUNDED_REWARDS), 60 s for a user's file.py:fn (USER_REWARD_TIMEOUT), else 0."""
     reward_postprocess: str = ""
     """module:function / file.py:function run on the step's scored Samples (groups in order): may write
     Sample.metadata and set rewards, in place."""
@@ -146,7 +150,8 @@ class Config:
     """Share of GPU memory for the engine (weights + KV cache, which it sizes unless kv_cache_gb > 0)."""
     sleep_level: int = 2
     """Sleep mode from the rollout's end to the weight sync: 2 drops weights and KV cache (the sync reloads
-    every weight anyway), 1 keeps weights on CPU, 0 stays resident; skipped where vLLM has none (CPU)."""
+    every weight anyway), 1 keeps weights on CPU, 0 stays resident; skipped where vLLM has none (CPU).
+    --lora-sync adapter turns 2 into 1 (with a note): level 2 would discard the base it never resends."""
     sync_check_every: int = 1
     """Every N steps, check that the engine's logprobs match the trainer's after the sync (0 = off)."""
     max_model_len: int = 0
@@ -347,6 +352,9 @@ class Config:
     """Checkpoint every N steps (0 = only at the end)."""
     resume: str = ""
     """Resume from a checkpoint directory, or 'latest' in out_dir."""
+    overwrite: bool = False
+    """Start over in an out_dir that holds an earlier run: its metrics.jsonl, checkpoints, rollout dumps
+    and TensorBoard logs are deleted first (without it, or --resume, such an out_dir is refused)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep."""
     tensorboard: bool = False
@@ -364,7 +372,8 @@ class Config:
 
     def __post_init__(self):
         if self.reward_timeout == -1:
-            self.reward_timeout = BOUNDED_REWARDS.get(self.reward, 0.0)
+            user = USER_REWARD_TIMEOUT if ":" in self.reward else 0.0
+            self.reward_timeout = BOUNDED_REWARDS.get(self.reward, user)
             # plugins.apply resolves it again when a plug-in changes the reward
             self._auto_reward_timeout = True
         config_checks.check(self)
@@ -427,10 +436,51 @@ def help_layout() -> list[tuple[str, list[tuple[str, str]]]]:
     return list(groups.items())
 
 
+def user_error_line(e: BaseException, prog: str = "train.py") -> str | None:
+    """The one line the command line prints for a user's mistake, or None for anything else (a bug,
+    which keeps its traceback). A mistake: a ConfigError (every `need` rule, a refused --out-dir), a
+    ValueError whose message starts with "config: " (the convention of the checks outside
+    config_checks, e.g. nanorl/plugins.py), or either as the cause of another rank's stop (several
+    ranks: nanorl/distributed.py fail_together raises "rank R stopped because ..." from it). Field
+    names in the message become the flags the user typed (lr → --lr)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, ConfigError) or (isinstance(e, ValueError) and str(e).startswith("config: ")):
+            return f"{prog}: error: {_as_flags(str(e).removeprefix('config: '))}"
+        e = e.__cause__
+    return None
+
+
+_FIELD_NAMES = sorted((f.name for f in fields(Config)), key=len, reverse=True)
+
+
+def _as_flags(msg: str) -> str:
+    """msg on one line, its field names as flags: every name with an underscore (no English word has
+    one), and a one-word name where it is a subject or an object (the message's first word, the word
+    after a first "unknown", after "need(s)", or after "and" / "/" before "must" / "need(s)"):
+    "gamma and lam must be ..." → "--gamma and --lam must be ..."; "a reward model" stays as it is."""
+    msg = " ".join(msg.split())
+    names = "|".join(re.escape(n) for n in _FIELD_NAMES if "_" in n)
+    msg = re.sub(rf"(?<![-\w./:'])({names})(?![\w'])", lambda m: "--" + m.group(1).replace("_", "-"), msg)
+    words = "|".join(re.escape(n) for n in _FIELD_NAMES if "_" not in n)
+    msg = re.sub(rf"^({words})(?=[ :,])", r"--\1", msg)
+    msg = re.sub(rf"^unknown ({words}) ", r"unknown --\1 ", msg)
+    msg = re.sub(rf"\b(needs? )({words})\b(?![-\w])", r"\1--\2", msg)
+    return re.sub(rf"(and |/ )({words})(?= must| need)", r"\1--\2", msg)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser whose errors are one line (its default prints the usage line first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv: list[str] | None = None) -> Config:
     """Flags → Config: preset values first, then every flag the user actually gave."""
     presets = "\n".join(f"  {k:<22} {v[0]}" for k, v in PRESETS.items())
-    parser = argparse.ArgumentParser(usage="%(prog)s [--algo PRESET] [--flag VALUE ...]", add_help=False,
+    parser = _Parser(usage="%(prog)s [--algo PRESET] [--flag VALUE ...]", add_help=False,
                                      description="nanorl: RL for language models. Every flag is a field of "
                                      "nanorl/config.py; start with the first group.",
                                      epilog="presets (--algo):\n" + presets,

@@ -6,6 +6,8 @@ Test: python -m pytest tests/test_config.py -q
 """
 from __future__ import annotations
 
+import math
+import sys
 from dataclasses import fields
 
 from nanorl.presets import PRESETS
@@ -19,18 +21,33 @@ CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
            "lora_sync": ("merged", "adapter"),
            "partial_rollout": ("", "switch", "abort")}
 
+# vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks; pydantic refuses others)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The max_lora_rank --lora-sync adapter starts vLLM with: the smallest accepted value that holds
+    adapters of `rank` (vLLM pads smaller ranks with zeros: the same adapted weights)."""
+    return min(r for r in VLLM_LORA_RANKS if r >= rank)
+
+
+class ConfigError(ValueError):
+    """A user's mistake in the flags, not a bug: train.py's command line prints the message alone, on one
+    line, and exits 2 (argparse's convention; config.user_error_line); programmatic callers (tests,
+    notebooks) get the exception. A ValueError, so `except ValueError` callers still catch it."""
+
 
 def need(ok: bool, msg: str) -> None:
     if not ok:
-        raise ValueError(f"config: {msg}")
+        raise ConfigError(f"config: {msg}")
 
 
 def _is_float(text: str) -> bool:
+    """A finite number (a NaN or inf weight would make every reward it touches non-finite)."""
     try:
-        float(text)
+        return math.isfinite(float(text))
     except ValueError:
         return False
-    return True
 
 
 def check(cfg) -> None:
@@ -39,6 +56,12 @@ def check(cfg) -> None:
     from nanorl.losses import AGG_MODES, POLICY_LOSSES
 
     need(cfg.algo in PRESETS, f"unknown --algo {cfg.algo!r}; valid: {', '.join(PRESETS)}")
+    # first: a NaN passes every range rule below (each comparison is False either way round), and a
+    # NaN --clip-low or an inf --lr trains on a NaN loss or NaN logits from step 1
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        need(not isinstance(f.default, float) or math.isfinite(value),
+             f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
     need(not cfg.judge or cfg.judge_model, "judge needs judge_model (the served or the local model)")
     need(not (cfg.judge_url or cfg.judge_model) or cfg.judge, "judge_url / judge_model need judge")
@@ -58,6 +81,10 @@ def check(cfg) -> None:
     need(all(len(p) == 2 and p[0].strip() and _is_float(p[1]) for p in pairs),
          f"reward_weights must be name=number pairs, comma-separated, got {cfg.reward_weights!r}")
     scorer = "reward_model" if cfg.reward_model else "judge" if cfg.judge else ""
+    # without a scorer the reward is --reward's alone and the weights were never read (a dict reward's
+    # components are summed unweighted): refused rather than silently ignored
+    need(not cfg.reward_weights or scorer or cfg.plugin, "--reward-weights weighs --reward against the "
+         "--reward-model / --judge components, and this run has neither: drop --reward-weights, or add one")
     need(not (scorer and (cfg.async_steps or cfg.env)),
          f"{scorer} with --async-steps or --env is not supported: the worker / the environment scores")
     for name in ("reward_postprocess", "sample_filter"):
@@ -111,6 +138,13 @@ def check(cfg) -> None:
     check_env(cfg)
     check_async(cfg)
     check_lora(cfg)
+    # routing replay's own forward computes π_old under the replayed routing (nanorl/stages.py), which
+    # would silently replace the engine's logprobs that --old-logprobs rollout asks for
+    need(not (cfg.routing_replay and cfg.old_logprobs == "rollout"), "--routing-replay computes π_old "
+         "in its own forward (the routing it replays), so --old-logprobs rollout would be ignored: drop "
+         "--old-logprobs rollout (auto or recompute), or --routing-replay")
+    need(not (cfg.overwrite and cfg.resume), "--overwrite deletes the earlier run in --out-dir that "
+         "--resume continues: drop one")
     need(not (cfg.fsdp and cfg.routing_replay), "--fsdp with --routing-replay is not supported: routing"
          " replay records and replays in forwards of the HF model itself, outside FSDP's root forward")
     need(cfg.prompts_per_step * cfg.samples_per_prompt >= cfg.mini_batches,
@@ -280,6 +314,16 @@ def check_lora(cfg) -> None:
          f"lora_target_modules: an empty name in {cfg.lora_target_modules!r}")
     need(cfg.lora_sync == "merged" or (on and cfg.engine != "hf"), "lora_sync adapter needs lora_rank > 0 "
          "and the vLLM engine (the HF engine samples from the adapted module itself)")
+    need(cfg.lora_sync != "adapter" or cfg.lora_rank <= VLLM_LORA_RANKS[-1], f"--lora-sync adapter: "
+         f"vLLM 0.32 serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, got --lora-rank {cfg.lora_rank}; "
+         "use --lora-sync merged")
+    # vLLM's level-2 sleep discards the base weights and the adapter sync never resends them: on a GPU
+    # the engine would refuse at step 1's sleep, after the model and the engine loaded. Resolved here
+    # (a Config cannot tell a typed --sleep-level 2 from the default), with a note.
+    if cfg.lora_sync == "adapter" and cfg.sleep_level == 2:
+        cfg.sleep_level = 1
+        print("config: --lora-sync adapter runs with --sleep-level 1 (level 2 discards the base weights, "
+              "which the adapter sync never resends; 0 keeps the engine resident)", file=sys.stderr)
     for name, default in (("lora_alpha", 32.0), ("lora_dropout", 0.0), ("lora_target_modules", "all-linear")):
         need(on or getattr(cfg, name) == default, f"{name} needs lora_rank > 0 (it does nothing without)")
     for bad, what in ((cfg.fsdp, "--fsdp (not built: the merged-weight stream and the adapters-off "

@@ -109,8 +109,8 @@ class PromptFormat:
     `--system-prompt` adds a system message, and the tokenizer's chat template renders the messages with
     the generation prompt (options via `--chat-template-kwargs`, e.g. Qwen3's `{"enable_thinking":
     false}`); `--no-chat-template`, or a tokenizer without one, gives the raw text to a base model. Rows
-    whose prompt is empty or longer than the context are skipped and counted (build_prompts), and an
-    error is raised when none is left."""
+    whose prompt is empty or longer than --max-prompt-len are skipped, counted and said in one line
+    (build_prompts), and an error is raised when none is left."""
     system_prompt: str = ""
     # "{prompt}" is replaced by the user's text; other braces are literal
     template: str = ""
@@ -175,9 +175,23 @@ class Prompt:
     label: str
 
 
+def skip_note(source: str, skipped: dict, total: int, max_prompt_len: int) -> str | None:
+    """The one line that says what build_prompts dropped from `source` (None when nothing was): a prompt
+    set that silently shrinks (a --max-prompt-len below the data's lengths) trains on less than the
+    user thinks."""
+    parts = []
+    if skipped.get("too_long"):
+        parts.append(f"{skipped['too_long']} longer than --max-prompt-len {max_prompt_len} tokens")
+    if skipped.get("empty"):
+        parts.append(f"{skipped['empty']} empty")
+    return f"{source}: dropped {' and '.join(parts)} of {total} prompts" if parts else None
+
+
 def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str, max_prompt_len: int,
-                  source: str = "data", fmt: PromptFormat | None = None) -> tuple[list[Prompt], dict]:
-    """Tokenised prompts and the skip counts {"empty": n, "too_long": n}."""
+                  source: str = "data", fmt: PromptFormat | None = None,
+                  log=print) -> tuple[list[Prompt], dict]:
+    """Tokenised prompts and the skip counts {"empty": n, "too_long": n}; what was skipped is said in
+    one line through `log` (`skip_note`; None: silent), the counts are returned to be logged."""
     fmt = fmt or PromptFormat()
     prompts, skipped = [], {"empty": 0, "too_long": 0}
     for i, row in enumerate(rows):
@@ -211,6 +225,9 @@ def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str, m
     if not prompts:
         raise DataError(f"{source}: no usable prompt left (skipped {skipped}; max prompt length "
                         f"{max_prompt_len} tokens)")
+    note = skip_note(source, skipped, len(rows), max_prompt_len)
+    if note and log is not None:
+        log(note)
     return prompts, skipped
 
 

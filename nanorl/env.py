@@ -8,7 +8,9 @@ of episodes over any rollout engine (HF or vLLM: only `engine.generate` is calle
 `Sample` per episode, so advantages, losses, batching and checkpoints never learn that an environment was
 involved; `Env` is what an environment implements. Key choices: token-in/token-out (turn k+1's prompt is
 turn k's prompt + the sampled ids + the environment's tokens, never a re-encoding: `ChatTurns`), no end
-reason raises (the step trains on every episode), tools run bounded in a forked worker (`ToolRunner`).
+reason raises (an episode ends with a status; env_error, tool_timeout and aborted ones are scored,
+counted and left out of the update, nanorl/trajectory.py TRAINS), tools run bounded in a forked worker
+(`ToolRunner`).
 The Sample of an episode and its end reasons: `EpisodeRunner`'s docstring; tools: `ToolRunner`; limits:
 docs/from-slime-verl.md, "nanorl/env.py".
 
@@ -27,6 +29,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanorl.rewards import exit_with_parent
 from nanorl.trajectory import Sample
 
 ENDS = {"done": "completed", "truncated": "truncated", "token_cap": "truncated", "turn_cap": "truncated",
@@ -99,9 +102,10 @@ class ToolRunner:
     def __call__(self, fn, *args):
         if self.timeout == 0:
             return fn(*args)
-        # fork: the worker inherits every imported module, so fn resolves by name
+        # fork: the worker inherits every imported module, so fn resolves by name; it ends with the run
         if self._pool is None:
-            self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("fork"))
+            self._pool = ProcessPoolExecutor(1, mp_context=mp.get_context("fork"),
+                                             initializer=exit_with_parent)
         future = self._pool.submit(fn, *args)
         try:
             # an exception inside fn is re-raised here

@@ -14,14 +14,19 @@ different distributions.
 from __future__ import annotations
 
 import argparse
+import errno
+import fcntl
 import importlib
 import json
 import math
 import os
+import shutil
+import socket
 import sys
 import time
 from contextlib import contextmanager
 
+from nanorl.config_checks import ConfigError
 from nanorl.metrics import namespaced
 
 
@@ -46,6 +51,99 @@ def optional_import(module: str, flag: str, install: str):
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(f"{flag} needs the {module} package, which is not installed: {install}") from e
+
+
+class RunDirError(ConfigError):
+    """An --out-dir this run must not write to: another run's, in use, or not writable (one line)."""
+
+
+LOCK_FILE = ".nanorl.lock"
+# what a new run would truncate (metrics.jsonl, opened "w") or rotate away (checkpoints): an earlier run
+EARLIER_RUN = ("metrics.jsonl", "checkpoints")
+# what --overwrite deletes: the earlier run's outputs (the built-in task files in out_dir/task stay)
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tb")
+
+
+class RunDirLock:
+    """This process's claim on an out_dir: an fcntl (POSIX) lock on out_dir/.nanorl.lock, held until
+    `release` or the process's end (the kernel drops it even on SIGKILL, so a dead run never leaves
+    the directory locked; fork children — reward and tool workers — do not inherit it)."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing drops the lock
+            self.fd = None
+
+
+def earlier_run(out_dir: str) -> list[str]:
+    """What of an earlier run out_dir holds: [] or e.g. ["metrics.jsonl (3 rows)", "2 checkpoints"]."""
+    found = []
+    metrics = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
+        with open(metrics, "rb") as f:
+            found.append(f"metrics.jsonl ({sum(1 for line in f if line.strip())} rows)")
+    root = os.path.join(out_dir, "checkpoints")
+    steps = [n for n in os.listdir(root) if n.startswith("step_")] if os.path.isdir(root) else []
+    if steps:
+        found.append(f"{len(steps)} checkpoint{'s' * (len(steps) > 1)}")
+    return found
+
+
+def claim_run_dir(out_dir: str, resume: str = "", overwrite: bool = False) -> RunDirLock:
+    """Lock out_dir for this run (rank 0, before anything is written there) and refuse an earlier
+    run's directory unless the run continues it (--resume latest, or a checkpoint of its own) or
+    --overwrite deletes it first. A second run on a locked out_dir would interleave its rows into the
+    same metrics.jsonl and rotate the other's checkpoints away; a new run in an earlier one's out_dir
+    would truncate its metrics.jsonl and delete its checkpoints (the rotation keeps the newest steps,
+    so a later --resume latest loads the old run's). Raises RunDirError (one line, the fix in it)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd = os.open(os.path.join(out_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise RunDirError(f"--out-dir {out_dir}: cannot write there ({type(e).__name__}: {e.strerror}); "
+                          "choose a writable --out-dir") from None
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EAGAIN):
+            owner = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise RunDirError(f"--out-dir {out_dir} is in use by another run ({owner}): wait for it to "
+                              "end, or choose another --out-dir") from None
+        # a filesystem without locks (some network mounts): the run goes on unguarded, with a note
+        print(f"note: --out-dir {out_dir} cannot be locked ({e.strerror}); make sure no other run "
+              "writes there")
+        os.close(fd)
+        fd = None
+    lock = RunDirLock(fd)
+    try:
+        if fd is not None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        found = earlier_run(out_dir)
+        own = os.path.realpath(os.path.join(out_dir, "checkpoints"))
+        continues = resume == "latest" or (resume and os.path.realpath(os.path.dirname(
+            os.path.normpath(resume))) == own)
+        if found and overwrite:
+            for name in RUN_OUTPUTS:
+                path = os.path.join(out_dir, name)
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                elif os.path.exists(path):
+                    os.remove(path)
+            print(f"--overwrite: deleted the earlier run in {out_dir} ({', '.join(found)})")
+        elif found and not continues:
+            fix = (f"resuming {resume} (another directory's checkpoint) would mix the two: choose an "
+                   "empty --out-dir" if resume else "--resume latest continues it, --overwrite deletes "
+                   "it, or choose another --out-dir")
+            raise RunDirError(f"--out-dir {out_dir} holds an earlier run ({', '.join(found)}): {fix}")
+    except BaseException:
+        lock.release()
+        raise
+    return lock
 
 
 class Logger:

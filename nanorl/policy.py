@@ -3,22 +3,23 @@
 Link 3 of the chain (logprob recompute). The trainer scores every response token under three policies:
 the old policy π_old (the weights that generated the batch: the denominator of the PPO ratio), the
 current policy π_θ (recomputed in every micro-batch, with gradient) and the reference policy π_ref (the
-frozen starting model, only when KL is on). Start at `response_logprobs`: it runs a Hugging Face causal
-LM on a collated batch (nanorl/trajectory.py layout: prompt left-padded to width P, response
-right-padded to T); response token t sits at column P + t and is predicted by the hidden state at column
-P − 1 + t. Key choices: rows that share a prompt run its prefix once (`_hidden_shared_prefix`: the same
-numbers, fewer FLOPs); the head is fused with the log-softmax and the entropy (nanorl/entropy.py), so
-the [B·T, V] logits never exist at once (`impl="naive"` materialises them, for comparison); inside
-`record_sum_sq_probs()` every scored token also yields Σ_v π_v² from the same pass (the optimal token
-baseline needs it). `ValueModel` is PPO's critic: the policy's transformer with a scalar head, the value
-at column P − 1 + t estimating V(s_t). The policy and critic hold fp32 masters under autocast, the
-reference is stored in the compute dtype; every per-token tensor leaves here as fp32
-(nanorl/precision.py).
+frozen starting model, only when a KL term is on or --log-kl logs it). Start at `response_logprobs`: it
+runs a Hugging Face causal LM on a collated batch (nanorl/trajectory.py layout: prompt left-padded to
+width P, response right-padded to T); response token t sits at column P + t and is predicted by the
+hidden state at column P − 1 + t. Key choices: rows that share a prompt run its prefix once
+(`_hidden_shared_prefix`: the same numbers, fewer FLOPs); the head is fused with the log-softmax and the
+entropy (nanorl/entropy.py), so the [B·T, V] logits never exist at once (`impl="naive"` materialises
+them, for comparison); inside `record_sum_sq_probs()` every scored token also yields Σ_v π_v² from the
+same pass (the optimal token baseline needs it). `ValueModel` is PPO's critic: the policy's transformer
+with a scalar head, the value at column P − 1 + t estimating V(s_t). The policy and critic hold fp32
+masters under autocast, the reference is stored in the compute dtype; every per-token tensor leaves here
+as fp32 (nanorl/precision.py).
 """
 from __future__ import annotations
 
 import copy
 import importlib.util
+import os
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -26,6 +27,7 @@ import torch
 from nanorl import gguf_model
 from nanorl.entropy import fused_linear_logprobs_entropy, naive_logprobs_entropy
 from nanorl.precision import head_is_fp32
+from nanorl.presets import model_not_found
 from nanorl.trajectory import PaddedBatch
 
 IGNORE = -100
@@ -43,24 +45,77 @@ def best_attn_implementation(compute_dtype: torch.dtype | None = None) -> str:
     return "flash_attention_2" if flash else "sdpa"
 
 
-def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtype = torch.float32):
+def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtype = torch.float32,
+               flag: str = "--model"):
     """Any causal LM by Hugging Face name or local path, and its tokenizer. The weights load in fp32
     whatever the checkpoint's dtype: they are the master copy the optimizer updates (a bf16 weight
     cannot hold an RL-sized update; nanorl/precision.py). compute_dtype: the run's --dtype, the dtype
     every forward runs in (autocast). Attention: flash-attention 2 when it is installed, the device is
     CUDA and compute_dtype is bf16/fp16 (packed varlen micro-batches, nanorl/batching.py), else sdpa:
     flash-attn refuses the fp32 q/k/v of an fp32 run. A GGUF file (or a directory holding one) loads
-    dequantized, with the tokenizer and chat template in it (nanorl/gguf_model.py)."""
-    tokenizer = gguf_model.load_tokenizer(name_or_path)
-    # many base models ship without a pad token
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    model = gguf_model.load_causal_lm(name_or_path, dtype=torch.float32,
-                                      attn_implementation=best_attn_implementation(compute_dtype))
+    dequantized, with the tokenizer and chat template in it (nanorl/gguf_model.py). A path that names
+    nothing, a truncated weights file, or a tokenizer that cannot pad: one line naming `flag` and the
+    path (`_unreadable_model`, `_ensure_pad_token`)."""
+    try:
+        tokenizer = gguf_model.load_tokenizer(name_or_path)
+        model = gguf_model.load_causal_lm(name_or_path, dtype=torch.float32,
+                                          attn_implementation=best_attn_implementation(compute_dtype))
+    except Exception as e:
+        clear = _unreadable_model(name_or_path, e, flag)
+        if clear is None:
+            raise
+        raise clear from e
+    _ensure_pad_token(tokenizer, model.get_input_embeddings().num_embeddings, name_or_path, flag)
     model.to(device)
     # training forwards never need the KV cache
     model.config.use_cache = False
     return model, tokenizer
+
+
+def _unreadable_model(path: str, error: Exception, flag: str = "--model") -> ValueError | None:
+    """One line for a --model that cannot be loaded, or None (the library's own error stays): a path
+    that names nothing (nanorl/presets.py model_not_found), or a truncated or corrupt safetensors file,
+    named (the library's "incomplete metadata" names none)."""
+    if isinstance(error, OSError):
+        return model_not_found(path, error, flag)
+    if type(error).__name__ != "SafetensorError":
+        return None
+    from safetensors import safe_open
+
+    bad = []
+    if os.path.isdir(path):
+        for name in sorted(n for n in os.listdir(path) if n.endswith(".safetensors")):
+            try:
+                with safe_open(os.path.join(path, name), "pt"):
+                    pass
+            except Exception:
+                bad.append(name)
+    what = f"{os.path.join(path, bad[0])} is" if bad else "a weights file is"
+    return ValueError(f"config: {flag} {path}: {what} not a complete safetensors file (truncated or "
+                      f"corrupt: {error}); download or save it again")
+
+
+def _ensure_pad_token(tokenizer, vocab_size: int, path: str, flag: str = "--model") -> None:
+    """Give a tokenizer without a usable pad token its EOS token as pad, with a note; refuse when it has
+    no EOS token in the model's vocabulary either. Usable: an id the embedding has. Many base models
+    ship without one, and transformers 5 then names "<|endoftext|>" the pad token even when the
+    vocabulary lacks it (an id one past the embedding: an IndexError in the first rollout). EOS rather
+    than a refusal: pad positions are masked out of attention and loss, so any real token pads, and
+    EOS is what Hugging Face and TRL pad with."""
+    def usable(i):
+        return i is not None and 0 <= i < vocab_size
+
+    if usable(tokenizer.pad_token_id):
+        return
+    if not usable(tokenizer.eos_token_id):
+        raise ValueError(f"config: {flag} {path}: the tokenizer has neither a pad token nor an EOS token "
+                         f"in the model's vocabulary ({vocab_size} tokens); set pad_token in its "
+                         "tokenizer_config.json")
+    missing = "none" if tokenizer.pad_token is None else (
+        f"{tokenizer.pad_token!r}, id {tokenizer.pad_token_id}, outside the model's {vocab_size} tokens")
+    tokenizer.pad_token = tokenizer.eos_token
+    print(f"nanorl: {flag} {path}: the tokenizer's pad token ({missing}) is replaced by its EOS token "
+          f"{tokenizer.eos_token!r} (pad positions are masked out)", flush=True)
 
 
 def _hidden(model, batch: PaddedBatch, replay=None) -> torch.Tensor:

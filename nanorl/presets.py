@@ -102,7 +102,30 @@ def model_hidden_size(model: str) -> int:
     """The hidden size in a checkpoint's config (a local path or a cached/downloadable hub name)."""
     from nanorl.gguf_model import load_config
 
-    # a GGUF file's config is in its metadata
-    cfg = load_config(model)
+    try:
+        # a GGUF file's config is in its metadata
+        cfg = load_config(model)
+    except OSError as e:
+        clear = model_not_found(model, e)
+        if clear is None:
+            raise
+        raise clear from e
     cfg = getattr(cfg, "text_config", None) or cfg  # multimodal configs nest the language model's
     return int(getattr(cfg, "hidden_size", 0) or getattr(cfg, "d_model", 0) or 0)
+
+
+def model_not_found(model: str, error: OSError, flag: str = "--model") -> ValueError | None:
+    """The one line for a --model (or `flag`: --teacher, ...) that names nothing: transformers answers
+    a missing local path with "Repo id must be in the form 'repo_name' or 'namespace/repo_name'" (it
+    took the path for a hub name), and an uncached hub name offline with a paragraph. None when
+    `model` exists (a directory transformers cannot read: its own message names the missing file).
+    "config: " makes the command line print it as one line (nanorl/config.py user_error_line)."""
+    if os.path.exists(model):
+        return None
+    # a hub name is `name` or `owner/name`; anything else can only be a local path
+    path_like = model.startswith(("/", ".", "~")) or model.count("/") > 1 or "\\" in model
+    if path_like or model.endswith(".gguf"):
+        return ValueError(f"config: {flag} {model}: no such file or directory")
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ValueError(f"config: {flag} {model}: no such local path, and not a Hugging Face hub model that "
+                      f"is cached here or can be downloaded ({first[:200]})")

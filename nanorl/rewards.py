@@ -8,13 +8,15 @@ response against the label: 1 for the right answer, 0 otherwise, maybe a small b
 
 A dict names several components (e.g. {"correct": 1.0, "format": 0.5}): logged separately, summed into
 the sample's reward, normalised one by one by GDPO (nanorl/advantage.py); a key starting with "_" is
-log-only (`split_log_only`). Built in: `exact`, `math`, `format`, `math_format`, `code`, `reasoning_gym`
-(a reasoning-gym task's own checker, nanorl/reasoning_tasks.py); a user function comes
+log-only (`split_log_only`). Built in: `exact`, `exact_format`, `math`, `format`, `math_format`, `code`,
+`reasoning_gym` (a reasoning-gym task's own checker, nanorl/reasoning_tasks.py); a user function comes
 from an explicit flag as `module:function` or `path/to/file.py:function` (`load_reward_fn`), never from
 data. Start at `RewardRunner`. Key choice: user code must never take the run down — a function that
 raises, returns NaN/None/a wrong type or runs past its time limit gives reward 0 for that sample, is
-counted, and its first traceback is logged; with `timeout > 0` rewards run in worker processes (math:
-10 s by default, `BOUNDED`), so a hanging or crashing function is killed without touching the trainer.
+counted, and its first traceback is logged; with `timeout > 0` rewards run in worker processes (by
+default math 10 s, reasoning_gym 30 s, code 120 s: `BOUNDED`), so a hanging or crashing function is
+killed without touching the trainer. Ctrl-C during the reward calls: the first goes to the trainer
+(finish the step, save), the second ends the run at once, its workers killed (`_ctrl_c_guard`).
 """
 from __future__ import annotations
 
@@ -22,13 +24,18 @@ import importlib
 import math
 import multiprocessing as mp
 import numbers
+import os
 import pickle
 import re
+import signal
 import sys
+import threading
+import time
 import traceback
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor, TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 
 from nanorl import code_reward, math_grader, reasoning_tasks
 from nanorl.config import BOUNDED_REWARDS
@@ -159,8 +166,26 @@ def _call(fn, prompt, response, label, sample=None):
 _WORKER_FN = None
 
 
+def exit_with_parent(poll_s: float = 1.0) -> None:
+    """In a pool worker: exit once the process that started it is gone. A trainer killed by SIGKILL
+    runs no cleanup, and its workers, waiting on a queue whose write end they hold themselves, would
+    wait forever (holding the terminal's pipes and a core's worth of imports). Re-parenting shows it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="nanorl-exit-with-parent").start()
+
+
 def _set_worker_fn(fn) -> None:
     global _WORKER_FN
+    exit_with_parent()
+    # Ctrl-C reaches the terminal's whole process group: the trainer decides (`_ctrl_c_guard`) and
+    # kills the workers; a worker's own KeyboardInterrupt would come back as the call's result
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _WORKER_FN = _found(fn) if isinstance(fn, tuple) else fn
 
 
@@ -213,6 +238,38 @@ def _found(where: tuple):
     return getattr(module, qual)
 
 
+@contextmanager
+def _ctrl_c_guard(timeout: float):
+    """While the reward calls run: the first Ctrl-C goes to the handler in place (train.py's: finish
+    the step, save) with a note; a second raises KeyboardInterrupt, which ends a call hung in-process
+    and, in `_in_workers`, kills the pool. Without it a user reward that never returns made Ctrl-C a
+    no-op: train.py's handler only sets a flag the loop reads after the step. Only in the main thread
+    (the only one signal handlers run in) and only over a Python handler other than Python's default
+    (which already raises); SIG_IGN (an async rollout worker: its parent decides) stays ignored."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.getsignal(signal.SIGINT) if main else None
+    if not callable(previous) or previous is signal.default_int_handler:
+        yield
+        return
+    pressed = []
+
+    def handler(signum, frame):
+        pressed.append(signum)
+        if len(pressed) > 1:
+            raise KeyboardInterrupt
+        previous(signum, frame)
+        wait = f"up to {timeout:g} s each" if timeout > 0 else "no time limit: --reward-timeout 0"
+        # os.write: a print inside a signal handler can hit a print in progress (reentrant call)
+        os.write(2, f"Ctrl-C during the reward calls ({wait}): the run stops and saves after this step; "
+                    "Ctrl-C again stops it now, without saving\n".encode())
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _call_in_worker(prompt, response, label, sample=None):
     return _call(_WORKER_FN, prompt, response, label, sample)
 
@@ -245,10 +302,11 @@ class RewardRunner:
         if samples is not None and not self.wants_sample:
             raise ValueError("samples given to a reward without a `sample` parameter")
         samples = samples if samples is not None else [None] * len(prompts)
-        if self.timeout <= 0:
-            results = [_call(self.fn, *job) for job in zip(prompts, responses, labels, samples)]
-        else:
-            results = self._in_workers(prompts, responses, labels, samples)
+        with _ctrl_c_guard(self.timeout):
+            if self.timeout <= 0:
+                results = [_call(self.fn, *job) for job in zip(prompts, responses, labels, samples)]
+            else:
+                results = self._in_workers(prompts, responses, labels, samples)
         out = [res[1] if res[0] == "ok" else self._fault(res[1], res[2]) for res in results]
         # which calls failed (the last call's): score_samples marks those samples reward_fault
         self.faulted = [res[0] != "ok" for res in results]
@@ -304,6 +362,11 @@ class RewardRunner:
                     # the pool is stuck or dead: replace it, resubmit the rest
                     self.close()
                     break
+                except BaseException:
+                    # Ctrl-C (or any error) while waiting: a hung worker left alive would block the
+                    # interpreter's exit forever (concurrent.futures joins its workers at exit)
+                    self.close()
+                    raise
         return results
 
     def close(self):

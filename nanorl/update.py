@@ -113,11 +113,11 @@ def routing_forward(run: Learner, batch, support, metrics: dict) -> torch.Tensor
         logp[idx.to(device), :t] = lp
         experts[idx, P - p:P + t] = ids
     mask = batch.attention_mask.bool()  # [B, P+T]
-    if r3:
-        metrics["routing/disagreement"] = moe_replay.routing_disagreement(batch.routed_experts, experts,
-                                                                          batch.routed_mask.cpu())
-        per_layer = moe_replay.routing_disagreement_by_layer(batch.routed_experts, experts,
-                                                             batch.routed_mask.cpu())
+    if r3:  # the trainer's choice was gathered on the CPU, the recorded ids sit on the batch's device
+        recorded, seen = batch.routed_experts, batch.routed_mask  # [B, P+T, L, k], [B, P+T]
+        natural = experts.to(recorded.device)  # [B, P+T, L, k]
+        metrics["routing/disagreement"] = moe_replay.routing_disagreement(recorded, natural, seen)
+        per_layer = moe_replay.routing_disagreement_by_layer(recorded, natural, seen)
         metrics.update({f"routing/disagreement/layer_{i}": v for i, v in enumerate(per_layer)})
         metrics["routing/replay_mode"] = 3.0
         return logp
@@ -296,6 +296,10 @@ def train_on(run: Learner, batch) -> dict:
                     else:  # a lockstep pad: the collectives of a micro-batch, zero gradient
                         loss, m = pad_loss(run.trained(pad_batch(run), None)), None
                     loss = loss * loss_scale(run.world)  # DDP's mean over ranks → the global sum
+                    # a non-finite loss can have finite gradients (a NaN outside the graph, a NaN clamp
+                    # bound): NaN them, so that sync_and_step's norm check skips the step on every rank
+                    # (gradients are reduced over ranks); x 1.0 leaves a finite loss's bits as they are
+                    loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
                     (run.scaler.scale(loss) if run.scaler else loss).backward()  # fp16: scaled
                 if m is not None:
                     accumulate(stats, m)

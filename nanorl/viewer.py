@@ -10,7 +10,8 @@ The page groups the samples by prompt, sorts them by reward or length, and draws
 tokens, coloured by a per-token field you choose (entropy, advantage, |trainer − rollout logprob|, either
 logprob); hovering a token shows all its values; tokens outside the loss mask are dimmed. When the run's
 metrics.jsonl lies beside the rollouts folder, its curves (nanorl/logger.py plot) are embedded as a PNG.
-Start at `render`. Key choices: one file, no server, no network, no external script; rollout text is
+Start at `render`; a dump cut mid-line (a run killed while writing it) opens without that line
+(`read_dump`). Key choices: one file, no server, no network, no external script; rollout text is
 untrusted, so the page is built to be safe against it (how: `render`'s docstring).
 
 Test (headless Chromium): python -m pytest tests/test_viewer.py -q
@@ -22,8 +23,12 @@ import base64
 import hashlib
 import json
 import os
+import sys
 
-from nanorl.dump import read
+
+class DumpError(ValueError):
+    """A dump the page cannot be made of (damaged, or no samples); the message names the file."""
+
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;background:#f6f6f4;color:#222}
@@ -186,7 +191,7 @@ def render(records: list[dict], source: str = "", curves_png: bytes | None = Non
     (TensorBoard, W&B tables) need a server or an account, and none colours tokens.
     """
     if not records:
-        raise ValueError(f"{source or 'records'}: no samples to show")
+        raise DumpError(f"{source or 'records'}: no samples to show")
     steps = sorted({r.get("step") for r in records}, key=str)
     data = {"source": os.path.basename(source), "step": ", ".join(map(str, steps)), "samples": records}
     curves = ""
@@ -197,6 +202,25 @@ def render(records: list[dict], source: str = "", curves_png: bytes | None = Non
                   f'src="data:image/png;base64,{base64.b64encode(curves_png).decode()}"></details>')
     return PAGE.format(style=STYLE, script=SCRIPT, style_hash=_sha256(STYLE), script_hash=_sha256(SCRIPT),
                        curves=curves, data=safe_json(data))
+
+
+def read_dump(path: str, log=None) -> list[dict]:
+    """The records of a rollout dump. A last line that is not whole JSON (the run was killed while
+    writing it, or the disk filled) is skipped with a note through `log` (default: stderr): the samples
+    before it are intact, and they are what a user opens a dump to see. A broken line anywhere else is
+    not a cut: a DumpError naming the file and the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if k < len(lines) - 1:
+                raise DumpError(f"{path}:{n}: not a rollout record ({e}); the dump is damaged") from None
+            (log or (lambda m: print(m, file=sys.stderr)))(
+                f"{path}:{n}: the last line is cut off (the run stopped while writing it); skipped")
+    return records
 
 
 def write(jsonl: str, out: str, curves: bool = True) -> tuple[str, str | None]:
@@ -211,7 +235,7 @@ def write(jsonl: str, out: str, curves: bool = True) -> tuple[str, str | None]:
         from nanorl.logger import plot
         png = os.path.splitext(out)[0] + "_curves.png"
         plt.close(plot(metrics, png))
-    page = render(read(jsonl), jsonl, open(png, "rb").read() if png else None)
+    page = render(read_dump(jsonl), jsonl, open(png, "rb").read() if png else None)
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)
     return out, png
@@ -224,7 +248,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-curves", action="store_true",
                     help="skip the curves PNG even if metrics.jsonl is found")
     a = ap.parse_args(argv)
-    page, png = write(a.dump, a.out, curves=not a.no_curves)
+    try:
+        page, png = write(a.dump, a.out, curves=not a.no_curves)
+    # a missing or damaged dump is the user's input: one line, exit status 2 (argparse's convention)
+    except (DumpError, FileNotFoundError, IsADirectoryError, PermissionError) as e:
+        ap.exit(2, f"{ap.prog}: error: {e}\n")
     print(f"wrote {page}" + (f" and {png}" if png
                              else " (no metrics.jsonl beside the rollouts folder: no curves)"))
 

@@ -39,6 +39,18 @@ def test_empty_and_too_long_are_skipped_and_counted(tok):
         build_prompts(rows[:1] + rows[2:], tok, "prompt", "answer", max_prompt_len=16)
 
 
+def test_dropped_prompts_are_said_at_start_up(tok, capsys):
+    rows = [{"prompt": "9" * 100, "answer": "9"}, {"prompt": "1+1=", "answer": "2"},
+            {"prompt": "8" * 30, "answer": "8"}, {"prompt": " ", "answer": "0"}]
+    lines = []
+    build_prompts(rows, tok, "prompt", "answer", max_prompt_len=16, source="gsm8k.jsonl", log=lines.append)
+    assert lines == ["gsm8k.jsonl: dropped 2 longer than --max-prompt-len 16 tokens and 1 empty of 4 prompts"]
+    build_prompts(rows[:3], tok, "prompt", "answer", max_prompt_len=16, source="eval")  # printed by default
+    assert capsys.readouterr().out == "eval: dropped 2 longer than --max-prompt-len 16 tokens of 3 prompts\n"
+    build_prompts(rows[1:2], tok, "prompt", "answer", max_prompt_len=16)  # nothing dropped: nothing said
+    assert capsys.readouterr().out == ""
+
+
 def test_parquet_roundtrip(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -221,3 +233,22 @@ def test_any_source_to_jsonl_command(tmp_path):
     hub = write_hub_dir(tmp_path / "gsm8k_cli", "main", {"train": [GSM8K_ROW], "test": [GSM8K_ROW]})
     main([f"{hub}:main@test", str(tmp_path / "gsm8k_test.jsonl")])
     assert load_rows(str(tmp_path / "gsm8k_test.jsonl")) == [GSM8K_ROW]
+
+
+def test_a_run_logs_its_dropped_training_prompts_once(tmp_path, capsys):
+    """The start-up line on the console, and the counts in metrics.jsonl's first row (not later ones)."""
+    import train
+    from nanorl.task import make_default
+    task = make_default(str(tmp_path / "task"), seed=0, sft_steps=0)
+    rows = [json.loads(line) for line in open(task["train"])][:20]
+    rows[3]["prompt"] = "9" * 200  # longer than --max-prompt-len 64
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    train.main(["--model", task["model"], "--train-data", str(tmp_path / "train.jsonl"), "--test-data",
+                task["test"], "--max-prompt-len", "64", "--steps", "2", "--prompts-per-step", "2",
+                "--samples-per-prompt", "2", "--eval-limit", "2", "--eval-every", "0", "--quiet",
+                "--threads", "1", "--out-dir", str(out)])
+    assert "dropped 1 longer than --max-prompt-len 64 tokens of 20 prompts" in capsys.readouterr().out
+    logged = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert logged[0]["data/prompts_skipped_too_long"] == 1 and "data/prompts_skipped_empty" not in logged[0]
+    assert not any(k.startswith("data/") for row in logged[1:] for k in row)

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 import train
-from nanorl import checkpoint, update
+from nanorl import build, checkpoint, logger, update
 from nanorl.checkpoint import CheckpointError
 from nanorl.config import parse_args
+from nanorl.logger import RunDirError
 from nanorl.rollout import HFEngine
 from nanorl.task import make_default
 
@@ -348,6 +349,36 @@ def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
     assert math.isnan(lines[1]["train/grad_norm"]) and math.isfinite(lines[2]["train/grad_norm"])
 
 
+# issue 47: the guard is nanorl/update.py's (train_on: NaN the gradients of a non-finite loss, so that
+# sync_and_step's norm check skips the step on every rank)
+def test_non_finite_loss_with_finite_gradients_skips_the_update(task, tmp_path, monkeypatch):
+    """A NaN loss whose gradients are finite (a NaN outside the graph: a NaN clamp bound, a user loss
+    adding a detached NaN term) must not reach the weights either — the norm check alone lets it by."""
+    micro, step = update.micro_step, update.sync_and_step
+    changed = []
+
+    def nan_loss(run, *a):
+        loss, m = micro(run, *a)
+        if run.step != 1:
+            return loss, m
+        return loss + math.nan, {**m, "loss": m["loss"] + math.nan}  # the value NaN, the gradient untouched
+
+    def watched(run, params):
+        before = [p.detach().clone() for p in params]
+        norm = step(run, params)
+        changed.append(any(not torch.equal(b, p) for b, p in zip(before, params)))
+        return norm
+    monkeypatch.setattr(update, "micro_step", nan_loss)
+    monkeypatch.setattr(update, "sync_and_step", watched)
+    out = tmp_path / "run"
+    res = train.main(args(task, out, "--steps", "3"))
+    lines = train_lines(out)
+    assert math.isnan(lines[1]["train/loss"]) and math.isfinite(lines[2]["train/loss"])
+    assert changed == [True, False, True]
+    assert res["counters"]["skipped_updates"] == 1
+    assert [r["train/skipped_updates"] for r in lines] == [0, 1, 1]
+
+
 def test_engine_sync_failure_is_a_clear_error(task, tmp_path, monkeypatch):
     def broken(self, model, version):
         if version == 2:
@@ -370,3 +401,63 @@ def test_safety_nothing_unpickled_nothing_executed(tmp_path):
     assert not marker.exists() and not runner.faults
     with pytest.raises(ValueError, match="expected one of"):
         rewards.load_reward_fn(evil)  # a reward is code only when named as module:function / file.py:function
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+
+def run_dir_state(out) -> dict:
+    """Every file of a run directory with its bytes (what a refused run must leave as it was)."""
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and p.name != logger.LOCK_FILE}  # the lock file names its last claimant
+
+
+def test_a_new_run_in_an_earlier_runs_out_dir_is_refused_and_nothing_is_lost(task, saved, tmp_path):
+    out = copy_run(saved, tmp_path)
+    before = run_dir_state(out)
+    rows = len(open(out / "metrics.jsonl").readlines())
+    for extra in ((), ("--resume", str(tmp_path / "elsewhere" / "checkpoints" / "step_000002"))):
+        earlier = rf"holds an earlier run \(metrics.jsonl \({rows} rows\), 3 checkpoints\)"
+        with pytest.raises(RunDirError, match=earlier):
+            train.main(args(task, out, "--steps", "2", *extra))
+    assert run_dir_state(out) == before  # not one byte truncated, no checkpoint rotated away
+    # --resume latest continues it; --overwrite starts over, with nothing of the earlier run left
+    res = train.main(args(task, out, "--steps", "1", "--overwrite"))
+    assert res["step"] == 1 and [r["step"] for r in train_lines(out)] == [1]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_000001"]
+    logger.claim_run_dir(str(out), "latest").release()  # the run's end released its lock
+
+
+def test_a_second_run_on_a_locked_out_dir_is_refused(task, tmp_path, spawn):
+    out = tmp_path / "run"
+    proc = spawn(out)
+    metrics = out / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and "rollout/reward_mean" in metrics.read_text(), proc)
+    # even as a resume (which an earlier run's directory allows): the first run is still writing there
+    with pytest.raises(RunDirError, match=rf"is in use by another run \(pid {proc.pid} on "):
+        train.main(args(task, out, "--steps", "1", "--resume", "latest"))
+    wait_for(lambda: len(train_lines(out)) >= 2, proc)  # the first run goes on, its log its own
+    proc.kill()
+    proc.communicate(timeout=60)
+    steps = [r["step"] for r in train_lines(out)]
+    assert steps == list(range(1, len(steps) + 1))
+    logger.claim_run_dir(str(out), "latest").release()  # a killed run leaves no lock behind
+
+
+def test_resume_with_another_lr_applies_it(task, saved, tmp_path, monkeypatch, capsys):
+    """The schedule continues from the new base rate at the restored step, exactly as a run started
+    with it would run there (not the checkpoint's base rate restored with the optimizer)."""
+    out = copy_run(saved, tmp_path)
+    used, step = [], update.sync_and_step
+
+    def watched(run, params):
+        used.append([g["lr"] for g in run.optimizer.param_groups])
+        return step(run, params)
+    monkeypatch.setattr(update, "sync_and_step", watched)
+    argv = args(task, out, "--steps", "5", "--resume", "latest", "--lr", "5e-4")
+    train.main(argv)
+    cfg = parse_args(argv)
+    assert cfg.lr == 5e-4 and cfg.schedule == "cosine" and cfg.warmup_steps == 1
+    assert used == [[5e-4 * build.lr_factor(cfg, 3)], [5e-4 * build.lr_factor(cfg, 4)]]  # steps 4 and 5
+    assert [r["train/lr"] for r in train_lines(out)][3:] == [5e-4 * build.lr_factor(cfg, s) for s in (4, 5)]
+    assert "--lr 0.0005 applied (the checkpoint's run had 0.001)" in capsys.readouterr().out

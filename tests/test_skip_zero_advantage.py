@@ -89,7 +89,9 @@ def test_a_step_with_every_row_skipped_still_moves_adam(task, tmp_path):
     weights on a zero gradient, so the skipped run must step too: same weights as the unskipped run."""
     final = {}
     for name, extra in {"full": ("--no-skip-zero-advantage",), "skip": ()}.items():
-        run = setup_run(task, tmp_path / name, "--reward", task["then_flat"], "--kl-coef", "0", *extra)
+        # in-process (--reward-timeout 0): the call counter lives in this process
+        run = setup_run(task, tmp_path / name, "--reward", task["then_flat"], "--kl-coef", "0",
+                        "--reward-timeout", "0", *extra)
         for m in [m for k, m in sys.modules.items() if k.startswith("nanorl_user_")
                   and hasattr(m, "then_flat")]:
             m.CALLS[0] = 0  # each run sees signal in its first step only (the file is imported once)
