@@ -65,7 +65,7 @@ def load_policy(cfg: Config, device, dtype):
         precision.enable_gradient_checkpointing(model, routing_replay=cfg.routing_replay)
     if cfg.lora_rank:
         lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
-    model.train()  # Hugging Face checkpoints only in train mode; dropout is 0 in these models
+    model.train()  # Hugging Face checkpoints only in train mode; dropout is off (policy.dropout_off)
     if torch.device(device).type == "cuda":
         check_memory(cfg, model, torch.device(device))
     return model, tokenizer

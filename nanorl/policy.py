@@ -66,10 +66,42 @@ def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtyp
             raise
         raise clear from e
     _ensure_pad_token(tokenizer, model.get_input_embeddings().num_embeddings, name_or_path, flag)
+    was = dropout_off(model)
+    if was and int(os.environ.get("RANK", "0")) == 0:
+        print(f"nanorl: {flag} {name_or_path} has dropout on ({', '.join(was)}): off in every RL forward "
+              "(the engine samples without it, so every ratio and logprob must be scored without it)",
+              flush=True)
     model.to(device)
     # training forwards never need the KV cache
     model.config.use_cache = False
     return model, tokenizer
+
+
+def dropout_off(model) -> list[str]:
+    """Switch dropout off for good (p = 0), train mode or not; returns the config's non-zero dropout
+    settings it found ("attn_pdrop=0.1", ...). The trainer keeps the policy in train mode (Hugging Face
+    checkpoints expect it), where GPT-2's family drops 10% of activations: the π_old recompute and the
+    update would each draw their own masks while the engine sampled with none, so the first epoch's
+    ratio is not 1 and every logprob is noise (0.095 apart in two scorings of one batch). The seeds'
+    Megatron runs set --attention-dropout 0.0 --hidden-dropout 0.0 for the same reason. The config is
+    zeroed too (some models read it at forward time; a saved checkpoint says what was trained)."""
+    # a multimodal config nests the language model's (get_text_config may return the config itself)
+    text = model.config.get_text_config()
+    was = []
+    for config in [model.config] + ([text] if text is not model.config else []):
+        for key, value in sorted(vars(config).items()):
+            dropout = "dropout" in key or key.endswith("pdrop")
+            if dropout and isinstance(value, float) and value > 0:
+                was.append(f"{key}={value:g}")
+                setattr(config, key, 0.0)
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        # attention modules hold their rate as a float (Llama / Qwen: self.attention_dropout)
+        for key in ("attention_dropout", "dropout"):
+            if isinstance(getattr(module, key, None), float):
+                setattr(module, key, 0.0)
+    return list(dict.fromkeys(was))
 
 
 def _unreadable_model(path: str, error: Exception, flag: str = "--model") -> ValueError | None:
