@@ -174,8 +174,8 @@ def make_optimizer(cfg: Config, model, critic):
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if critic is not None:
         params.append({"params": [p for p in critic.parameters() if p.requires_grad]})
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.99), weight_decay=cfg.weight_decay,
-                                  fused=not cfg.fsdp)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                  weight_decay=cfg.weight_decay, fused=not cfg.fsdp)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
 
 

@@ -47,10 +47,12 @@ MANIFEST = "manifest.json"
 PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 # config fields a resumed run may change without a note (where it writes, how long it runs, how it evaluates)
-# (lr: applied and said in the resume line, `_apply_lr`; overwrite: a start-up choice about out_dir)
+# (lr: applied and said in the resume line, `_apply_lr`; AdamW's betas, eps and weight decay: applied to
+# the restored groups; overwrite: a start-up choice about out_dir)
 FREE_FIELDS = {"resume", "steps", "out_dir", "save_every", "eval_every", "eval_limit", "quiet", "threads",
                "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k",
-               "test_data", "eval_temperature", "eval_max_new_tokens", "lr", "overwrite"}
+               "test_data", "eval_temperature", "eval_max_new_tokens", "lr", "overwrite", "adam_beta1",
+               "adam_beta2", "adam_eps", "weight_decay"}
 
 
 class CheckpointError(Exception):
@@ -481,6 +483,8 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
     state.scheduler.load_state_dict(tensors["scheduler"])
     if saved["config"].get("lr", cfg.lr) != cfg.lr:
         _apply_lr(state, cfg.lr)
+    for group in state.optimizer.param_groups:  # the restored groups carry the saved run's settings
+        group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
     state.loader.load_state_dict(saved["loader"])
     state.counters.update(saved["counters"])

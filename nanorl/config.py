@@ -293,6 +293,12 @@ class Config:
     """After warm-up: constant or cosine."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW's first-moment decay."""
+    adam_beta2: float = 0.99
+    """AdamW's second-moment decay (torch's default is 0.999; nanorl has trained with 0.99 throughout)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (added to the second moment's root)."""
     grad_clip: float = 1.0
     """Max global gradient norm."""
     # --- LoRA (nanorl/lora.py, PEFT): adapters instead of full fine-tuning

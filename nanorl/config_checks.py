@@ -125,6 +125,9 @@ def check(cfg) -> None:
                  "eval_max_new_tokens", "dump_rollouts"):
         need(getattr(cfg, name) >= 0, f"{name} must be >= 0, got {getattr(cfg, name)}")
     need(0 < cfg.top_p <= 1, f"top_p must be in (0, 1], got {cfg.top_p}")
+    for name in ("adam_beta1", "adam_beta2"):
+        need(0 <= getattr(cfg, name) < 1, f"{name} must be in [0, 1), got {getattr(cfg, name)}")
+    need(cfg.adam_eps > 0, f"adam_eps must be > 0, got {cfg.adam_eps}")
     need(cfg.dump_rollouts_mb > 0, f"dump_rollouts_mb must be > 0, got {cfg.dump_rollouts_mb}")
     # the rollout worker would wait for new weights forever
     need(not (cfg.debug_rollout_only and cfg.async_steps),

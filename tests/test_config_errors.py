@@ -66,6 +66,8 @@ CASES = [
     (dict(chat_template_kwargs="[1]"), None),
     (dict(top_k=-1), None),
     (dict(top_p=0.0), None),
+    (dict(adam_beta2=1.0), None),
+    (dict(adam_eps=0.0), None),
     (dict(dump_rollouts_mb=0.0), None),
     (dict(debug_rollout_only=True, async_steps=1), None),
     (dict(temperature=0.0), None),

@@ -21,7 +21,7 @@ import torch
 import train
 from nanorl import build, checkpoint, logger, update
 from nanorl.checkpoint import CheckpointError
-from nanorl.config import parse_args
+from nanorl.config import ConfigError, parse_args
 from nanorl.logger import RunDirError
 from nanorl.rollout import HFEngine
 from nanorl.task import make_default
@@ -461,3 +461,25 @@ def test_resume_with_another_lr_applies_it(task, saved, tmp_path, monkeypatch, c
     assert used == [[5e-4 * build.lr_factor(cfg, 3)], [5e-4 * build.lr_factor(cfg, 4)]]  # steps 4 and 5
     assert [r["train/lr"] for r in train_lines(out)][3:] == [5e-4 * build.lr_factor(cfg, s) for s in (4, 5)]
     assert "--lr 0.0005 applied (the checkpoint's run had 0.001)" in capsys.readouterr().out
+
+
+def test_adam_flags_reach_the_optimizer_and_a_resume(task, saved, tmp_path, monkeypatch):
+    """--adam-beta1/--adam-beta2/--adam-eps/--weight-decay set AdamW's groups at start, and a resume
+    that names other values trains with them (the restored groups would carry the checkpoint's)."""
+    out = copy_run(saved, tmp_path)
+    seen, step = [], update.sync_and_step
+
+    def watched(run, params):
+        seen.append([(g["betas"], g["eps"], g["weight_decay"]) for g in run.optimizer.param_groups])
+        return step(run, params)
+    monkeypatch.setattr(update, "sync_and_step", watched)
+    fresh = train.setup(parse_args(args(task, tmp_path / "fresh", "--adam-beta1", "0.8", "--adam-beta2",
+                                        "0.95", "--adam-eps", "1e-6")))
+    assert [(g["betas"], g["eps"]) for g in fresh.optimizer.param_groups] == [((0.8, 0.95), 1e-6)]
+    fresh.logger.close()
+    fresh.rewards.close()
+    train.main(args(task, out, "--steps", "4", "--resume", "latest", "--adam-beta1", "0.5", "--adam-beta2",
+                    "0.9", "--adam-eps", "1e-5", "--weight-decay", "0.1"))
+    assert seen == [[((0.5, 0.9), 1e-5, 0.1)]]
+    with pytest.raises(ConfigError, match=r"adam_beta2 must be in \[0, 1\), got 1.0"):
+        parse_args(["--adam-beta2", "1"])
