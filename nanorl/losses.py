@@ -378,7 +378,8 @@ PLUGIN_LOSS_INPUTS = frozenset(LossConfig.__dataclass_fields__) - {"policy"} | {
 
 def user_policy_loss(fn: Callable, logp, old_logp, adv, mask, cfg: LossConfig, metadata=None):
     """A user loss → (loss [B, T], stats): it may return the matrix alone or with a dict of [B, T]
-    masks/values (stats "clip", "clip_low", ... are logged as pg_clipfrac, ...)."""
+    masks/values or numbers (stats "clip", "clip_low", ... are logged as pg_clipfrac, ...; any other key
+    as train/<key>, `user_loss_stats`)."""
     import inspect
     takes = inspect.signature(fn).parameters
     named = {k: getattr(cfg, k) for k in takes if k in PLUGIN_LOSS_INPUTS and k != "metadata"}
@@ -392,6 +393,29 @@ def user_policy_loss(fn: Callable, logp, old_logp, adv, mask, cfg: LossConfig, m
         raise TypeError(f"policy loss {fn.__name__!r} must return a loss [B, T] like mask "
                         f"{tuple(mask.shape)} (or (loss, stats dict)), got {type(out).__name__}")
     return mat, stats
+
+
+# the stats every loss may return, logged as pg_clipfrac, pg_clipfrac_low, ... (total_loss)
+CLIP_STATS = ("clip", "clip_low", "clip_high", "dual_clip")
+
+
+def user_loss_stats(fn: Callable, stats: dict, valid: torch.Tensor) -> dict:
+    """A user loss's own stats beyond CLIP_STATS, logged as train/<key>: a [B, T] value → its masked
+    token mean (the max for a key ending in _max), a number or 0-d tensor → itself (micro-batches are
+    then averaged by their token counts, as every token mean is; nanorl/update.py)."""
+    out = {}
+    for key, value in stats.items():
+        if key in CLIP_STATS:
+            continue
+        value = torch.as_tensor(value, device=valid.device).detach().float()
+        if value.dim() == 0:
+            out[key] = value
+        elif value.shape == valid.shape:
+            out[key] = (_max if key.endswith("_max") else _mean)(value, valid)
+        else:
+            raise TypeError(f"policy loss {fn.__name__!r}: stat {key!r} must be a number or [B, T] like mask "
+                            f"{tuple(valid.shape)}, got shape {tuple(value.shape)}")
+    return out
 
 
 def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=None, kl=None,
@@ -462,11 +486,18 @@ def total_loss(cfg: LossConfig, logp, old_logp, advantages, mask, *, entropy=Non
         loss = loss + cfg.vf_coef * vf_loss
 
     log_ratio, ratio = log_ratio_and_ratio(_clean(logp.detach(), valid), _clean(old_logp, valid))
-    frac = lambda k: _mean(stats[k].float(), valid) if k in stats else zero  # noqa: E731
+    frac = lambda k: _mean(stats[k].float(), valid) if k in stats else zero  # noqa: E731 (CLIP_STATS)
     m.update(loss=loss, pg_loss=pg_loss, kl_loss=kl_loss, vf_loss=vf_loss, vf_clipfrac=vf_clip, entropy=ent,
              entropy_loss=ent_loss,
              pg_clipfrac=frac("clip"), pg_clipfrac_low=frac("clip_low"), pg_clipfrac_high=frac("clip_high"),
              dual_clipfrac=frac("dual_clip"), ppo_kl=_mean(-log_ratio, valid),
              ratio_mean=_mean(ratio, valid), ratio_max=_max(ratio, valid),
              num_tokens=valid.sum().float(), num_seqs=valid.any(-1).sum().float())
+    if user:  # its own stats, by name beside these (a clash would overwrite one of the step's metrics)
+        own = user_loss_stats(cfg.policy, stats, valid)
+        clash = sorted(set(own) & set(m))
+        if clash:
+            raise ValueError(f"policy loss {cfg.policy.__name__!r} returns stats {clash}, which are metric "
+                             "names of the step already: rename them")
+        m.update(own)
     return loss, {k: v.detach().float() for k, v in m.items()}

@@ -222,7 +222,8 @@ PLUGIN = """
     def policy_loss(logp, old_logp, advantages, mask, *, metadata):
         for m in metadata:
             m["toy/loss_calls"] = m.get("toy/loss_calls", 0) + 1
-        return -advantages * torch.exp(logp - old_logp)
+        # a stat of its own: logged as train/positive_adv
+        return -advantages * torch.exp(logp - old_logp), {"positive_adv": (advantages > 0).float()}
     """
 
 
@@ -259,3 +260,29 @@ def test_train_runs_every_plug_in_point(task_dir, tmp_path, extra):
     for m in steps:  # each plug-in ran, in the chain's order, and its metadata was logged by name
         assert m["toy/postprocessed"] == m["toy/advantage_saw_postprocess"] == 1.0
         assert m["toy/loss_calls"] == 1.0 and 1.0 <= m["toy/response_len"] <= 4.0
+        assert 0.0 <= m["train/positive_adv"] <= 1.0
+
+
+def _loss_with_stats(logp, old_logp, advantages, mask):
+    loss, stats = ppo_clip_loss(logp, old_logp, advantages, mask, 0.2, 0.2)
+    stats.update(positive=(advantages > 0).float(), ratio_gap_max=(logp - old_logp).detach().abs(), scale=3.0)
+    return loss, stats
+
+
+def test_a_user_losss_own_stats_are_logged_by_name():
+    """Every key beyond the clip masks: a [B, T] value as its masked token mean (the max for *_max),
+    a number as itself; over several micro-batches, update.accumulate weights them by tokens."""
+    torch.manual_seed(0)
+    logp, old = torch.randn(3, 4), torch.randn(3, 4)
+    adv = torch.tensor([[1.0, -1, 1, 1], [-1, -1, 5, 5], [2, 9, 9, 9]])
+    mask = torch.tensor([[1.0] * 4, [1, 1, 0, 0], [1, 0, 0, 0]])
+    _, m = total_loss(LossConfig(policy=_loss_with_stats, dual_clip=None), logp, old, adv, mask)
+    assert m["positive"].item() == pytest.approx(4 / 7)  # 3 of row 0's, none of row 1's, row 2's one
+    gap = (logp - old).abs()[mask.bool()].max()
+    assert m["ratio_gap_max"].item() == pytest.approx(gap.item()) and m["scale"].item() == 3.0
+    clash = lambda lp, o, a, mk: (lp * mk, {"entropy": mk})  # noqa: E731
+    with pytest.raises(ValueError, match=r"returns stats \['entropy'\], which are metric names"):
+        total_loss(LossConfig(policy=clash), logp, old, adv, mask)
+    wrong = lambda lp, o, a, mk: (lp * mk, {"row": mk[:, 0]})  # noqa: E731
+    with pytest.raises(TypeError, match=r"stat 'row' must be a number or \[B, T\]"):
+        total_loss(LossConfig(policy=wrong), logp, old, adv, mask)
