@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from nanorl import build, checkpoint, distributed, gguf_model, pipeline, precision, stages
-from nanorl.config import Config, parse_args, user_error_line
+from nanorl.config import Config, ConfigError, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
 from nanorl.kl import AdaptiveKLController, FixedKLController
@@ -95,6 +95,10 @@ def setup(cfg: Config) -> Run:
     """Everything one run holds, built in chain order: task, policy, engine, trained modules, optimizer."""
     cfg = apply_plugins(cfg)  # a no-op when main already did (setup(Config(...)) callers)
     rank, world, device = distributed.init()  # `accelerate launch` / `torchrun` env, or one process
+    if cfg.fsdp and world == 1:  # FSDP shards over a process group, which one process has not joined
+        raise ConfigError("--fsdp shards the model over several processes and this run is one: launch "
+                          "it with `torchrun --nproc-per-node N train.py ...` (or accelerate launch), or "
+                          "drop --fsdp")
     if cfg.threads or not cfg.model:  # the built-in task: 1 thread unless told (Config.threads)
         torch.set_num_threads(cfg.threads or 1)
     seed_everything(cfg.seed + rank)
@@ -240,17 +244,21 @@ def claim_out_dir(cfg: Config, rank: int, world: int) -> RunDirLock:
 
 def cli(argv: list[str] | None = None) -> None:
     """`python train.py ...`: `main`, where a user's mistake (a config rule, a refused --out-dir, a
-    bad flag) ends the run with one line on stderr and exit status 2 (argparse's convention), no
-    traceback; a bug keeps its traceback. Programmatic callers of main get the exception."""
+    bad flag) ends the run with one line on stderr and exit status 2 (argparse's convention), and a
+    checkpoint that cannot be written or read (a full disk, a damaged directory) with its one line and
+    status 1, no traceback; a bug keeps its traceback. Programmatic callers of main get the exception."""
+    prog = os.path.basename(sys.argv[0]) or "train.py"
     try:
         main(argv)
     except Exception as e:
-        line = user_error_line(e, os.path.basename(sys.argv[0]) or "train.py")
+        line, status = user_error_line(e, prog), 2
+        if line is None and isinstance(e, checkpoint.CheckpointError):
+            line, status = f"{prog}: error: {' '.join(str(e).split())}", 1
         if line is None:
             raise
         print(line, file=sys.stderr, flush=True)
-        distributed.end_process(2)  # several ranks: exit without the interpreter's teardown (see there)
-        raise SystemExit(2) from None
+        distributed.end_process(status)  # several ranks: exit without the interpreter's teardown (see there)
+        raise SystemExit(status) from None
     distributed.end_process()  # several ranks: exit without the interpreter's teardown (see there)
 
 

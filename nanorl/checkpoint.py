@@ -260,6 +260,18 @@ def _make_tmp(root: str, step: int) -> tuple[str, str | None]:
         return tmp, f"{type(e).__name__}: {e}"
 
 
+def _torch_save(obj, path: str) -> None:
+    """torch.save, with a failed write raised as the OSError it is: torch's zip writer reports a full
+    disk as RuntimeError "[enforce fail at inline_container.cc:...] unexpected pos ...", which `save`
+    would otherwise treat as a bug (a traceback instead of its one line)."""
+    try:
+        torch.save(obj, path)
+    except RuntimeError as e:
+        if "inline_container" not in str(e):
+            raise
+        raise OSError(f"torch.save could not write {os.path.basename(path)} (is the disk full?): {e}") from e
+
+
 def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
     """Rank 0's files: the model (not sharded: the module's own tensors) or, sharded, its config; the
     tokenizer; trainer_state.pt and trainer_state.json."""
@@ -283,9 +295,9 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     # test hook (PAUSE_ENV)
     time.sleep(float(os.environ.get(PAUSE_ENV) or 0))
     # read back with weights_only=True
-    torch.save({"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
-                "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]},
-               os.path.join(tmp, "trainer_state.pt"))
+    _torch_save({"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
+                 "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]},
+                os.path.join(tmp, "trainer_state.pt"))
     # --async-steps: the batches in flight, sampled from versions this checkpoint does not hold
     # (pipeline.pt; what that guarantees is in nanorl/pipeline.py)
     if state.pipeline is not None:

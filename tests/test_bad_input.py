@@ -204,3 +204,50 @@ def test_a_cut_rollout_dump_still_opens(tmp_path, capsys):
     with pytest.raises(SystemExit):
         viewer.main([str(tmp_path / "missing.jsonl")])
     assert "No such file or directory" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- --fsdp on one process
+
+def test_fsdp_on_one_process_is_one_line(tmp_path, capsys):
+    """Before: `ValueError: Default process group has not been initialized` from deep inside fully_shard."""
+    import train
+    with pytest.raises(SystemExit) as e:
+        train.cli(["--fsdp", "--steps", "1", "--out-dir", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert "--fsdp shards the model over several processes and this run is one" in err
+    assert "torchrun --nproc-per-node N" in err
+
+
+# ----------------------------------------------------------------------------- a full disk at a save
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous(tmp_path, capsys, monkeypatch):
+    """The second save's trainer state fails as torch's zip writer fails on a full disk (measured in
+    the bad-input battery: `RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos`):
+    one line, status 1, and the first checkpoint still complete. Before: that RuntimeError's traceback."""
+    import train
+    from nanorl import checkpoint
+    from nanorl.task import make_default
+    task = make_default(str(tmp_path / "task"), seed=0, sft_steps=0)
+    real, saves = torch.save, []
+
+    def second_hits_a_full_disk(obj, f, *args, **kwargs):
+        if str(f).endswith("trainer_state.pt"):
+            saves.append(f)
+            if len(saves) == 2:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+        return real(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, "save", second_hits_a_full_disk)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.cli(["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
+                   "--steps", "2", "--save-every", "1", "--prompts-per-step", "2", "--samples-per-prompt",
+                   "2", "--eval-limit", "2", "--quiet", "--threads", "1", "--out-dir", str(out)])
+    err = capsys.readouterr().err
+    # stderr's other lines are the libraries' progress bars
+    line = err.splitlines()[-1]
+    assert e.value.code == 1 and "Traceback" not in err and ": error: could not write checkpoint" in line
+    assert "could not write checkpoint" in line and "is the disk full?" in line
+    assert f"the previous checkpoint ({out / 'checkpoints' / 'step_000001'}) is intact" in line
+    assert [s for s, _ in checkpoint.list_checkpoints(str(out / "checkpoints"))] == [1]
+    assert not [n for n in os.listdir(out / "checkpoints") if n.startswith(".tmp-")]  # no half-written one
