@@ -93,6 +93,9 @@ class Config:
     """Use the tokenizer's chat template when it has one (--no-chat-template: raw text, for base models)."""
     chat_template_kwargs: str = ""
     """JSON object of extra chat-template options, e.g. '{"enable_thinking": false}' for Qwen3."""
+    mask_think: bool = False
+    """Keep each response's <think>…</think> tokens out of the loss (they still condition the answer
+    and the reward reads them): train the answer, not the reasoning (nanorl/spans.py)."""
     # --- reward and plug-ins (nanorl/rewards.py, nanorl/plugins.py, docs/extending.md)
     reward_timeout: float = -1.0
     """Seconds per reward call; > 0 runs rewards in worker processes and scores a hung call 0; 0 runs

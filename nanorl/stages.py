@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from nanorl import dapo, distributed, dump, precision
+from nanorl import dapo, distributed, dump, precision, spans
 from nanorl.advantage import compute_advantages, reverse_kl_advantage
 from nanorl.env import episode_metrics, turn_reward_tensor
 from nanorl.kl import kl_estimator, kl_penalized_rewards, masked_mean
@@ -132,6 +132,8 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
     if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
         metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
             samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+    if cfg.mask_think:  # the reasoning conditions the answer and takes no loss (nanorl/spans.py)
+        metrics["think_masked_frac"] = spans.mask_think(samples, run.tokenizer)
     return samples, baselines
 
 
