@@ -122,13 +122,16 @@ class RealModelEntries:
         med = {k: statistics.median(v) for k, v in rows.items()}
         case = (f"SmolLM2-135M {cfg.dtype}, {cfg.prompts_per_step}x{cfg.samples_per_prompt}, "
                 f"<={cfg.max_new_tokens} tokens")
+        # on-policy with nothing reading π_old first (this recipe), the plan takes it from the update's
+        # own forward, detached (nanorl/plan.py): the logprob phase then runs no forward at all
+        skipped = "no forward: π_old comes from the update's own (nanorl/plan.py)"
         for phase, base, tokens in (("generate", "plain generate", True), ("logprob", "plain forward", False),
                                     ("train", "plain fwd+bwd+AdamW", False)):
             rate = lambda s, k: f"{med[k] / med[s]:.0f} tok/s" if tokens else ""  # noqa: E731
             self.add("real_model", f"{case}: {phase}", base, dict(median=med[base]), baseline=True,
                      note=rate(base, "plain tokens"))
-            self.add("real_model", f"{case}: {phase}", f"nanorl {phase}", dict(median=med[phase]),
-                     note=rate(phase, "tokens"))
+            note = skipped if phase == "logprob" and not run.plan.old_logprobs else rate(phase, "tokens")
+            self.add("real_model", f"{case}: {phase}", f"nanorl {phase}", dict(median=med[phase]), note=note)
         self.add("real_model", f"{case}: whole step", "nanorl rl_step", dict(median=med["step"]),
                  note=f"{med['tokens']:.0f} response tokens")
 

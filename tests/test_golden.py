@@ -10,9 +10,10 @@ of its AVX2/AVX-512 ones (which sum in another order), MKL's conditional-numeric
 and one thread. A one-ulp change anywhere in a loss or an advantage shows in a logged metric. Pinned,
 most x86-64 CPUs compute the same bits, but not all: on a Xeon with AMX and AVX512-FP16 the step-0
 eval rows match and the training rows of 44 of the 45 cases differ, with no pin found that aligns it
-(2026-12-05). So steps.json is the first CPU's recording and steps.<cpu>.json another's, recorded on
-the same commit; a run must equal one of them in every case. Another torch or transformers version
-computes other bits: the test then fails and says so (re-record on the old code first, then compare).
+(2026-12-05). So steps.json is the first CPU's recording (a 2-core AMD EPYC) and steps.<cpu>.json
+another's (steps.intel-xeon-processor.json: that Xeon), recorded on the same commit; a run must equal
+one of them in every case. Another torch or transformers version computes other bits: the test then
+fails and says so (re-record on the old code first, then compare).
 """
 from __future__ import annotations
 
