@@ -20,6 +20,7 @@ import math
 import os
 import pickle
 import queue
+import shutil
 import signal
 import time
 import traceback
@@ -29,6 +30,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nanorl import precision, stages, weight_broadcast
+from nanorl.config_checks import ConfigError
 from nanorl.data import PromptFormat
 from nanorl.distributed import Trained
 from nanorl.evaluation import Scorer
@@ -86,6 +88,19 @@ def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple]
     return [(tuple(n), dt, shape, off) for n, dt, shape, off in entries], max(size, 64)
 
 
+def check_shared_memory(nbytes: int, what: str, path: str = "/dev/shm") -> None:
+    """Shared CPU tensors live in /dev/shm on Linux (torch's file-descriptor strategy maps files there),
+    which a container sizes at 64 MiB unless told: the first write past it dies of SIGBUS or "No space
+    left on device" deep in a copy. Refuse before allocating, with the sizes and the fix."""
+    if not os.path.isdir(path):  # macOS: shared memory is not a file system
+        return
+    free = shutil.disk_usage(path).free
+    if nbytes > free:
+        raise ConfigError(f"{what} need {nbytes / 2**30:.2f} GiB of shared memory and {path} has "
+                          f"{free / 2**30:.2f} GiB free: enlarge it (docker run --shm-size=..., or mount -o "
+                          f"remount,size=... {path}), or lower --async-steps")
+
+
 class SharedWeights:
     """K+1 slots of the policy's tensors in shared memory; version v lives in slot v % (K+1).
 
@@ -100,6 +115,7 @@ class SharedWeights:
 
     def __init__(self, model: torch.nn.Module, K: int, ctx, dtype: torch.dtype = torch.float32):
         self.layout, size = slot_layout(model, dtype)
+        check_shared_memory((K + 1) * size, f"--async-steps {K}: the worker's {K + 1} weight slots")
         self.flat = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(K + 1)]
         self.latest, self.cond = ctx.RawValue("q", -1), ctx.Condition()
         self._views, self._staging = {}, None

@@ -195,3 +195,17 @@ def test_check_sync_with_tf32_sized_noise_fails_only_at_full_precision(matmul_pr
     assert stats["max_abs_logprob_diff"] > 1e-3 and stats["mean_abs_logprob_diff"] < 0.05
     with pytest.raises(vllm_engine.SyncError, match="TF32 matmuls"):
         p3_rank_check.fake_engine(p3_rank_check.tiny_qwen2(seed=1), rollout).check_sync(model)
+
+
+def test_weight_slots_larger_than_dev_shm_are_refused_with_the_sizes(monkeypatch):
+    """A container's default /dev/shm (64 MiB) against the async worker's K+1 slots: one line with
+    both sizes and the fix, before anything is allocated (the first write would die of SIGBUS)."""
+    from nanorl import rollout_worker
+    from nanorl.config_checks import ConfigError
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of fp32 per slot
+    usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=6 * 2**20))
+    with pytest.raises(ConfigError, match=r"--async-steps 1: the worker's 2 weight slots need 0.01 GiB of "
+                                          r"shared memory and /dev/shm has 0.01 GiB free: enlarge it"):
+        rollout_worker.SharedWeights(model, 1, torch.multiprocessing.get_context("fork"))
+    rollout_worker.SharedWeights(model, 0, torch.multiprocessing.get_context("fork"))  # one slot fits
