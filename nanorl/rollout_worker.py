@@ -25,6 +25,7 @@ import signal
 import time
 import traceback
 import types
+from multiprocessing import forkserver
 
 import torch
 import torch.multiprocessing as mp
@@ -392,6 +393,18 @@ def _leave(*_) -> None:
     os._exit(0)
 
 
+def _own_forkserver() -> None:
+    """Forget the trainer's forkserver, which the fork copied as multiprocessing's module-level handle.
+    Reward pools start by forkserver once vLLM is loaded (nanorl/rewards.py pool_start_method); asking
+    the inherited server for a process calls os.waitpid on a process that is not this one's child:
+    ChildProcessError (ECHILD) at the first reward of an async vLLM run whose trainer had scored one.
+    Cleared, the first pool here starts a server of its own. (multiprocessing keeps no public reset.)"""
+    server = forkserver._forkserver
+    if server._forkserver_pid is not None:
+        os.close(server._forkserver_alive_fd)  # the trainer's server stops with the trainer, not with us
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
+
+
 def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
     # Ctrl-C reaches the whole process group; the trainer handles it (finishes the step and saves,
     # which needs this worker).
@@ -400,6 +413,7 @@ def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
     # itself: on SIGTERM (close(), the trainer's exit: `_stop_at_exit`) and when orphaned.
     signal.signal(signal.SIGTERM, _leave)
     torch.set_num_threads(spec.cfg.threads or 1)
+    _own_forkserver()
     # The one GPU the trainer left visible (pipeline.worker_device), current before anything allocates:
     # a kernel launched on the current device (Triton's, nanorl/entropy.py) must find its tensors there
     if torch.device(spec.device).type == "cuda":

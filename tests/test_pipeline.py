@@ -341,3 +341,30 @@ def test_config_rejects_what_async_cannot_do():
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)
+
+
+def _pool_in_a_fork(own_server: bool, out) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+    if own_server:
+        rollout_worker._own_forkserver()
+    try:
+        with ProcessPoolExecutor(1, mp_context=mp.get_context("forkserver")) as pool:
+            out.put(pool.submit(os.getpid).result(timeout=60) != os.getpid())
+    except ChildProcessError as e:
+        out.put(repr(e))
+
+
+@pytest.mark.parametrize("own_server", [True, False], ids=["own", "inherited"])
+def test_a_forked_worker_starts_reward_pools_from_its_own_forkserver(own_server):
+    """The trainer's forkserver is running (its reward pool, once vLLM is loaded) when the rollout
+    worker is forked: the worker's first pool must not ask the inherited server (ECHILD)."""
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("forkserver")) as pool:
+        pool.submit(os.getpid).result(timeout=60)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_pool_in_a_fork, args=(own_server, out))
+    child.start()
+    got = out.get(timeout=120)
+    child.join(timeout=60)
+    assert got is True if own_server else "ChildProcessError" in got  # the inherited one: the bug
