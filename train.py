@@ -95,8 +95,10 @@ def setup(cfg: Config) -> Run:
     """Everything one run holds, built in chain order: task, policy, engine, trained modules, optimizer."""
     cfg = apply_plugins(cfg)  # a no-op when main already did (setup(Config(...)) callers)
     rank, world, device = distributed.init()  # `accelerate launch` / `torchrun` env, or one process
-    if cfg.fsdp and world == 1:  # FSDP shards over a process group, which one process has not joined
-        raise ConfigError("--fsdp shards the model over several processes and this run is one: launch "
+    # FSDP shards over a process group, which a plain `python train.py` has not joined (torchrun or
+    # accelerate launch with one process has: that runs)
+    if cfg.fsdp and not torch.distributed.is_initialized():
+        raise ConfigError("--fsdp shards the model over a process group and this run joined none: launch "
                           "it with `torchrun --nproc-per-node N train.py ...` (or accelerate launch), or "
                           "drop --fsdp")
     if cfg.threads or not cfg.model:  # the built-in task: 1 thread unless told (Config.threads)

@@ -215,7 +215,7 @@ def test_fsdp_on_one_process_is_one_line(tmp_path, capsys):
         train.cli(["--fsdp", "--steps", "1", "--out-dir", str(tmp_path / "run"), "--quiet"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
-    assert "--fsdp shards the model over several processes and this run is one" in err
+    assert "--fsdp shards the model over a process group and this run joined none" in err
     assert "torchrun --nproc-per-node N" in err
 
 
