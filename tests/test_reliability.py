@@ -325,21 +325,28 @@ def test_reward_faults_keep_the_run_going_and_are_counted(task, tmp_path, capsys
     assert capsys.readouterr().out.count("reward function failed") == 1  # first traceback only
 
 
-def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
-    micro, step = update.micro_step, update.sync_and_step
-    changed = []
-
-    def nan_loss(run, *a):
-        loss, m = micro(run, *a)
-        return (loss * math.nan if run.step == 1 else loss), m
+def weight_changes(monkeypatch) -> list[bool]:
+    """Whether each optimizer step (update.sync_and_step) changed a parameter, filled as the run goes."""
+    step, changed = update.sync_and_step, []
 
     def watched(run, params):
         before = [p.detach().clone() for p in params]
         norm = step(run, params)
         changed.append(any(not torch.equal(b, p) for b, p in zip(before, params)))
         return norm
-    monkeypatch.setattr(update, "micro_step", nan_loss)
     monkeypatch.setattr(update, "sync_and_step", watched)
+    return changed
+
+
+def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
+    micro = update.micro_step
+
+    def nan_loss(run, *a):
+        loss, m = micro(run, *a)
+        return (loss * math.nan if run.step == 1 else loss), m
+
+    monkeypatch.setattr(update, "micro_step", nan_loss)
+    changed = weight_changes(monkeypatch)
     out = tmp_path / "run"
     res = train.main(args(task, out, "--steps", "3"))
     assert changed == [True, False, True]
@@ -354,8 +361,7 @@ def test_non_finite_gradient_skips_the_update(task, tmp_path, monkeypatch):
 def test_non_finite_loss_with_finite_gradients_skips_the_update(task, tmp_path, monkeypatch):
     """A NaN loss whose gradients are finite (a NaN outside the graph: a NaN clamp bound, a user loss
     adding a detached NaN term) must not reach the weights either — the norm check alone lets it by."""
-    micro, step = update.micro_step, update.sync_and_step
-    changed = []
+    micro = update.micro_step
 
     def nan_loss(run, *a):
         loss, m = micro(run, *a)
@@ -363,13 +369,8 @@ def test_non_finite_loss_with_finite_gradients_skips_the_update(task, tmp_path, 
             return loss, m
         return loss + math.nan, {**m, "loss": m["loss"] + math.nan}  # the value NaN, the gradient untouched
 
-    def watched(run, params):
-        before = [p.detach().clone() for p in params]
-        norm = step(run, params)
-        changed.append(any(not torch.equal(b, p) for b, p in zip(before, params)))
-        return norm
     monkeypatch.setattr(update, "micro_step", nan_loss)
-    monkeypatch.setattr(update, "sync_and_step", watched)
+    changed = weight_changes(monkeypatch)
     out = tmp_path / "run"
     res = train.main(args(task, out, "--steps", "3"))
     lines = train_lines(out)
