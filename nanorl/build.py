@@ -26,9 +26,9 @@ from nanorl.distributed import Trained
 from nanorl.plugins import plugin_task
 from nanorl.policy import ValueModel, frozen_copy, load_model
 from nanorl.rollout import HFEngine
+from nanorl.scoring import forward
 from nanorl.task import make_default
 from nanorl.tool_envs import make_calc_task
-from nanorl.update import forward
 
 
 def with_task_files(cfg: Config, rank: int, world: int) -> Config:
@@ -155,7 +155,7 @@ def make_trained(cfg: Config, model, device, dtype):
     DDP / FSDP (nanorl/distributed.py). A LoRA policy's critic copies its adapted body: the critic
     trains its own adapters and head."""
     critic = ValueModel(model).to(model.device) if cfg.vf_coef > 0 else None
-    score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/update.py)
+    score = functools.partial(forward, cfg)  # padded or packed scoring, MoE replay (nanorl/scoring.py)
     ref = None
     if cfg.uses_reference and lora.is_lora(model):
         ref = lora.Reference(lora.peft_of(model), Trained(model, None, score, dtype))

@@ -41,9 +41,9 @@ from nanorl.plugins import Hooks
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.scoring import forward, score_batch
 from nanorl.tool_envs import episode_runner
 from nanorl.trajectory import Sample, collate
-from nanorl.update import forward, score_batch
 
 
 def sampled_from(b: int, K: int, v0: int) -> int:

@@ -20,17 +20,10 @@ from nanorl.metrics import memory_metrics, namespaced, reward_metrics
 from nanorl.offpolicy import is_metrics, mismatch_metrics
 from nanorl.rewards import score_samples
 from nanorl.rollout import SamplingConfig, stop_token_ids
+from nanorl.scoring import routing_forward, score_batch, score_rows, zero_weight_samples
 from nanorl.teacher import teacher_logprobs
 from nanorl.trajectory import TRAINS, collate
-from nanorl.update import (
-    old_policy_view,
-    routing_forward,
-    score_batch,
-    score_rows,
-    step_is_weights,
-    trains,
-    zero_weight_samples,
-)
+from nanorl.update import old_policy_view, step_is_weights, trains
 
 
 def generate(run, prompts, n: int, sampling: SamplingConfig) -> list:
@@ -142,7 +135,7 @@ def keep_trainable(run, samples, metrics: dict) -> list:
     tool_timeout, reward_fault) and those --sample-filter rejects leave the step here, after the rewards
     and before the advantages. Counted as rollout/dropped_frac (this step's share, summed over refill
     rounds) and rollout/dropped/<why>. Ranks may keep unequal numbers: the update runs in lockstep anyway
-    (nanorl/update.py micro_batches)."""
+    (nanorl/scoring.py micro_batches)."""
     keep = run.hooks.keeps(samples)
     why = [s.status if s.status not in TRAINS else "filtered" if not k else None
            for s, k in zip(samples, keep)]

@@ -12,7 +12,7 @@ the teacher's, samples: docs/tour.md "On-policy distillation". Start at `load_te
 `teacher_logprobs`. Key choices: the teacher must share the policy's tokenizer (it scores the student's
 token ids; a different vocabulary fails at start, naming both); it is a frozen copy in the compute
 dtype scored exactly as the reference is — the same micro-batches, padded or packed forward, at the
-sampling temperature, on the kept sampling support (nanorl/update.py score_batch), so the two
+sampling temperature, on the kept sampling support (nanorl/scoring.py score_batch), so the two
 log-probs it is compared with are computed alike. Not built: vLLM prompt-logprob scoring of the teacher.
 Test: python -m pytest tests/test_distill.py -q
 """
@@ -26,7 +26,7 @@ import torch
 from nanorl import distributed
 from nanorl.distributed import Trained
 from nanorl.policy import frozen_copy, load_model
-from nanorl.update import forward, score_batch
+from nanorl.scoring import forward, score_batch
 
 
 def check_vocabulary(policy_tokenizer, teacher_tokenizer, policy: str, teacher: str, ids: int) -> None:
@@ -71,5 +71,5 @@ def load_teacher(cfg, policy, policy_tokenizer, device, dtype) -> torch.nn.Modul
 @torch.no_grad()
 def teacher_logprobs(run, batch, support) -> torch.Tensor:
     """log π_teacher of every response token of the batch [B, T] (0 on padding): one no-gradient
-    forward per micro-batch, the splits training uses (nanorl/update.py score_batch)."""
+    forward per micro-batch, the splits training uses (nanorl/scoring.py score_batch)."""
     return score_batch(run, run.teacher, batch, support)[0]

@@ -18,7 +18,7 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import functools  # noqa: E402
 
 import train  # noqa: E402
-from nanorl import distributed, lora, moe_replay, stages, update  # noqa: E402
+from nanorl import distributed, lora, moe_replay, scoring, stages, update  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
 from nanorl.policy import ValueModel, load_model  # noqa: E402
 from nanorl.rollout import SamplingConfig  # noqa: E402
@@ -63,7 +63,7 @@ if cfg.lora_rank:  # LoRA: the same adapters (A is randomly initialised), the ba
     lora.apply(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
     lora.load_adapters(policy, get_peft_model_state_dict(lora.peft_of(run.model)))
 critic = ValueModel(policy) if run.critic is not None else None
-run.trained, run.world = distributed.Trained(policy, critic, functools.partial(update.forward, cfg)), 1
+run.trained, run.world = distributed.Trained(policy, critic, functools.partial(scoring.forward, cfg)), 1
 loss, _ = update.micro_step(run, batch, lcfg, *denominators(batch))
 loss.backward()
 # what the optimizer holds (LoRA: the adapters only)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import train
-from nanorl import entropy as E, moe_replay, stages, update
+from nanorl import entropy as E, moe_replay, scoring, stages
 from nanorl.trajectory import Sample, collate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -118,7 +118,7 @@ def test_micro_batched_routing_equals_one_batch_routing(budget):
     def route(batch, **kw):
         run = SimpleNamespace(cfg=SimpleNamespace(**{**cfg, **kw}), model=model, world=1)
         metrics = {}
-        lp = update.routing_forward(run, batch, None, metrics)
+        lp = scoring.routing_forward(run, batch, None, metrics)
         return lp, batch.routed_experts, metrics
 
     whole, micro = _moe_batch(), _moe_batch()

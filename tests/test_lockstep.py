@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nanorl import batching, update
+from nanorl import batching, scoring, update
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
@@ -85,20 +85,20 @@ def test_micro_batches_pad_to_the_agreed_count_and_one_rank_never_pads(mode, mon
     r.cfg.max_tokens_per_micro_batch = 12 if mode == "budget" else 0
     r.cfg.micro_batch_size = 2 if mode == "mbs" else 0
     batch = collate([Sample(prompt_ids=[2, 3], response_ids=[4] * k) for k in (1, 2, 3)], 0)
-    own = update.micro_batches(r, batch)  # no process group: the count agrees with itself
+    own = scoring.micro_batches(r, batch)  # no process group: the count agrees with itself
     assert all(own) and sorted(i for g in own for i in g) == [0, 1, 2]
     monkeypatch.setattr(batching, "agree_num_micro_batches", lambda n: len(own) + 4)  # a busier rank
-    padded = update.micro_batches(r, batch)
+    padded = scoring.micro_batches(r, batch)
     assert len(padded) == len(own) + 4 and sorted(i for g in padded for i in g) == [0, 1, 2]
     real = [g for g in padded if g]  # a token budget may re-plan into more, smaller real groups
     assert padded == real + [[]] * (len(padded) - len(real)) and len(real) < len(padded)  # pads last
-    assert update.micro_batches(r, None) == [[]] * (len(own) + 4)  # a rank with no row at all
+    assert scoring.micro_batches(r, None) == [[]] * (len(own) + 4)  # a rank with no row at all
     monkeypatch.setattr(batching, "agree_num_micro_batches", lambda n: n)
-    assert update.micro_batches(r, None) == []  # no rank has a row: no step
+    assert scoring.micro_batches(r, None) == []  # no rank has a row: no step
     # one process (world 1; the async worker, whose forked group is the trainer's) asks nobody
     monkeypatch.setattr(batching, "agree_num_micro_batches", lambda n: len(own) + 4)
     r.world = 1
-    assert update.micro_batches(r, batch) == own
+    assert scoring.micro_batches(r, batch) == own
 
 
 def test_pad_loss_is_zero_with_a_zero_gradient_that_reaches_every_parameter():

@@ -300,7 +300,7 @@ def test_routing_disagreement_by_layer():
 
 
 def _r3_run_and_batch():
-    """A learner namespace (what update.routing_forward reads) on a tiny Qwen3-MoE, and an R3 batch:
+    """A learner namespace (what scoring.routing_forward reads) on a tiny Qwen3-MoE, and an R3 batch:
     two samples whose routing was recorded at 'rollout' (the model's own natural choice)."""
     from types import SimpleNamespace
 
@@ -324,10 +324,10 @@ def test_routing_forward_r3_metric_on_the_batch_device(monkeypatch):
     A meta tensor stands in for the device copy of the recorded ids: torch refuses cpu-vs-meta
     operands exactly as it refuses cpu-vs-cuda. Replay itself is handed the real ids (the part a
     meta tensor cannot run), and the metric's value read (.item(), impossible on meta) is skipped."""
-    from nanorl import update
+    from nanorl import scoring
     run, batch = _r3_run_and_batch()
     metrics = {}
-    logp = update.routing_forward(run, batch, None, metrics)                # the CPU run, real values
+    logp = scoring.routing_forward(run, batch, None, metrics)                # the CPU run, real values
     assert metrics["routing/replay_mode"] == 3.0 and metrics["routing/disagreement"] == 0.0
     ids, seen = batch.routed_experts, batch.routed_mask                     # [B, P+T, L, k], [B, P+T]
     real_replay, devices = mr.replay, []
@@ -345,6 +345,6 @@ def test_routing_forward_r3_metric_on_the_batch_device(monkeypatch):
     monkeypatch.setattr(mr, "routing_disagreement_by_layer", lambda a, b, m=None: [metric(a, b, m)])
     batch.routed_experts, batch.routed_mask = ids.to("meta"), seen.to("meta")
     metrics = {}
-    again = update.routing_forward(run, batch, None, metrics)
+    again = scoring.routing_forward(run, batch, None, metrics)
     assert devices == [{"meta"}, {"meta"}], devices                          # both metrics, on its device
     assert torch.equal(again, logp) and metrics["routing/replay_mode"] == 3.0

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 import train
-from nanorl import checkpoint, pipeline, rollout_worker, stages, update
+from nanorl import checkpoint, pipeline, rollout_worker, scoring, stages
 from nanorl.config import Config
 from nanorl.offpolicy import is_weights
 from nanorl.policy import response_logprobs
@@ -122,7 +122,7 @@ def test_staleness_bound_and_each_version_is_the_engines(task, tmp_path):
         if v + 1 in versions:
             assert gap(v + 1) > 1e-3
         with torch.no_grad():
-            ref = update.score_batch(run, run.ref, batch, None)[0]
+            ref = scoring.score_batch(run, run.ref, batch, None)[0]
         assert torch.equal(pipe.ref_logprobs(samples, batch), ref)
     run.logger.close()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train
-from nanorl import stages, update
+from nanorl import scoring, stages, update
 from nanorl.config import parse_args
 from nanorl.task import make_default
 
@@ -116,7 +116,7 @@ def test_with_a_kl_loss_skipping_drops_only_the_skipped_rows_kl(task, tmp_path, 
     by far less than the policy gradient itself; and the reference scored only the rows that train.
     Compared at step 2: at step 1 the policy IS the reference, where the K3 KL's gradient is 0."""
     refs = []
-    real = update.score_rows
+    real = scoring.score_rows
     monkeypatch.setattr(stages, "score_rows", lambda run, m, b, s,
                         rows: refs.append(int(rows.sum())) or real(run, m, b, s, rows))
     full, _, _ = first_step(task, tmp_path / "full", monkeypatch, "--kl-coef", "0.5",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train
-from nanorl import build, stages, update
+from nanorl import build, scoring, stages, update
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import AGG_MODES
 from nanorl.rollout import HFEngine, SamplingConfig
@@ -120,7 +120,7 @@ def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
     assert len({s.response_length for s in samples}) > 1  # ragged lengths make the test meaningful
     with torch.no_grad():
         batch.tensors.ref_logprobs = run.ref(batch, None)[0]
-        batch.tensors.old_logprobs = update.forward(run.cfg, run.model, batch, None)[0] - 0.05
+        batch.tensors.old_logprobs = scoring.forward(run.cfg, run.model, batch, None)[0] - 0.05
     batch.tensors.advantages = torch.randn_like(batch.rollout_logprobs)
     lcfg = update.loss_config(run)
     whole = _grads(run, batch, [list(range(16))], lcfg)
