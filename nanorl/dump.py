@@ -22,6 +22,7 @@ import glob
 import json
 import math
 import os
+import sys
 
 import torch
 
@@ -91,9 +92,27 @@ def write(directory: str, step: int, recs: list[dict], max_bytes: int) -> tuple[
     return path, written
 
 
-def read(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+class DumpError(ValueError):
+    """A dump that cannot be read (damaged, or no samples); the message names the file."""
+
+
+def read(path: str, log=None) -> list[dict]:
+    """The records of a dump. A last line that is not whole JSON (the run was killed while writing it,
+    or the disk filled) is skipped with a note through `log` (default: stderr): the samples before it
+    are intact, and they are what a user opens a dump to see (nanorl/viewer.py). A broken line anywhere
+    else is not a cut: a DumpError naming the file and the line."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    records = []
+    for k, (n, line) in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if k < len(lines) - 1:
+                raise DumpError(f"{path}:{n}: not a rollout record ({e}); the dump is damaged") from None
+            (log or (lambda m: print(m, file=sys.stderr)))(
+                f"{path}:{n}: the last line is cut off (the run stopped while writing it); skipped")
+    return records
 
 
 def due(every: int, step: int) -> bool:

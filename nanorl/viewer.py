@@ -11,7 +11,7 @@ tokens, coloured by a per-token field you choose (entropy, advantage, |trainer â
 logprob); hovering a token shows all its values; tokens outside the loss mask are dimmed. When the run's
 metrics.jsonl lies beside the rollouts folder, its curves (nanorl/logger.py plot) are embedded as a PNG.
 Start at `render`; a dump cut mid-line (a run killed while writing it) opens without that line
-(`read_dump`). Key choices: one file, no server, no network, no external script; rollout text is
+(nanorl/dump.py `read`). Key choices: one file, no server, no network, no external script; rollout text is
 untrusted, so the page is built to be safe against it (how: `render`'s docstring).
 
 Test (headless Chromium): python -m pytest tests/test_viewer.py -q
@@ -23,12 +23,8 @@ import base64
 import hashlib
 import json
 import os
-import sys
 
-
-class DumpError(ValueError):
-    """A dump the page cannot be made of (damaged, or no samples); the message names the file."""
-
+from nanorl.dump import DumpError, read
 
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:0;background:#f6f6f4;color:#222}
@@ -204,25 +200,6 @@ def render(records: list[dict], source: str = "", curves_png: bytes | None = Non
                        curves=curves, data=safe_json(data))
 
 
-def read_dump(path: str, log=None) -> list[dict]:
-    """The records of a rollout dump. A last line that is not whole JSON (the run was killed while
-    writing it, or the disk filled) is skipped with a note through `log` (default: stderr): the samples
-    before it are intact, and they are what a user opens a dump to see. A broken line anywhere else is
-    not a cut: a DumpError naming the file and the line."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
-    records = []
-    for k, (n, line) in enumerate(lines):
-        try:
-            records.append(json.loads(line))
-        except ValueError as e:
-            if k < len(lines) - 1:
-                raise DumpError(f"{path}:{n}: not a rollout record ({e}); the dump is damaged") from None
-            (log or (lambda m: print(m, file=sys.stderr)))(
-                f"{path}:{n}: the last line is cut off (the run stopped while writing it); skipped")
-    return records
-
-
 def write(jsonl: str, out: str, curves: bool = True) -> tuple[str, str | None]:
     """Read a dump, write the page (and the run's curves PNG beside it when its metrics.jsonl is found
     next to the rollouts folder). Returns (page path, PNG path or None)."""
@@ -235,7 +212,7 @@ def write(jsonl: str, out: str, curves: bool = True) -> tuple[str, str | None]:
         from nanorl.logger import plot
         png = os.path.splitext(out)[0] + "_curves.png"
         plt.close(plot(metrics, png))
-    page = render(read_dump(jsonl), jsonl, open(png, "rb").read() if png else None)
+    page = render(read(jsonl), jsonl, open(png, "rb").read() if png else None)
     with open(out, "w", encoding="utf-8") as f:
         f.write(page)
     return out, png

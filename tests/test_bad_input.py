@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanorl import config, viewer
+from nanorl import config, dump as rollout_dump, viewer
 from nanorl.config import Config, user_error_line
 from nanorl.policy import load_model
 from nanorl.presets import model_hidden_size
@@ -195,8 +195,8 @@ def test_a_cut_rollout_dump_still_opens(tmp_path, capsys):
     assert f"{dump}:3: the last line is cut off" in capsys.readouterr().err
     # a broken line that is not the last: damage, not a cut
     dump.write_text(json.dumps(_record(0))[:40] + "\n" + whole)
-    with pytest.raises(viewer.DumpError, match=r"step_000002.jsonl:1: not a rollout record"):
-        viewer.read_dump(str(dump))
+    with pytest.raises(rollout_dump.DumpError, match=r"step_000002.jsonl:1: not a rollout record"):
+        rollout_dump.read(str(dump))
     with pytest.raises(SystemExit) as e:
         viewer.main([str(dump), "-o", str(tmp_path / "v.html")])
     err = capsys.readouterr().err
