@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import pickle
 import queue
@@ -127,11 +126,7 @@ class SharedWeights:
         return {**self.__dict__, "_views": {}, "_staging": None}
 
     def _view(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = {}
-        for names, dt, shape, off in self.layout:
-            view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
-            out.update(dict.fromkeys(names, view))
-        return out
+        return weight_broadcast.views_of(flat, self.layout)
 
     def slot(self, version: int) -> dict[str, torch.Tensor]:
         """Every state-dict name → its tensor in version's slot (tied names: the same view)."""

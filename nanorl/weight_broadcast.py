@@ -143,8 +143,9 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], opts).wait()
 
 
-def _views(flat: torch.Tensor, layout: list[tuple]) -> dict[str, torch.Tensor]:
-    """One version's tensors, views into one flat buffer at the layout's (64-byte aligned) offsets."""
+def views_of(flat: torch.Tensor, layout: list[tuple]) -> dict[str, torch.Tensor]:
+    """One version's tensors, views into one flat buffer at the layout's (64-byte aligned) offsets
+    (rollout_worker.slot_layout's; its SharedWeights views its slots the same way)."""
     views = {}
     for names, dt, shape, off in layout:
         view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)
@@ -180,7 +181,7 @@ class Sender:
             self.flat = [torch.empty(spec.size, dtype=torch.uint8, device=self.device)
                          for _ in range(spec.slots)]
             spec.shared = [_share(f) for f in self.flat]
-            self.slot_views = [_views(f, spec.layout) for f in self.flat]
+            self.slot_views = [views_of(f, spec.layout) for f in self.flat]
 
     def connect(self) -> None:
         self.group = open_group(0, self.spec.port, self.spec.backend)
@@ -234,7 +235,7 @@ class Receiver:
         if spec.backend == "ipc":
             if spec.shared is None:
                 raise RuntimeError("weight channel: ipc slots not shared (make the Sender before the worker)")
-            self.shared = [_views(_open(s, self.device), self.layout) for s in spec.shared]
+            self.shared = [views_of(_open(s, self.device), self.layout) for s in spec.shared]
         self.group = open_group(1, spec.port, spec.backend)
         self.held: dict[int, dict[str, torch.Tensor]] = {}  # version -> its tensors, by state-dict name
         self.free: list[dict[str, torch.Tensor]] = []
@@ -243,7 +244,7 @@ class Receiver:
         threading.Thread(target=self._run, daemon=True, name="nanorl-weight-receiver").start()
 
     def _new_slot(self) -> dict[str, torch.Tensor]:
-        return _views(torch.empty(self.spec.size, dtype=torch.uint8, device=self.device), self.layout)
+        return views_of(torch.empty(self.spec.size, dtype=torch.uint8, device=self.device), self.layout)
 
     def _take_slot(self) -> dict[str, torch.Tensor]:
         with self.cond:
