@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from nanorl import build, checkpoint, distributed, gguf_model, pipeline, precision, stages
+from nanorl import build, checkpoint, distributed, pipeline, precision, stages
 from nanorl.config import Config, ConfigError, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
@@ -117,10 +117,8 @@ def setup(cfg: Config) -> Run:
                                    log=print if rank == 0 else None)
     eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.input_key, cfg.label_key, cfg.max_prompt_len,
                                fmt, limit=cfg.eval_limit, seen={p.text for p in train})
-    if cfg.engine == "auto":
-        # vLLM is not given GGUF files (nanorl/gguf_model.py)
-        vllm = device.type == "cuda" and build.vllm_importable() and not gguf_model.is_gguf(cfg.model)
-        cfg = dataclasses.replace(cfg, engine="vllm" if vllm else "hf")
+    if cfg.engine == "auto":  # vLLM on a GPU when installed, never for a GGUF file (build.engine_of)
+        cfg = dataclasses.replace(cfg, engine=build.engine_of(cfg, device))
     everything = train + [p for s in eval_sets for p in s.prompts]  # vLLM: sized for the longest request
     engine = build.make_engine(cfg, model, tokenizer, everything, device, dtype, rank)
     critic, ref, trained = build.make_trained(cfg, model, device, dtype)

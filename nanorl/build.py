@@ -72,8 +72,8 @@ def load_policy(cfg: Config, device, dtype):
 
 
 def engine_of(cfg: Config, device) -> str:
-    """The engine --engine names; auto as train.setup resolves it: vLLM on a GPU when importable, not for
-    GGUF files (vLLM is not given them)."""
+    """The engine --engine names, auto resolved (train.setup, and the checks before it): vLLM on a GPU
+    when importable, not for GGUF files (vLLM is not given them: nanorl/gguf_model.py)."""
     if cfg.engine != "auto":
         return cfg.engine
     cuda = torch.device(device).type == "cuda"
