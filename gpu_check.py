@@ -5,14 +5,15 @@
     python gpu_check.py --help                 # the stages, in run order, with their time limits
 
 Made for one CUDA device without vLLM, flash-attn or network: models are real shapes with random weights
-built in memory (nanorl/task.py). Ten stages run in order of value, each under its own time limit: 1 step
+built in memory (nanorl/task.py). Eleven stages run in order of value, each under its own time limit: 1 step
 (fwd+bwd+AdamW of the Qwen2.5-0.5B shape: time, MFU, peak memory), 2 head (the Triton fused head against
 torch and fp32), then what issue 45 fixes and only a GPU shows: 7 B1 (the async vLLM worker's weight
 channel on one GPU, two processes), 8 M4 (the memory plan against a 7B shape's measured peak), 6 MoE
 (B2: routing replay's recompute with the batch on the GPU), 9 M2 (the fused head on a second GPU), 10
 TF32 (the fp32 sync bound); then 4 FSDP (save/resume equivalence), 5 async, 3 README (train.py with the
-README's GPU line). A stage whose dependency is absent is skipped with the reason, a stage that raises or
-runs out of time is a FAIL row, and the next stage runs; the table is printed and written (--table).
+README's GPU line), 11 N2 (vLLM's model runner and its sync check across sleep; skipped without vLLM).
+A stage whose dependency is absent is skipped with the reason, a stage that raises or runs out of time
+is a FAIL row, and the next stage runs; the table is printed and written (--table).
 Each stage's pass criterion is a pure function over its measured results (`crit_*`), so tests feed it
 planted faults. --cpu runs every stage's code with the device parts stood in for (the host's shared
 memory for CUDA IPC, tensor bytes for the allocator, the torch path for a second GPU). Start at `main`,
@@ -790,24 +791,25 @@ def checksum(t: torch.Tensor) -> int:
 def transport_worker(spec, env: dict, versions: list[int], out) -> None:
     """Stage 7's worker process, what rollout_worker does with the channel minus vLLM: with the
     environment pipeline.worker_device gives the async worker (CUDA_VISIBLE_DEVICES naming only its
-    GPU), it finds that GPU by UUID, takes each version, checksums every tensor, says whether it read the
-    trainer's shared slot, and releases it."""
+    GPU), it finds that GPU by UUID, takes each version, checksums every tensor, says whether the version
+    is held in its host memory (not in the trainer's shared slot), and releases it; last, what it
+    allocated on its GPU at most (M3: nothing, the landing slot is the trainer's)."""
     from nanorl import weight_broadcast
     try:
         os.environ.update(env)  # before CUDA starts in this process
         rx = weight_broadcast.Receiver(spec)
-        bounds = [(f.data_ptr(), f.data_ptr() + f.numel()) for f in
-                  (weight_broadcast._open(s, rx.device) for s in spec.shared or [])]
+        shared = weight_broadcast._open(spec.shared, rx.device)
+        lo, hi = shared.data_ptr(), shared.data_ptr() + shared.numel()
         for v in versions:
             if not rx.wait_for(v, timeout=120):
                 raise TimeoutError(f"version {v} did not arrive in 120 s")
             views = rx.slot(v)
-            lo, hi = bounds[v % len(bounds)] if bounds else (0, 0)
-            inside = all(lo <= t.data_ptr() < hi for t in views.values())
-            out.put(("version", v, [checksum(views[names[0]]) for names, *_ in spec.layout], inside,
+            host = all(t.device.type == "cpu" and not lo <= t.data_ptr() < hi for t in views.values())
+            out.put(("version", v, [checksum(views[names[0]]) for names, *_ in spec.layout], host,
                      str(rx.device)))
             rx.release(v)
-        out.put(("done",))
+        peak = torch.cuda.max_memory_allocated(rx.device) if rx.device.type == "cuda" else 0
+        out.put(("done", peak))
     except Exception:  # noqa: BLE001  (the stage reports it)
         out.put(("error", traceback.format_exc()[-1500:]))
 
@@ -815,9 +817,10 @@ def transport_worker(spec, env: dict, versions: list[int], out) -> None:
 def transport_stage(c: Check) -> dict:
     """7 (B1): --async-steps K --engine vllm on one GPU. The transport weight_broadcast chooses for
     trainer and worker on the same GPU (ipc: NCCL refuses two ranks on one device), then 4 versions of
-    the stage-1 shape in bf16 into a spawned worker over 3 slots (the 4th reuses the 1st's, after the
-    worker released it), each checksummed on both ends; time per version. --cpu: the host stand-in
-    (the slots in shared memory, the same code otherwise)."""
+    the stage-1 shape in bf16 into a spawned worker through the trainer's one shared slot (M3: each
+    copied out into the worker's host slots, 3 of them, before the next is written), each checksummed
+    on both ends; time per version; the worker's own GPU allocations. --cpu: the host stand-in (the
+    slot in shared memory, the same code otherwise)."""
     import torch.multiprocessing as mp
 
     from nanorl import pipeline, weight_broadcast
@@ -846,11 +849,7 @@ def transport_stage(c: Check) -> dict:
         return got[0] == "version"
     try:
         tx.connect()
-        ended = False
-        for v in [0, 1, 2, 3]:
-            if v >= spec.slots and not take():  # the staleness rule's guarantee: slot v % 3 was released
-                ended = True
-                break
+        for v in [0, 1, 2, 3]:  # each publish waits for the worker to have copied the previous one out
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1e-3)
@@ -860,7 +859,7 @@ def transport_stage(c: Check) -> dict:
             t = time.perf_counter()
             tx.publish(model, v)
             r["seconds"].append(time.perf_counter() - t)
-        while not ended and take():
+        while take():
             pass
     except Exception as e:  # noqa: BLE001  (a finding: reported by crit_transport)
         r["error"] = f"{type(e).__name__}: {e}"
@@ -879,8 +878,9 @@ def transport_stage(c: Check) -> dict:
 
 
 def crit_transport(r: dict) -> list[str]:
-    """Stage 7: the one-device transport is ipc, every version arrived bit for bit (checksums) in the
-    trainer's shared slot, no error."""
+    """Stage 7: the one-device transport is ipc, every version arrived bit for bit (checksums) and is
+    held in the worker's host memory, the worker allocated under one version's bytes on its GPU, no
+    error."""
     if r["transport"] != r["want"]:
         return [f"transport {r['transport']} chosen for one device, want {r['want']} (NCCL refuses two ranks "
                 "on one GPU)"]
@@ -893,7 +893,10 @@ def crit_transport(r: dict) -> list[str]:
             bad.append(f"version {v}: checksums differ in {sum(a != b for a, b in zip(g[2], r['sent'][v]))} "
                        "tensors")
         if not g[3]:
-            bad.append(f"version {v}: read outside the trainer's shared slot (a copy crossed)")
+            bad.append(f"version {v}: not held in the worker's host memory (M3: no staging on the GPU)")
+    peak = [g[1] for g in r["versions"] if g[0] == "done"]
+    if peak and peak[0] >= r["gib"] * 2**30:
+        bad.append(f"the worker allocated {peak[0] / 2**30:.2f} GiB on its GPU: a version's worth or more")
     return bad
 
 
@@ -1092,6 +1095,71 @@ def crit_tf32(r: dict) -> list[str]:
     return []
 
 
+# 11 (N2): vLLM's model runner, when vLLM is installed
+N2_NOT_HERE = ("routed experts (R3) and LoRA adapters on V2 are not run here: tests/test_moe_replay.py and "
+               "tests/test_lora_vllm.py on a GPU machine with vLLM")
+
+
+def need_vllm() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return ("vLLM not installed: Model Runner V2 (N2: every CUDA run of vLLM 0.32) not checked; "
+                "with vLLM this stage checks the runner, the sync check before and after a sleep/wake cycle; "
+                + N2_NOT_HERE)
+    return None
+
+
+def runner_stage(c: Check) -> dict:
+    """11 N2: which model runner vLLM runs here (V2 on CUDA, V1 on CPU: never run before on V2), and the
+    engine's sync check on it: weights streamed in, then sleep (level 2: weights and KV cache dropped,
+    with CUDA graphs captured) and wake through a second update, each version held to the sync bound
+    against the trainer's own forward. A tiny fp32 Qwen2 shape: what V2 changes, not speed."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from nanorl.vllm_engine import SyncError, VLLMEngine
+
+    def version(v: int):
+        torch.manual_seed(v)
+        cfg = Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True,
+                          bos_token_id=0, eos_token_id=1, initializer_range=0.2)
+        return Qwen2ForCausalLM(cfg).float().eval()
+    path = pathlib.Path(c.workdir, "n2_tiny").as_posix()
+    version(0).save_pretrained(path)
+    cpu = c.device.type != "cuda"
+    eng = VLLMEngine(path, dtype="float32", seed=0, max_model_len=256,
+                     kv_cache_bytes=(4 << 20) if cpu else None, gpu_memory_utilization=0.1)
+    r = dict(runner=eng.model_runner, want="v1" if cpu else "v2", sleep=eng.sleep_supported, checks=[],
+             error="")
+    prompts, sampling = [[0, 5, 6, 7] * 5, [0, 9] * 9], SamplingConfig(max_new_tokens=16, seed=0)
+    try:
+        for v in (1, 2):
+            model = version(v).to(c.device)
+            if v == 2:
+                eng.sleep(2)  # CPU: no sleep mode, logged; CUDA: weights and KV cache dropped
+            eng.update_weights(model, v)
+            eng.generate(prompts, 2, sampling)
+            r["checks"].append(eng.check_sync(model))
+    except SyncError as e:  # the finding itself
+        r["error"] = str(e)[:400]
+    finally:
+        eng.close()
+    worst = max((x["max_abs_logprob_diff"] for x in r["checks"]), default=float("nan"))
+    c.row("11 N2", f"vLLM model runner, tiny fp32 Qwen2, sleep {'level 2' if r['sleep'] else 'n/a'}",
+          f"runner {r['runner'].upper()}", f"sync checks {len(r['checks'])}/2, max |Δlogprob| {worst:.1e}; "
+          + N2_NOT_HERE)
+    return r
+
+
+def crit_runner(r: dict) -> list[str]:
+    """Stage 11: the runner vLLM is expected to pick here (V2 on CUDA: otherwise V2 is still unrun), and
+    both sync checks within their bound (before and after sleep)."""
+    bad = [] if r["runner"] == r["want"] else [
+        f"vLLM runs Model Runner {r['runner'].upper()}, want {r['want'].upper()} (its start-up log says why)"]
+    if r["error"] or len(r["checks"]) != 2:
+        bad.append(f"sync check: {r['error'] or 'did not run twice'}")
+    return bad
+
+
 # (label, stage, criterion, time limit in s on the device, dependency check → skip reason or None)
 STAGES = (("1 step", step_stage, crit_step, 100, None),
           ("2 head", head_stage, crit_heads, 70, None),
@@ -1102,7 +1170,9 @@ STAGES = (("1 step", step_stage, crit_step, 100, None),
           ("10 TF32", tf32_stage, crit_tf32, 45, None),
           ("4 FSDP", fsdp_stage, crit_resume, 60, need_fsdp),
           ("5 async", async_stage, crit_async, 60, None),
-          ("3 README", readme_stage, crit_run, 150, need_math))
+          ("3 README", readme_stage, crit_run, 150, need_math),
+          # last: vLLM in this process stays loaded
+          ("11 N2", runner_stage, crit_runner, 120, need_vllm))
 
 
 # ----------------------------------------------------------------------------- running and reporting

@@ -40,6 +40,11 @@ def init() -> tuple[int, int, torch.device]:
 
     # before PartialState: with DeepSpeed asked for, it would initialise through deepspeed
     check_accelerate_env()
+    # Read when the NCCL group is made. By default (3) NCCL's watchdog ends a rank whose collective
+    # failed or timed out with abort() from its own C++ thread: no Python error, so fail_together
+    # could not tell the other ranks, which waited out their own timeouts. 2 only aborts the
+    # communicators and records the error (`backend_error`), which fail_together's watcher posts.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     state = PartialState(cpu=not torch.cuda.is_available())
     if dist.is_initialized():
         # the last resort; a normal end calls shutdown itself (train.main)
@@ -340,6 +345,8 @@ def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 
     raise — a peer's abort did not wake it, neither on NCCL nor here on gloo (measured: it waited
     until the failing process exited) — so the watcher prints the message and ends the process (exit
     status 1); a rank whose own collective failed first raises with the peer's error as the cause.
+    A failed NCCL collective raises nothing in Python (its watchdog thread finds it): the watcher also
+    polls `backend_error` and posts it as this rank's failure, then ends the process the same way.
     Not covered: a rank killed outright (SIGKILL, the OOM killer) posts nothing — the launcher or the
     collective timeout ends the others."""
     if world == 1 or not dist.is_initialized():
@@ -347,7 +354,7 @@ def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 
         return
     store = dist.distributed_c10d._get_default_store()
     done = threading.Event()
-    threading.Thread(target=_watch_peers, args=(store, rank, done, poll_s), daemon=True,
+    threading.Thread(target=_watch_peers, args=(store, rank, done, poll_s, linger_s, world), daemon=True,
                      name="nanorl-fail-together").start()
     try:
         yield
@@ -384,9 +391,27 @@ def fail_together(rank: int, world: int, poll_s: float = 1.0, linger_s: float = 
         done.set()
 
 
-def _watch_peers(store, rank: int, done: threading.Event, poll_s: float) -> None:
+def backend_error() -> str | None:
+    """What NCCL's watchdog recorded on this rank's default group (a collective that failed or timed
+    out here; a peer's error, REMOTE_ERROR, is the peer's to post), else None. gloo raises its errors in
+    the collective's caller instead: None. Written against torch 2.13's ProcessGroupNCCL (get_error,
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2, set by `init`); not run here (no GPU)."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return None
+    from torch._C._distributed_c10d import ErrorType
+    error = dist.group.WORLD._get_backend(torch.device("cuda")).get_error()
+    if error in (ErrorType.TIMEOUT, ErrorType.COMM_ERROR):
+        return f"NCCL collective {'timed out' if error == ErrorType.TIMEOUT else 'failed'} ({error.name})"
+    return None
+
+
+def _watch_peers(store, rank: int, done: threading.Event, poll_s: float, linger_s: float = 30.0,
+                 world: int = 2) -> None:
     while not done.wait(poll_s):
         try:
+            own = backend_error()
+            if own is not None:  # as fail_together posts a raised error; nothing will raise here
+                _post_own(store, rank, world, f"rank {rank} failed: {own}", linger_s)
             if not store.check([FAILED]):
                 continue
             msg = store.get(FAILED).decode()
@@ -402,6 +427,23 @@ def _watch_peers(store, rank: int, done: threading.Event, poll_s: float) -> None
         time.sleep(2 * poll_s)
         # the main thread may be stuck in a collective: no exception can reach it
         os._exit(1)
+
+
+def _post_own(store, rank: int, world: int, mine: str, linger_s: float) -> None:
+    """This rank's failure found by the watcher (`backend_error`): posted unless a peer failed first,
+    read by the peers (up to linger_s), then the process ends, status 1."""
+    first = store.compare_set(FAILED, "", mine).decode()
+    if first != mine:
+        print(f"nanorl: rank {rank} stops: {first}", file=sys.stderr, flush=True)
+        store.add(SEEN, 1)
+    else:
+        print(f"nanorl: {mine}; ending this rank", file=sys.stderr, flush=True)
+        end = time.monotonic() + linger_s
+        while time.monotonic() < end and int(store.add(SEEN, 0)) < world - 1:
+            time.sleep(0.1)
+    sys.stdout.flush()
+    _ABORTED.set()
+    os._exit(1)
 
 
 def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:

