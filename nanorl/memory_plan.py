@@ -127,10 +127,12 @@ def estimate(shape: Shape, cfg, *, vllm: bool, world: int = 1, device_bytes: int
         "critic": (4 * P + 8 * N) / shards if cfg.vf_coef > 0 else 0,
         # --fsdp with the HF engine: it samples from a full compute-dtype copy on every rank
         "HF engine copy": b * P if cfg.fsdp and not vllm else 0,
-        # the async worker on this GPU, sampling while the trainer trains: its model copy, its reference,
-        # and with vLLM the one slot versions cross in (weight_broadcast: ipc on one GPU; the K+2 it may
-        # hold wait in host memory), else the HF engine's KV cache
-        "async worker": ((1 + cfg.uses_reference + vllm) * b * P + kv if K and worker_here else 0),
+        # the async worker on this GPU, sampling while the trainer trains: its model copy (with vLLM only
+        # for the sync check: rollout_worker.Worker), its reference, and with vLLM the one slot versions
+        # cross in (weight_broadcast: ipc on one GPU; the K+2 it may hold wait in host memory), else the
+        # HF engine's KV cache
+        "async worker": ((bool(cfg.sync_check_every or not vllm) + cfg.uses_reference + vllm) * b * P + kv
+                         if K and worker_here else 0),
         "vLLM (awake all run)": share if held else 0,
     }
     tokens = micro_batch_tokens(cfg, world)

@@ -190,8 +190,8 @@ class Worker:
     reference model, one batch per request. With --engine vllm the weights arrive over a process group
     (weight_broadcast.Receiver, into host memory) and are copied into the model copy as a batch needs
     them; it streams them into vLLM and is what vLLM's sync check compares against: the worker's device
-    holds the version it samples from twice (this copy and vLLM's), whatever --async-steps. Otherwise
-    the HF engine samples from the model copy itself."""
+    holds the version it samples from twice (this copy and vLLM's; once with --sync-check-every 0),
+    whatever --async-steps. Otherwise the HF engine samples from the model copy itself."""
 
     def __init__(self, spec: WorkerSpec, weights):
         cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.dtype)
@@ -208,7 +208,11 @@ class Worker:
         score = functools.partial(forward, cfg)
         self.ref = None if not cfg.uses_reference else \
             Trained(frozen_copy(base, dtype).to(spec.device), None, score, dtype)
-        model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(spec.device)
+        # With vLLM this copy is what its sync check scores and what is streamed into vLLM: on the GPU
+        # only when a check runs (--sync-check-every > 0); else in host memory, vLLM copying each tensor
+        # over as it loads, and the worker's GPU holds no copy of its own
+        home = spec.device if cfg.engine != "vllm" or cfg.sync_check_every else "cpu"
+        model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(home)
         del base
         self.scoring = types.SimpleNamespace(cfg=cfg, model=model, tokenizer=self.tokenizer, world=1)  # a run
         self.params = model.state_dict()  # views of the module's tensors: loading copies into them
@@ -257,7 +261,7 @@ class Worker:
                 done.add(t.data_ptr())
                 # from pinned host slots (weight_broadcast.Receiver) the copies queue up: one wait for all
                 t.copy_(view, non_blocking=True)
-        if torch.device(self.spec.device).type == "cuda":  # read out before the slot may be reused
+        if next(self.scoring.model.parameters()).is_cuda:  # read out before the slot may be reused
             torch.cuda.synchronize()
         self.weights.release(version)
         self.engine.version = version

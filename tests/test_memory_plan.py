@@ -89,6 +89,10 @@ def test_fsdp_divides_the_state_and_activations_follow_the_token_budget(qwen7b):
     assert here.resident["async worker"] == pytest.approx(3 * 2 * qwen7b.params)
     far = memory_plan.estimate(qwen7b, grpo(async_steps=4), vllm=True, device_bytes=H200, worker_here=True)
     assert far.resident["async worker"] == here.resident["async worker"]
+    # no sync check: the worker's model copy stays in host memory
+    unchecked = memory_plan.estimate(qwen7b, grpo(async_steps=1, sync_check_every=0), vllm=True,
+                                     device_bytes=H200, worker_here=True)
+    assert unchecked.resident["async worker"] == pytest.approx(2 * 2 * qwen7b.params)
     assert here.resident["vLLM (awake all run)"] == pytest.approx(0.3 * H200) and here.sample["vLLM"] == 0
     away = memory_plan.estimate(qwen7b, grpo(async_steps=1), vllm=True, device_bytes=H200)
     assert away.resident["async worker"] == 0 and away.sample["vLLM"] == 0
