@@ -289,7 +289,7 @@ def run_training(cfg: Config) -> dict:
             checkpoint.save(checkpoint_state(run), run.cfg, run.logger)
     if run.world > 1:  # every rank must hold (and have synced into its engine) the same weights
         # the HF engine's copy: what it samples from
-        distributed.check_ranks_in_sync(getattr(run.engine, "model", run.model), run.world)
+        distributed.check_ranks_in_sync(run.engine.sampled_module() or run.model, run.world)
         run.logger.print(f"ranks in sync: parameters identical on {run.world} ranks")
     after = evaluate_run(run) if not stop["now"] else {}  # interrupted: save first, fast
     if after:
@@ -307,8 +307,7 @@ def run_training(cfg: Config) -> dict:
         scorer.close()
     if run.episodes is not None:  # tool worker processes
         run.episodes.close()
-    if hasattr(run.engine, "close"):  # vLLM: free the engine (one per process at a time)
-        run.engine.close()
+    run.engine.close()  # vLLM: one engine per process at a time
     if run.pipeline is not None:
         run.pipeline.close()
     for sig, handler in previous.items():  # in-process callers (tests, notebooks) get theirs back

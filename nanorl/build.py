@@ -25,7 +25,7 @@ from nanorl.config import Config
 from nanorl.distributed import Trained
 from nanorl.plugins import plugin_task
 from nanorl.policy import ValueModel, frozen_copy, load_model
-from nanorl.rollout import HFEngine
+from nanorl.rollout import HFEngine, RolloutEngine
 from nanorl.scoring import forward
 from nanorl.task import make_default
 from nanorl.tool_envs import make_calc_task
@@ -114,6 +114,24 @@ def check_memory(cfg: Config, model, device: torch.device) -> memory_plan.Plan:
     if not plan.fits():
         raise ValueError(f"--model {cfg.model}: {plan.refusal()}")
     return plan
+
+
+def engine_class(cfg: Config, device) -> type[RolloutEngine]:
+    """The class of the engine --engine names (auto resolved: `engine_of`), whose declarations
+    (nanorl/rollout.py RolloutEngine) a caller reads before one exists: the async worker's channel."""
+    if engine_of(cfg, device) == "vllm":
+        from nanorl.vllm_engine import VLLMEngine
+        return VLLMEngine
+    return HFEngine
+
+
+def worker_engine(cfg: Config, model, pad_id: int, dtype, longest_prompt: int, between_steps=None):
+    """The async rollout worker's engine (nanorl/rollout_worker.py): vLLM, never asleep (the trainer
+    trains elsewhere), or the HF engine on the worker's own model copy (`between_steps`: --partial-rollout
+    switch's hook)."""
+    if engine_class(cfg, model.device).holds_own_weights:
+        return vllm_engine(cfg, longest_prompt, rank=0, sleep=False)
+    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype, between_steps=between_steps)
 
 
 def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):

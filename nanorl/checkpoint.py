@@ -99,8 +99,7 @@ class State:
 
 
 def _engine_gen(engine) -> torch.Generator | None:
-    gen = getattr(engine, "generator", None)
-    return gen if isinstance(gen, torch.Generator) else None
+    return engine.rng() if engine is not None else None
 
 
 def rng_state(engine=None) -> dict:

@@ -290,7 +290,7 @@ class EpisodeRunner:
         """One engine call per distinct token budget (the caps shorten the last turns' budgets)."""
         budgets: dict[int, list[_Episode]] = {}
         # vLLM refuses a request that cannot fit
-        context = getattr(self.engine, "max_model_len", None)
+        context = self.engine.max_model_len
         for e in live:
             budget = min(sampling.max_new_tokens, self.max_tokens - len(e.ids))
             if context is not None:

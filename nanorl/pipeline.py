@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import precision, weight_broadcast
+from nanorl import build, precision, weight_broadcast
 from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.rollout_worker import SharedWeights, WorkerSpec, _worker_main, sampled_from, slot_layout
 from nanorl.trajectory import Sample
@@ -115,7 +115,11 @@ class Pipeline:
         current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
         inside, env = worker_device(device, os.environ, torch.cuda.device_count(), current)
         dtype, trainer_device = precision.compute_dtype(cfg.dtype), next(run.model.parameters()).device
-        if cfg.engine == "vllm":  # versions broadcast over a process group (nanorl/weight_broadcast.py)
+        # an engine with weights of its own (vLLM) takes each version over a process group
+        # (nanorl/weight_broadcast.py); the HF engine samples from the worker's module, loaded from
+        # shared memory
+        self.broadcast = build.engine_class(cfg, device).holds_own_weights
+        if self.broadcast:
             layout, size = slot_layout(run.model, dtype)
             backend = weight_broadcast.backend_for(trainer_device, torch.device(device))
             channel = weight_broadcast.ChannelSpec(weight_broadcast.free_port(), backend, layout, size,
@@ -165,7 +169,7 @@ class Pipeline:
         finally:
             gc.unfreeze()
         _stop_at_exit(self.proc)
-        if cfg.engine == "vllm":  # the worker opens its end first thing; the first version goes at once
+        if self.broadcast:  # the worker opens its end first thing; the first version goes at once
             self.weights.connect()
             self.weights.publish(run.model, run.step)
         self._fill(run.step + self.K)

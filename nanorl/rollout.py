@@ -10,10 +10,10 @@ train/rollout logprob gap, TIS, ICEPOP):
     rollout_logprob = log softmax(mask_support(logits / temperature))[token] (--keep-sampling-mask)
 
 With keep-sampling-mask the trainer recomputes on that same support (nanorl/sampling.py). Two engines
-implement `RolloutEngine` (`generate`, `update_weights`): `HFEngine` (here; start there), a batched
-sampling loop over a Hugging Face causal LM with a KV cache that shares the policy module with the
-trainer, so a weight "sync" is free and exact (with --async-steps the rollout worker's HFEngine holds its
-own copy: nanorl/pipeline.py); and `VLLMEngine` (nanorl/vllm_engine.py).
+implement the contract `RolloutEngine` (`generate`, `update_weights`, what they declare): `HFEngine`
+(here; start there), a batched sampling loop over a Hugging Face causal LM with a KV cache that shares
+the policy module with the trainer, so a weight "sync" is free and exact (with --async-steps the rollout
+worker's HFEngine holds its own copy: nanorl/pipeline.py); and `VLLMEngine` (nanorl/vllm_engine.py).
 
 Try it: `python -m pytest tests/test_rollout.py -q`.
 """
@@ -59,7 +59,17 @@ class SamplingConfig:
 
 
 class RolloutEngine:
-    """The interface every engine implements."""
+    """The contract every engine implements (HFEngine here, VLLMEngine in nanorl/vllm_engine.py): two
+    methods it must define, what it declares, and the calls a trainer may make of any engine, which do
+    nothing where the engine has nothing to do. The trainer and the rollout worker read only these.
+
+    holds_own_weights: False: it samples from a torch module whose weights are the trainer's own or an
+        exact copy (a sync is free and exact); True: it holds a copy of its own (vLLM), which the trainer
+        streams into, `check_sync` compares, and `sleep` may free between rollouts; a version it holds
+        needs no second load.
+    max_model_len: the longest sequence, prompt + response, it accepts (None: no limit of its own)."""
+    holds_own_weights = False
+    max_model_len = None
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
         """`len(prompts) * n` samples; prompt i's n samples are consecutive with group_id = i."""
@@ -68,6 +78,25 @@ class RolloutEngine:
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         """Load the trainer's current weights; samples generated afterwards carry `version`."""
         raise NotImplementedError
+
+    def sampled_module(self) -> torch.nn.Module | None:
+        """The torch module it samples from (None: its weights live elsewhere)."""
+        return None
+
+    def rng(self) -> torch.Generator | None:
+        """Its sampler's torch generator, which checkpoints save (None: it keeps its own stream)."""
+        return None
+
+    def sleep(self, level: int) -> None:
+        """Free accelerator memory between the rollout and the next update_weights (--sleep-level)."""
+
+    def check_sync(self, model: torch.nn.Module) -> dict[str, float]:
+        """Compare what it samples from with `model`; raise on a mismatch, else return the gap's
+        statistics (an engine sampling from the trainer's own weights: nothing to compare, {})."""
+        return {}
+
+    def close(self) -> None:
+        """Release what it holds (vLLM: one engine per process at a time)."""
 
 
 def stop_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
@@ -132,6 +161,12 @@ class HFEngine(RolloutEngine):
     # means it loaded newer weights into the module and set `version`. The KV cache is then rebuilt
     # under them and each Sample records its tokens' versions in metadata["token_versions"].
     between_steps: Callable[[], bool] | None = None
+
+    def sampled_module(self) -> torch.nn.Module:
+        return self.model
+
+    def rng(self) -> torch.Generator:
+        return self.generator
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
         # Same process, same module: the engine *is* the trainer's model, so there is nothing to copy

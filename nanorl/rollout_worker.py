@@ -29,7 +29,7 @@ from multiprocessing import forkserver
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import precision, stages, weight_broadcast
+from nanorl import build, precision, stages, weight_broadcast
 from nanorl.config_checks import ConfigError
 from nanorl.data import PromptFormat
 from nanorl.distributed import Trained
@@ -39,7 +39,7 @@ from nanorl.partial_rollout import AbortingRollout
 from nanorl.plugins import Hooks
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
-from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.rollout import SamplingConfig
 from nanorl.scoring import forward, score_batch
 from nanorl.tool_envs import episode_runner
 from nanorl.trajectory import Sample, collate
@@ -211,7 +211,8 @@ class Worker:
         # With vLLM this copy is what its sync check scores and what is streamed into vLLM: on the GPU
         # only when a check runs (--sync-check-every > 0); else in host memory, vLLM copying each tensor
         # over as it loads, and the worker's GPU holds no copy of its own
-        home = spec.device if cfg.engine != "vllm" or cfg.sync_check_every else "cpu"
+        kind = build.engine_class(cfg, spec.device)
+        home = spec.device if not kind.holds_own_weights or cfg.sync_check_every else "cpu"
         model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(home)
         del base
         self.scoring = types.SimpleNamespace(cfg=cfg, model=model, tokenizer=self.tokenizer, world=1)  # a run
@@ -222,13 +223,8 @@ class Worker:
                 if t is None or t.dtype != dt or tuple(t.shape) != shape:
                     got = None if t is None else (t.dtype, tuple(t.shape))
                     raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
-        if cfg.engine == "vllm":
-            from nanorl import build
-            self.engine = build.vllm_engine(cfg, spec.longest_prompt, rank=0, sleep=False)
-        else:
-            self.engine = HFEngine(model, pad_id=self.tokenizer.pad_token_id, compute_dtype=dtype,
-                                   between_steps=self.pick_up_newer if cfg.partial_rollout == "switch"
-                                   else None)
+        self.engine = build.worker_engine(cfg, model, self.tokenizer.pad_token_id, dtype, spec.longest_prompt,
+                                          self.pick_up_newer if cfg.partial_rollout == "switch" else None)
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
         # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
@@ -252,7 +248,7 @@ class Worker:
 
     @torch.no_grad()
     def load(self, version: int) -> None:
-        if self.cfg.engine == "vllm" and version == self.engine.version:
+        if self.engine.holds_own_weights and version == self.engine.version:
             return  # vLLM holds it already, checked when it was loaded
         done = set()
         for k, view in self.weights.slot(version).items():
@@ -264,13 +260,13 @@ class Worker:
         if next(self.scoring.model.parameters()).is_cuda:  # read out before the slot may be reused
             torch.cuda.synchronize()
         self.weights.release(version)
-        self.engine.version = version
-        if self.cfg.engine == "vllm":  # the synchronous engine's load and check (stages.sync)
-            model = self.scoring.model
-            self.engine.update_weights(model, version)
-            every = self.cfg.sync_check_every
-            if every and version % every == 0:
-                self.sync_metrics = {f"sync/{k}": v for k, v in self.engine.check_sync(model).items()}
+        # the synchronous run's load and check (stages.sync): vLLM streams the copy in and compares; the
+        # HF engine samples from the copy itself (nothing to load, nothing to compare)
+        model = self.scoring.model
+        self.engine.update_weights(model, version)
+        every = self.cfg.sync_check_every
+        if every and version % every == 0:
+            self.sync_metrics = {f"sync/{k}": v for k, v in self.engine.check_sync(model).items()}
 
     def pick_up_newer(self) -> bool:
         """Between decode steps (partial rollouts): load a version published since, if any."""

@@ -150,7 +150,7 @@ def to_batch(run, samples) -> tuple[list, object]:
     """Samples → (samples, the padded batch on the training device), the engine's memory freed first."""
     if not samples:  # none left here, some elsewhere: join the step with rows that weigh nothing
         samples = zero_weight_samples(run.tokenizer.pad_token_id, run.cfg.samples_per_prompt)
-    if run.cfg.sleep_level and hasattr(run.engine, "sleep"):  # vLLM: free its GPU memory until the sync
+    if run.cfg.sleep_level:  # vLLM: free its GPU memory until the sync (the HF engine: nothing to free)
         run.engine.sleep(run.cfg.sleep_level)
     device = next(run.model.parameters()).device
     precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
@@ -230,7 +230,7 @@ def sync(run, metrics: dict) -> None:
     if run.pipeline is not None:  # the worker samples batch step + 1 + K from this version
         run.pipeline.publish(run.model, run.step + 1)
     due = cfg.sync_check_every and (run.step + 1) % cfg.sync_check_every == 0
-    if due and hasattr(run.engine, "check_sync"):
+    if due and run.engine.holds_own_weights:
         # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
         with distributed.root_gathered(run.trained):
             metrics.update({f"sync/{k}": v for k, v in run.engine.check_sync(run.model).items()})

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nanorl.rollout import RolloutEngine
 from nanorl.trajectory import Sample
 
 # the interface and its config live in nanorl/rollout.py
@@ -191,8 +192,8 @@ def _empty_device_cache() -> None:
         torch.accelerator.empty_cache()
 
 
-class VLLMEngine:
-    """The RolloutEngine interface (nanorl/rollout.py) on an in-process `vllm.LLM` loaded from the
+class VLLMEngine(RolloutEngine):
+    """The RolloutEngine contract (nanorl/rollout.py) on an in-process `vllm.LLM` loaded from the
     saved HF dir `model_path` (**llm_kwargs go to `vllm.LLM`). One engine per process at a time
     (vLLM keeps global state): `close()` before starting another.
 
@@ -210,6 +211,8 @@ class VLLMEngine:
         every request runs with them (nanorl/lora.py; measured: docs/bench_results.md).
     """
 
+    # a copy of its own, streamed into by update_weights, compared by check_sync, freed by sleep
+    holds_own_weights = True
     # vLLM's own LoRA (--lora-sync adapter): the newest adapter's request and the directory it is saved
     # in; None otherwise (also on an engine built without __init__, as the tests' stubs are)
     _lora = None

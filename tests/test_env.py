@@ -16,7 +16,7 @@ import torch
 from nanorl.data import Prompt
 from nanorl.env import ChatTurns, Env, EpisodeRunner, Step, ToolRunner, episode_metrics, turn_reward_tensor
 from nanorl.policy import response_logprobs
-from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.rollout import HFEngine, RolloutEngine, SamplingConfig
 from nanorl.task import build_model
 from nanorl.trajectory import collate
 
@@ -57,7 +57,7 @@ class Echo(Env):
         return Step(OBS[action.turn], 0.0, False, {"tool_calls": 1})
 
 
-class Recording:
+class Recording(RolloutEngine):
     """An engine wrapper that records every prompt it is given and every turn it returns."""
     def __init__(self, engine):
         self.engine, self.prompts, self.turns = engine, [], []
@@ -170,7 +170,7 @@ def test_environment_tokens_get_no_loss_and_no_gradient(model, episodes):
 
 
 # ----------------------------------------------------------------------------- failures end episodes
-class Scripted:
+class Scripted(RolloutEngine):
     """An engine that 'samples' fixed turns: ids [5] * length + stop (no stop when length < 0)."""
     def __init__(self, length=2):
         self.length = length
@@ -329,7 +329,7 @@ def test_python_tool_chatml_call_answer_and_hang(qtok):
              "{\"expression\": \"37 * 43\"}}\n</tool_call>",
              "So the answer is \\boxed{1591}."]
 
-    class Replay:  # an engine that writes the scripted turns in turn, each ended by <|im_end|>
+    class Replay(RolloutEngine):  # an engine that writes the scripted turns in turn, each ended by <|im_end|>
         calls = 0
 
         def generate(self, prompts, n, sampling):

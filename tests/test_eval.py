@@ -14,7 +14,7 @@ from nanorl.config import Config
 from nanorl.data import Prompt
 from nanorl.evaluation import EvalSampling, EvalSet, evaluate, load_eval_sets, set_name
 from nanorl.rewards import RewardRunner, exact
-from nanorl.rollout import stop_token_ids
+from nanorl.rollout import RolloutEngine, stop_token_ids
 from nanorl.task import make_default
 from nanorl.trajectory import Sample
 
@@ -26,7 +26,7 @@ def task(tmp_path_factory):
     return make_default(str(tmp_path_factory.mktemp("task")), seed=0)
 
 
-class ScriptedEngine:
+class ScriptedEngine(RolloutEngine):
     """Answers prompt "i" with str(i) greedily when i is even, and records every SamplingConfig."""
 
     def __init__(self):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from nanorl.judges import Judge, check_template, make_parser, read_template
+from nanorl.rollout import RolloutEngine
 from nanorl.trajectory import Sample
 
 # ---------------------------------------------------------------------------- the test's judge server
@@ -382,7 +383,7 @@ class CharTokenizer:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
 
-class ScriptedEngine:
+class ScriptedEngine(RolloutEngine):
     """nanorl's engine interface: answers "8" (then EOS) when the judge prompt holds "good", else "3";
     "abort" in it gives an aborted Sample; `fail` makes generate raise."""
 
