@@ -4,7 +4,9 @@ engine, the trained modules (critic, reference, the DDP/FSDP wrapper) and the op
 Read train.py's `setup` first: it calls these in chain order. Key choices: the HF engine samples from
 the policy module itself (no copy, no sync) unless --fsdp shards it; vLLM holds its own copy of the
 weights, loaded from the same path and synced after every step; the reference model is a frozen
-copy that exists only when a KL term is on; AdamW is fused (one kernel over every tensor). --lora-rank:
+copy that exists only when a KL term is on; --fsdp over several ranks reads the checkpoint on rank 0
+alone, the others' copies start on the meta device and get rank 0's values once sharded
+(`load_on_rank0`); AdamW is fused (one kernel over every tensor). --lora-rank:
 PEFT adapters are injected into the policy, the optimizer holds only them and the reference is the
 policy with its adapters off (nanorl/lora.py). On CUDA, `load_policy` prints the run's memory plan and
 refuses a run that cannot fit the GPU (nanorl/memory_plan.py), and an async run's rollout device is
@@ -24,7 +26,7 @@ from nanorl import distributed, gguf_model, lora, memory_plan, moe_replay, preci
 from nanorl.config import Config
 from nanorl.distributed import Trained
 from nanorl.plugins import plugin_task
-from nanorl.policy import ValueModel, frozen_copy, load_model
+from nanorl.policy import ValueModel, frozen_copy, layout, load_empty_model, load_model
 from nanorl.rollout import HFEngine, RolloutEngine
 from nanorl.scoring import forward
 from nanorl.task import make_default
@@ -53,8 +55,12 @@ def load_policy(cfg: Config, device, dtype):
     memory (`check_memory`) before anything else is built."""
     if cfg.async_steps:  # a rollout device that cannot work fails here, before minutes of loading
         weight_broadcast.check_devices(device, cfg.rollout_device, broadcast=engine_of(cfg, device) == "vllm")
-    # --fsdp: loaded (and copied) in host memory; fully_shard then moves only each rank's shards to the device
-    model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
+    if distributed.rank0_reads(cfg.fsdp):
+        model, tokenizer = load_on_rank0(cfg, dtype)
+    else:
+        # --fsdp on one rank: loaded (and copied) in host memory, fully_shard moves it to the device;
+        # else (DDP, one process) loaded on the device
+        model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
     if cfg.routing_replay:
         if not moe_replay.is_moe(model):
             raise ValueError("--routing-replay needs a mixture-of-experts model")
@@ -68,6 +74,31 @@ def load_policy(cfg: Config, device, dtype):
     model.train()  # Hugging Face checkpoints only in train mode; dropout is off (policy.dropout_off)
     if torch.device(device).type == "cuda":
         check_memory(cfg, model, torch.device(device))
+    return model, tokenizer
+
+
+def load_on_rank0(cfg: Config, dtype):
+    """--fsdp over several ranks (`distributed.rank0_reads`): (policy, tokenizer) with the checkpoint read
+    into host memory by rank 0 alone. Every other rank builds the same model from rank 0's config,
+    its parameters on the meta device (nanorl/policy.py `load_empty_model`); sharding fills them
+    (`make_trained`). Rank 0's model layout comes with its config: a rank that built another one (an
+    architecture that from_config builds differently) stops with the difference, never a silent mix."""
+    rank = torch.distributed.get_rank()
+    # on the CPU, as load_device puts it: fully_shard moves only each rank's shards to the device
+    model, tokenizer = load_model(cfg.model, "cpu", dtype) if rank == 0 else (None, None)
+    box = [(model.config, model.generation_config, layout(model)) if rank == 0 else None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    if rank == 0:
+        return model, tokenizer
+    config, generation_config, theirs = box[0]
+    model, tokenizer = load_empty_model(cfg.model, config, generation_config, dtype)
+    mine = layout(model)
+    if mine != theirs:
+        # the first entry that differs, else the counts (one list is the other's start)
+        here, there = next(((a, b) for a, b in zip(mine, theirs) if a != b),
+                           (f"{len(mine)} entries", f"{len(theirs)}"))
+        raise RuntimeError(f"--fsdp: --model {cfg.model} built on rank {rank} without its weights differs "
+                           f"from rank 0's loaded model: {here} here, {there} on rank 0")
     return model, tokenizer
 
 
@@ -141,7 +172,15 @@ def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int
     # evaluation, is the HF engine on its module
     if cfg.engine == "vllm" and not cfg.async_steps:
         return vllm_engine(cfg, max(len(p.ids) for p in prompts), rank, sleep=cfg.sleep_level > 0)
-    sampler = frozen_copy(model, dtype).to(device) if cfg.fsdp else model
+    sampler = model
+    if cfg.fsdp:
+        sampler = frozen_copy(model, dtype)
+        if not distributed.rank0_reads(cfg.fsdp):
+            sampler = sampler.to(device)
+        else:
+            # rank > 0 holds the policy on the meta device (load_policy), and so this copy: it gets
+            # memory on the device and rank 0's values there
+            sampler = distributed.receive_from_rank0(sampler.to(device) if rank == 0 else sampler, device)
     engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay,
                       compute_dtype=dtype)
     engine.generator.manual_seed(cfg.seed * 1000 + rank)
@@ -179,10 +218,14 @@ def make_trained(cfg: Config, model, device, dtype):
         ref = lora.Reference(lora.peft_of(model), Trained(model, None, score, dtype))
     elif cfg.uses_reference:
         ref = Trained(frozen_copy(model, dtype), None, score, dtype)
+    # --fsdp over several ranks: rank > 0 built the policy, and so these copies, on the meta device
+    # (load_policy); each rank's shards are filled with rank 0's values
+    once = distributed.rank0_reads(cfg.fsdp)
     if ref is not None and cfg.fsdp:
-        ref = distributed.shard(ref, device)
+        ref = distributed.shard(ref, device, from_rank0=once)
     accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
-    return critic, ref, distributed.wrap(accelerator, Trained(model, critic, score, dtype), fsdp=cfg.fsdp)
+    return critic, ref, distributed.wrap(accelerator, Trained(model, critic, score, dtype), fsdp=cfg.fsdp,
+                                         from_rank0=once)
 
 
 def make_optimizer(cfg: Config, model, critic):

@@ -192,6 +192,53 @@ def load_device(fsdp: bool, device: torch.device) -> torch.device:
     return torch.device("cpu") if fsdp else device
 
 
+def rank0_reads(fsdp: bool) -> bool:
+    """Whether only rank 0 reads the checkpoint into host memory: --fsdp over several ranks. The other
+    ranks build the model with its parameters on the meta device (nanorl/policy.py `load_empty_model`),
+    and so do the copies made of it (reference, critic, the HF engine's sampler); each receives rank
+    0's values once sharded (`shard`, `receive_from_rank0`). A 7B model on 8 ranks then holds one fp32
+    copy and one reference in host memory, not eight of each (~370 GB in all). The same answer on
+    every rank."""
+    return fsdp and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def receive_from_rank0(module: torch.nn.Module, device: torch.device,
+                       full: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """Give every rank's `module` rank 0's values, on `device`; every rank calls it. Rank 0's module
+    holds them (on `device`, or sharded there by FSDP), `full` its full state dict (default: the
+    module's own; a sharded module's must be taken before sharding). On the other ranks the parameters
+    are on the meta device: `to_empty` allocates them on `device` — with FSDP only this rank's shards
+    — and torch's set_model_state_dict broadcasts rank 0's tensors one at a time, each rank keeping
+    its own slice (broadcast_from_rank0). Buffers are not all in the state dict (rotary frequencies
+    are non-persistent) and to_empty left them uninitialised: they are broadcast from rank 0 too.
+    Tied parameters stay one tensor: to_empty gives each module of an unsharded model its own copy of
+    a meta parameter, so the ties are made again (FSDP keeps them itself)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank0 = dist.get_rank() == 0
+    if rank0 and full is None:
+        full = module.state_dict()
+    if not rank0:
+        first: dict[int, str] = {}
+        # (a parameter name, the first name of its tensor) for each name after the first
+        tied = [(name, first[id(p)]) for name, p in module.named_parameters(remove_duplicate=False)
+                if first.setdefault(id(p), name) != name]
+        module.to_empty(device=device)
+        for name, other in tied:
+            if module.get_parameter(name) is not module.get_parameter(other):
+                owner, _, leaf = name.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, module.get_parameter(other))
+    set_model_state_dict(module, full if rank0 else {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for buf in module.buffers():
+            moved = buf.to(comm_device())
+            dist.broadcast(moved, src=0)
+            if moved is not buf:
+                buf.copy_(moved)
+    return module
+
+
 class Trained(torch.nn.Module):
     """The modules the optimizer trains, behind the one forward that a data-parallel wrapper sees.
 
@@ -213,17 +260,18 @@ class Trained(torch.nn.Module):
         return logp, ent, values
 
 
-def wrap(accelerator, trained: Trained, fsdp: bool = False) -> torch.nn.Module:
-    """DDP around `trained` when there are several ranks (or FSDP sharding); `trained` itself for one."""
+def wrap(accelerator, trained: Trained, fsdp: bool = False, from_rank0: bool = False) -> torch.nn.Module:
+    """DDP around `trained` when there are several ranks (or FSDP sharding); `trained` itself for one.
+    from_rank0: FSDP's shards get rank 0's values (`shard`)."""
     if fsdp:
-        return shard(trained, accelerator.device, trained.compute_dtype)
+        return shard(trained, accelerator.device, trained.compute_dtype, from_rank0=from_rank0)
     if accelerator.num_processes == 1:
         return trained
     return accelerator.prepare_model(trained)
 
 
 def shard(module: torch.nn.Module, device: torch.device,
-          compute_dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+          compute_dtype: torch.dtype = torch.float32, from_rank0: bool = False) -> torch.nn.Module:
     """FSDP2: shard parameters, gradients and optimizer state over the ranks (ZeRO-3), in place.
 
     Each transformer block is its own unit (its weights are all-gathered just before its forward and
@@ -235,7 +283,11 @@ def shard(module: torch.nn.Module, device: torch.device,
     into the fp32 shards (nanorl/precision.py).
 
     accelerate 1.15 turns FSDP on only for GPU-type backends; `fully_shard` (torch ≥ 2.6) runs on
-    CPU over gloo too, so nanorl calls it directly and the same code is tested on CPU and runs on GPU."""
+    CPU over gloo too, so nanorl calls it directly and the same code is tested on CPU and runs on GPU.
+
+    from_rank0 (`rank0_reads`): only rank 0's module holds values; the others' parameters are on the
+    meta device, and after sharding each rank's shards are allocated and filled from rank 0's
+    (`receive_from_rank0`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -250,9 +302,12 @@ def shard(module: torch.nn.Module, device: torch.device,
     # None in fp32
     policy = fsdp_policy(compute_dtype)
     mp = {"mp_policy": policy} if policy is not None else {}
+    # rank 0's full tensors, referenced (not copied) until every rank has its shards
+    full = module.state_dict() if from_rank0 and dist.get_rank() == 0 else None
     for block in blocks:
         fully_shard(block, mesh=mesh, **mp)
-    return fully_shard(module, mesh=mesh, **mp)
+    module = fully_shard(module, mesh=mesh, **mp)
+    return receive_from_rank0(module, device, full) if from_rank0 else module
 
 
 @contextmanager

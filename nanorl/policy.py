@@ -77,6 +77,47 @@ def load_model(name_or_path: str, device: str = "cpu", compute_dtype: torch.dtyp
     return model, tokenizer
 
 
+def load_empty_model(name_or_path: str, config, generation_config,
+                     compute_dtype: torch.dtype = torch.float32, flag: str = "--model"):
+    """What `load_model` returns for the checkpoint another process loaded (--fsdp's rank 0, which hands
+    over its model's `config` and `generation_config`), without reading its weights: the same model
+    built with its parameters on the meta device (no memory, no values; filled from rank 0 after
+    sharding, nanorl/distributed.py `receive_from_rank0`), its buffers real (the rotary frequencies, computed
+    from the config), its tokenizer read from `name_or_path` as `load_model` reads it. `layout` tells
+    whether the two builds agree."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = gguf_model.load_tokenizer(name_or_path)
+    # include_buffers=False: only parameters go to the meta device; buffers (the rotary inv_freq) and
+    # whatever else __init__ computes stay real and small, as from_pretrained makes them
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                 attn_implementation=best_attn_implementation(compute_dtype))
+    # from_pretrained ties the output embedding to the input one after loading; from_config on the
+    # meta device leaves them two parameters
+    model.tie_weights()
+    model.generation_config = generation_config
+    _ensure_pad_token(tokenizer, model.get_input_embeddings().num_embeddings, name_or_path, flag)
+    # rank 0's config already holds the zeros: this only sets the modules' rates as load_model does
+    dropout_off(model)
+    model.config.use_cache = False
+    # from_pretrained returns a model in eval mode
+    model.eval()
+    return model, tokenizer
+
+
+def layout(model) -> list[tuple]:
+    """What two builds of one model must share: each module's class, each parameter's and buffer's
+    name, shape and dtype, and which parameter names are one tensor (tied embeddings)."""
+    first: dict[int, str] = {}
+    rows = [("module", name, type(m).__name__) for name, m in model.named_modules()]
+    rows += [("parameter", name, tuple(p.shape), str(p.dtype), first.setdefault(id(p), name))
+             for name, p in model.named_parameters(remove_duplicate=False)]
+    rows += [("buffer", name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()]
+    return rows
+
+
 def dropout_off(model) -> list[str]:
     """Switch dropout off for good (p = 0), train mode or not; returns the config's non-zero dropout
     settings it found ("attn_pdrop=0.1", ...). The trainer keeps the policy in train mode (Hugging Face

