@@ -212,14 +212,14 @@ class EpisodeRunner:
     The Sample of an episode: prompt_ids = the first prompt; response_ids = turn 1 + env 1 + turn 2 + ... (it
     always ends with a model turn); loss_mask 1 on model tokens, 0 on environment tokens (context the policy
     sees but never produced); rollout_logprobs the engine's for model tokens, 0 (unused) for environment
-    tokens. metadata["env"]: the end reason, the model turns' spans, per-turn rewards, the number of tool
+    tokens. Sample.episode: the end reason, the model turns' spans, per-turn rewards, the number of tool
     calls. Rewards: every `step` returns one; the episode's reward is their sum (floats, or dicts summed per
     component). When an environment rewards turns before the last, `turn_reward_tensor` places each on its
     turn's last token, for the estimators that read token rewards (GAE, REINFORCE++, ReMax); outcome
     estimators read the sum (nanorl/advantage.py). GRPO groups are the n episodes started from the same
     prompt (group_id = prompt index).
 
-    How an episode ends (metadata["env"]["end"], logged per step as env/end/<reason>):
+    How an episode ends (Sample.episode["end"], logged per step as env/end/<reason>):
       done         the environment said so                                  status completed
       truncated    a turn ran out of max_new_tokens without a stop token    status truncated
       token_cap    the episode's response reached max_tokens                status truncated
@@ -372,8 +372,8 @@ class EpisodeRunner:
                    reward=total, status=ENDS[e.end or "turn_cap"], weight_version=e.version or 0,
                    group_id=e.group,
                    routed_experts=e.experts, sampling_support=_support(e.support),
-                   metadata={"env": {"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
-                                     "turn_rewards": rewards, "tool_calls": e.tool_calls}})
+                   episode={"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
+                            "turn_rewards": rewards, "tool_calls": e.tool_calls})
         return s
 
 
@@ -429,12 +429,12 @@ def turn_reward_tensor(samples: list[Sample], T: int) -> torch.Tensor | None:
     """[B, T] rewards on each model turn's last trained token (loss mask 1; else the episode's last
     one); None when every episode is rewarded on its last turn only — then the usual placement of
     the total on the last valid token is the same thing, and the trainer passes scores."""
-    if not any(any(_total(r) != 0 for r in s.metadata.get("env", {}).get("turn_rewards", [])[:-1])
+    if not any(any(_total(r) != 0 for r in (s.episode or {}).get("turn_rewards", [])[:-1])
                for s in samples):
         return None
     out = torch.zeros(len(samples), T)
     for b, s in enumerate(samples):
-        env, mask = s.metadata.get("env", {}), s.loss_mask or [1] * s.response_length
+        env, mask = s.episode or {}, s.loss_mask or [1] * s.response_length
         valid = [t for t, m in enumerate(mask) if m]
         for (start, end), r in zip(env.get("spans", []), env.get("turn_rewards", [])):
             inside = [t for t in valid if start <= t < end]
@@ -449,11 +449,11 @@ def _total(r) -> float:
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     """env/... per step: turns, tool use, environment-token share, and how episodes ended."""
-    info = [s.metadata["env"] for s in samples if "env" in s.metadata]
+    info = [s.episode for s in samples if s.episode is not None]
     if not info:
         return {}
     n, tokens = len(info), sum(s.response_length for s in samples)
-    env_tokens = sum(s.response_length - sum(s.loss_mask or []) for s in samples if "env" in s.metadata)
+    env_tokens = sum(s.response_length - sum(s.loss_mask or []) for s in samples if s.episode is not None)
     ended = Counter(x["end"] for x in info)
     return {"env/turns_mean": sum(x["turns"] for x in info) / n,
             "env/tool_calls_mean": sum(x["tool_calls"] for x in info) / n,

@@ -156,6 +156,6 @@ def _score_slice(scorer: Scorer, sampling: EvalSampling, prompts) -> torch.Tenso
     # [prompts, k]
     hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled]).view(len(prompts), k)
     length = sum(s.response_length for s in greedy)
-    tools = sum(s.metadata.get("env", {}).get("tool_calls", 0) > 0 for s in greedy)
+    tools = sum((s.episode or {}).get("tool_calls", 0) > 0 for s in greedy)
     counts = [len(prompts), sum(right), float(hits.any(1).sum()), length, tools]
     return torch.tensor(counts, dtype=torch.float64)

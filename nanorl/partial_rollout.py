@@ -4,7 +4,7 @@ Each batch keeps F × G groups in flight (G = --prompts-per-step, F = --over-sam
 previous batch aborted (the buffer, oldest first), each unfinished sample resumed from prompt + its
 tokens so far under this batch's weights; then fresh prompts. Once G groups have finished, the requests
 still running are aborted: their groups go to the buffer with every token they had, its rollout logprob
-and its version (metadata["token_versions"]), and the next batch resumes them first. TIS / MIS correct
+and its version (Sample.token_versions), and the next batch resumes them first. TIS / MIS correct
 the old tokens per token through their own rollout logprobs; --mask-offpolicy-in-partial-rollout masks
 them instead (rollout_worker.mask_older_tokens). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
 
@@ -58,7 +58,7 @@ class AbortingRollout:
             samples = self.engine.generate([p.ids for p in pool], self.n, sampling.call(next(calls)),
                                            until=enough)
             for s in samples:
-                s.metadata["token_versions"] = [version] * len(s.response_ids)
+                s.token_versions = [version] * len(s.response_ids)
             groups = [(pool[i // self.n], samples[i:i + self.n]) for i in range(0, len(samples), self.n)]
             # the first G to finish make the batch (slime's order); groups that ran to the last decode
             # step finish after every group reported before it
@@ -128,4 +128,4 @@ def _joined(old: Sample, new: Sample, left: int, sampling, version: int) -> Samp
         old, response_ids=old.response_ids + resp[:k],
         rollout_logprobs=old.rollout_logprobs + new.rollout_logprobs[:k],
         status="completed" if stopped else "truncated", sampling_support=support,
-        metadata={**old.metadata, "token_versions": old.metadata["token_versions"] + [version] * k})
+        token_versions=old.token_versions + [version] * k)

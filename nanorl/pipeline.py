@@ -228,7 +228,7 @@ class Pipeline:
         """[B, T] reference logprobs of `batch` (collated from `samples`), scored by the worker."""
         out = torch.zeros(batch.response_ids.shape)  # [B, T], 0 on padding as score_batch gives
         for b, s in enumerate(samples):
-            out[b, :s.response_length] = torch.tensor(s.metadata["ref_logprobs"])
+            out[b, :s.response_length] = torch.tensor(s.ref_logprobs)
         return out.to(batch.response_ids.device)
 
     def save(self, path: str, step: int) -> None:
@@ -372,12 +372,12 @@ def staleness_metrics(samples: list[Sample], step: int) -> dict:
         return {}
     ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]
     tokens = [v for s in samples
-              for v in s.metadata.get("token_versions", [s.weight_version] * s.response_length)]
+              for v in s.token_versions or [s.weight_version] * s.response_length]
     off = torch.tensor([v < step for v in tokens], dtype=torch.float)  # [tokens]
     m = {"async/staleness_mean": float(ages.mean()), "async/staleness_max": float(ages.max()),
          "async/offpolicy_token_frac": float(off.mean()) if len(off) else 0.0}
-    if any("token_versions" in s.metadata for s in samples):
-        spanning = sum(len(set(s.metadata["token_versions"])) > 1 for s in samples)
+    if any(s.token_versions is not None for s in samples):
+        spanning = sum(len(set(s.token_versions)) > 1 for s in samples)
         m["async/partial_frac"] = spanning / len(samples)
         masked = sum(s.response_length - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
         m["async/masked_token_frac"] = masked / max(1, len(tokens))

@@ -159,7 +159,7 @@ class HFEngine(RolloutEngine):
     generator: torch.Generator = field(default_factory=torch.Generator)
     # Partial rollouts (nanorl/pipeline.py): called before every decode step after the first; True
     # means it loaded newer weights into the module and set `version`. The KV cache is then rebuilt
-    # under them and each Sample records its tokens' versions in metadata["token_versions"].
+    # under them and each Sample records its tokens' versions in Sample.token_versions.
     between_steps: Callable[[], bool] | None = None
 
     def sampled_module(self) -> torch.nn.Module:
@@ -313,7 +313,7 @@ class HFEngine(RolloutEngine):
                        # its oldest token's version
                        weight_version=versions[0], group_id=g)
             if self.between_steps is not None:
-                s.metadata["token_versions"] = versions[:length]
+                s.token_versions = versions[:length]
             if sp.keep_support:
                 s.sampling_support = support[b, :length].to(torch.int32).cpu()  # [R, K]
             # drop the left padding: position 0 is the first prompt token

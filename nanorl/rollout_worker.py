@@ -302,7 +302,7 @@ class Worker:
                 mask_older_tokens(s)
         if self.spec.greedy_baselines:
             for s, r in zip(samples, self.greedy_rewards(prompts)):
-                s.metadata["greedy_baseline"] = r
+                s.greedy_baseline = r
         t3 = time.perf_counter()
         if self.ref is not None:  # on each rank's shard, as that rank's recompute would score it
             for r in range(self.spec.world):
@@ -357,12 +357,12 @@ class Worker:
     @torch.no_grad()
     def score_reference(self, samples: list[Sample]) -> None:
         """Reference logprobs of every response token, as train.py's recompute would score them (the
-        same collated batch and micro-batches): metadata["ref_logprobs"], read by `ref_logprobs`."""
+        same collated batch and micro-batches): Sample.ref_logprobs, read by `ref_logprobs`."""
         batch = collate(samples, self.tokenizer.pad_token_id).to(self.spec.device)
         support = batch.sampling_support if self.cfg.keep_sampling_mask else None
         lp = score_batch(self.scoring, self.ref, batch, support)[0].cpu()  # [B, T]
         for s, row in zip(samples, lp):
-            s.metadata["ref_logprobs"] = row[:s.response_length].tolist()
+            s.ref_logprobs = row[:s.response_length].tolist()
 
 
 def since(before: dict, now: dict) -> dict:
@@ -373,7 +373,7 @@ def since(before: dict, now: dict) -> dict:
 def mask_older_tokens(s: Sample) -> None:
     """--mask-offpolicy-in-partial-rollout: loss mask 0 on the tokens sampled under an older version
     than the sample's newest (combined with any mask it has)."""
-    versions = s.metadata["token_versions"]
+    versions = s.token_versions
     newest, old = max(versions), s.loss_mask or [1] * len(versions)
     s.loss_mask = [int(m and v == newest) for m, v in zip(old, versions)]
 

@@ -349,7 +349,7 @@ def oversampled_round(run, prompts, sampling, metrics: dict) -> list:
 def greedy_baselines(run, prompts, samples, timer) -> torch.Tensor:
     """The reward of one greedy response per prompt, the baseline of that prompt's samples [B] (ReMax)."""
     if not run.source.local:  # --async-steps: the worker sampled them with the batch, from its weights
-        return torch.tensor([s.metadata["greedy_baseline"] for s in samples])
+        return torch.tensor([s.greedy_baseline for s in samples])
     cfg = run.cfg
     with timer("generate"):
         greedy = generate(run, prompts, 1, SamplingConfig(

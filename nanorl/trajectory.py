@@ -42,9 +42,15 @@ class Sample:
     group_id: int = 0                             # samples of the same prompt share a group id
     routed_experts: Tensor | None = None          # [n, L, k] expert ids of input positions 0..n-1
     sampling_support: Tensor | None = None        # [R, K] kept token ids per response token, -1 pad
-    metadata: dict = field(default_factory=dict)
+    metadata: dict = field(default_factory=dict)  # the user's: reward functions, plug-ins, --log-metadata
     # the weight of each reward component in total_reward (--reward-weights); None or a missing name: 1
     reward_weights: dict[str, float] | None = None
+    # What nanorl itself records with a sample (never in `metadata`, which is the user's):
+    token_versions: list[int] | None = None  # per response token, the weight version that sampled it
+    ref_logprobs: list[float] | None = None   # per response token, log π_ref (scored by the async worker)
+    greedy_baseline: float | None = None      # ReMax: its prompt's greedy reward (the async worker's)
+    episode: dict | None = None               # --env: end reason, turns, spans, turn rewards, tool calls
+    support_overflow: int | None = None       # --keep-sampling-mask on vLLM: tokens past --support-cap
 
     def __post_init__(self):
         P, R = len(self.prompt_ids), len(self.response_ids)
@@ -54,7 +60,7 @@ class Sample:
                 raise ValueError(f"Sample: {msg}")
         check(P > 0, "prompt_ids is empty: the first response token is predicted from the last prompt "
                      "token, so a prompt needs at least one token (e.g. BOS)")
-        for name in ("rollout_logprobs", "loss_mask"):
+        for name in ("rollout_logprobs", "loss_mask", "token_versions", "ref_logprobs"):
             v = getattr(self, name)
             check(v is None or len(v) == R, f"{name} has {0 if v is None else len(v)} entries, not R={R}")
         check(self.loss_mask is None or set(self.loss_mask) <= {0, 1}, "loss_mask must hold only 0 and 1")

@@ -480,7 +480,7 @@ class VLLMEngine(RolloutEngine):
         support, overflow = support_from_topk_logprobs([dict(p) for p in positions], s.support_cap)
         smp.sampling_support = support.to(torch.int32)  # [R, K]
         smp.loss_mask = (~overflow).long().tolist() if bool(overflow.any()) else None
-        smp.metadata["support_overflow"] = int(overflow.sum())
+        smp.support_overflow = int(overflow.sum())
 
     # ------------------------------------------------------------------------------ weight sync
     @torch.no_grad()

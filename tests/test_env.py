@@ -96,11 +96,11 @@ def assert_tito(tok, runner, engine, samples) -> int:
     seen = {}  # the engine is called turn by turn over the live episodes, in order
     for turn in range(TURNS):
         for b, s in enumerate(samples):
-            if len(s.metadata["env"]["spans"]) > turn:
+            if len(s.episode["spans"]) > turn:
                 seen[b, turn] = next(calls)
     full = 0
     for b, s in enumerate(samples):
-        spans, expect = s.metadata["env"]["spans"], []
+        spans, expect = s.episode["spans"], []
         for k, (start, end) in enumerate(spans):
             prompt, sampled = seen[b, k]
             assert prompt == s.prompt_ids + expect, "the next prompt must extend the same ids (TITO)"
@@ -114,7 +114,7 @@ def assert_tito(tok, runner, engine, samples) -> int:
         assert s.response_ids == expect
         assert s.loss_mask == [int(any(a <= t < e for a, e in spans)) for t in range(len(expect))]
         assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask) if m == 0)
-        full += len(spans) == TURNS and s.metadata["env"]["end"] == "done"
+        full += len(spans) == TURNS and s.episode["end"] == "done"
     return full
 
 
@@ -131,7 +131,7 @@ def test_ids_are_prompt_plus_sampled_plus_env_tokens_encoded_alone(tok, episodes
 
 def test_every_model_token_logprob_equals_the_trainer_recompute_hf(model, episodes):
     _, _, samples = episodes
-    long = [s for s in samples if s.metadata["env"]["turns"] >= TURNS]
+    long = [s for s in samples if s.episode["turns"] >= TURNS]
     # env tokens between turns
     assert len(long) >= 8 and all(0 < sum(s.loss_mask) < s.response_length for s in long)
     batch = collate(long, PAD)
@@ -152,7 +152,7 @@ def test_environment_tokens_get_no_loss_and_no_gradient(model, episodes):
     batch = collate(samples, PAD)
     env_tok = torch.zeros_like(batch.response_mask, dtype=torch.bool)  # [B, T] the environment's tokens:
     for b, s in enumerate(samples):                                      # the gaps between model turns
-        spans = s.metadata["env"]["spans"]
+        spans = s.episode["spans"]
         for (_, end), (nxt, _) in zip(spans, spans[1:]):
             env_tok[b, end:nxt] = True
     assert int(env_tok.sum()) > 0
@@ -228,7 +228,7 @@ def test_failures_end_the_episode_with_a_status_and_a_count(tok, mode, length, m
     start = time.perf_counter()
     runner, samples = run_flaky(tok, mode, length, max_tokens)
     assert time.perf_counter() - start < 20  # the hung tool was killed at 0.5 s per call
-    assert [s.metadata["env"]["end"] for s in samples] == [end,
+    assert [s.episode["end"] for s in samples] == [end,
                                                            end] and {s.status for s in samples} == {status}
     m = episode_metrics(samples)
     assert m[f"env/end/{end}"] == 1.0 and sum(v for k, v in m.items() if k.startswith("env/end/")) == 1.0
@@ -345,15 +345,15 @@ def test_python_tool_chatml_call_answer_and_hang(qtok):
     sp = SamplingConfig(max_new_tokens=64, stop_token_ids=(qtok.eos_token_id,))
     try:
         s, = runner.generate([Prompt(ids=[1], text="What is 37 * 43?", label="1591")], 1, sp)
-        assert s.metadata["env"]["end"] == "done" and s.reward == 1.0 and s.metadata["env"]["tool_calls"] == 1
-        start, end = s.metadata["env"]["spans"][0][1], s.metadata["env"]["spans"][1][0]
+        assert s.episode["end"] == "done" and s.reward == 1.0 and s.episode["tool_calls"] == 1
+        start, end = s.episode["spans"][0][1], s.episode["spans"][1][0]
         assert qtok.decode(s.response_ids[start:end]) == ("\n<|im_start|>user\n<tool_response>\n1591\n"
                                                           "</tool_response>"
                                                           "<|im_end|>\n<|im_start|>assistant\n")
         turns[0] = turns[0].replace("37 * 43", "9**9**9")  # runs for minutes: killed at the timeout
         runner.tools.timeout = 1.0
         s, = runner.generate([Prompt(ids=[1], text="What is 37 * 43?", label="1591")], 1, sp)
-        assert s.metadata["env"]["end"] == "tool_timeout" and runner.faults["tool_timeout"] == 1
+        assert s.episode["end"] == "tool_timeout" and runner.faults["tool_timeout"] == 1
     finally:
         runner.close()
 

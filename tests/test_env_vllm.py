@@ -38,7 +38,7 @@ def test_vllm_multiturn_ids_and_logprobs_match_the_trainer(tmp_path):
         samples = runner.generate(chat_prompts(tok, ["abcd", "cd", "ba", "dab"]), 6, sp)
     finally:
         engine.close()
-    long = [s for s in samples if s.metadata["env"]["turns"] >= TURNS]
+    long = [s for s in samples if s.episode["turns"] >= TURNS]
     assert len(long) >= 8, f"only {len(long)} episodes reached {TURNS} turns"
     batch = collate(long, PAD)
     with torch.no_grad():
@@ -48,5 +48,5 @@ def test_vllm_multiturn_ids_and_logprobs_match_the_trainer(tmp_path):
     print(f"vLLM: max |Δlogprob| over {int(valid.sum())} model tokens of {len(long)} 3-turn episodes: "
           f"{gap.max():.2e}")
     assert gap.max() < 1e-4  # fp32 engine vs fp32 trainer: ~2e-6 (../shared/FACTS.md)
-    assert assert_tito(tok, runner, rec, samples) == len([s for s in long if s.metadata["env"]["end"] ==
+    assert assert_tito(tok, runner, rec, samples) == len([s for s in long if s.episode["end"] ==
                                                           "done"])

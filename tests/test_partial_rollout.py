@@ -99,24 +99,24 @@ def test_aborted_groups_resume_under_the_new_weights(task, tmp_path, engine):
             assert s.weight_version == 0 and s.status in ("completed", "truncated")
             if was.status == "aborted":  # resumed: versions [0]*k + [1]*(L-k), old tokens masked
                 resumed += L > k
-                assert s.metadata["token_versions"] == [0] * k + [1] * (L - k)
+                assert s.token_versions == [0] * k + [1] * (L - k)
                 assert s.loss_mask == [0] * k + [1] * (L - k) if L > k else s.loss_mask in (None, [1] * L)
             else:  # finished under version 0: nothing to resume, nothing masked
-                assert s.metadata["token_versions"] == [0] * L and s.response_ids == was.response_ids
+                assert s.token_versions == [0] * L and s.response_ids == was.response_ids
     assert resumed > 0
     # the fresh groups after them: version 1 throughout
-    assert all(s.metadata["token_versions"] == [1] * s.response_length for s in samples[len(buffered) * n:])
+    assert all(s.token_versions == [1] * s.response_length for s in samples[len(buffered) * n:])
     batch = collate(samples, run.tokenizer.pad_token_id)
     real = batch.attention_mask[:, batch.prompt_width:] > 0  # [B, T] every sampled token
     tv = torch.full(real.shape, -1)
     for b, s in enumerate(samples):
-        tv[b, :s.response_length] = torch.tensor(s.metadata["token_versions"])
+        tv[b, :s.response_length] = torch.tensor(s.token_versions)
     lp_old = logprobs_under(run.model, old, batch)
     lp_new = logprobs_under(run.model, new_model.state_dict(), batch)
     assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < tol
     assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < tol
     assert (lp_old - batch.rollout_logprobs)[tv == 1].abs().max() > 1e-3  # the new part is really new
-    two = torch.tensor([len(set(s.metadata["token_versions"])) > 1 for s in samples])[:, None]  # [B, 1]
+    two = torch.tensor([len(set(s.token_versions)) > 1 for s in samples])[:, None]  # [B, 1]
     assert two.any() and torch.equal(batch.response_mask > 0, real & ~(two & (tv == 0)))
     _, _, rho = is_weights(lp_new, batch.rollout_logprobs, real.float(), tis=(0.0, 2.0))
     assert (rho[tv == 1] - 1).abs().max() < tol and (rho[tv == 0] - 1).abs().max() > 1e-3

@@ -155,7 +155,7 @@ def test_remax_baselines_are_the_greedy_rewards_of_the_batchs_version(task, tmp_
                     [p.ids for p in prompts], 1, greedy_sp)
                 r = score_samples(run.rewards, run.tokenizer, prompts, greedy)
                 return [r[s.group_id] for s in samples]
-            got = [s.metadata["greedy_baseline"] for s in samples]
+            got = [s.greedy_baseline for s in samples]
             assert got == greedy_rewards(v)
             # the trainer's own version t would give other baselines (the test is not vacuous)
             seen_differ |= t > v and greedy_rewards(t) != got
@@ -188,7 +188,7 @@ def test_env_episodes_run_in_the_worker_from_the_batchs_version(task, tmp_path):
     run = setup_run(task, tmp_path / "driven", steps=steps, async_steps=K, env=env, env_max_turns=2)
     try:
         for t, _, samples, batch, versions in driven(run, steps, K):
-            two_turns = [s for s in samples if s.metadata["env"]["turns"] == 2]
+            two_turns = [s for s in samples if s.episode["turns"] == 2]
             assert two_turns, "no episode reached its second model turn"
             m = batch.response_mask > 0  # the model's own tokens (environment tokens are 0 in it)
             assert any(0 in s.loss_mask for s in two_turns)  # environment tokens inside responses
@@ -257,19 +257,19 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
     assert min(lengths) <= 2 < max(lengths)  # rows that ended before the update, and rows across it
     for s in samples:
         L = s.response_length
-        assert s.metadata["token_versions"] == [0] * min(L, 2) + [1] * (L - 2) and s.weight_version == 0
+        assert s.token_versions == [0] * min(L, 2) + [1] * (L - 2) and s.weight_version == 0
         assert s.loss_mask == ([0, 0] + [1] * (L - 2) if L > 2 else [1] * L)
     batch = collate(samples, run.tokenizer.pad_token_id)
     real = batch.attention_mask[:, batch.prompt_width:] > 0  # [B, T] every sampled token
     tv = torch.full(real.shape, -1)
     for b, s in enumerate(samples):
-        tv[b, :s.response_length] = torch.tensor(s.metadata["token_versions"])
+        tv[b, :s.response_length] = torch.tensor(s.token_versions)
     lp_old, lp_new = logprobs_under(run.model, old, batch), logprobs_under(run.model, new_model.state_dict(),
                                                                            batch)
     assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < 1e-5
     assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < 1e-5
     assert (lp_old - batch.rollout_logprobs)[tv == 1].abs().max() > 1e-3  # the new part is really new
-    two = torch.tensor([len(set(s.metadata["token_versions"])) > 1 for s in samples])[:, None]  # [B, 1]
+    two = torch.tensor([len(set(s.token_versions)) > 1 for s in samples])[:, None]  # [B, 1]
     assert torch.equal(batch.response_mask > 0, real & ~(two & (tv == 0)))  # what the loss reads
     _, _, rho = is_weights(lp_new, batch.rollout_logprobs, real.float(), tis=(0.0, 2.0))
     assert (rho[tv == 1] - 1).abs().max() < 1e-5 and (rho[tv == 0] - 1).abs().max() > 1e-3

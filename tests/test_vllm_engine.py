@@ -137,7 +137,7 @@ def test_keep_support_records_topk_and_renormalised_logprobs(engine):
         _, z = hf_logprobs(m0, s.prompt_ids, s.response_ids, 1.0)  # [R, V]
         top3 = z.topk(3, dim=-1).indices  # [R, 3]
         sup = s.sampling_support.long()  # [R, K]
-        assert sup.shape == (len(s.response_ids), 3) and s.metadata["support_overflow"] == 0
+        assert sup.shape == (len(s.response_ids), 3) and s.support_overflow == 0
         assert torch.equal(sup.sort(-1).values, top3.sort(-1).values)
         kept = torch.full_like(z, float("-inf")).scatter(-1, top3, z.gather(-1, top3))  # [R, V]
         ref = kept.log_softmax(-1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
