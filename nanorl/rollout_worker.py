@@ -23,7 +23,6 @@ import shutil
 import signal
 import time
 import traceback
-import types
 from multiprocessing import forkserver
 
 import torch
@@ -31,7 +30,7 @@ import torch.multiprocessing as mp
 
 from nanorl import build, precision, sources, stages, weight_broadcast
 from nanorl.config_checks import ConfigError
-from nanorl.data import PromptFormat
+from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.evaluation import Scorer
 from nanorl.logger import PhaseTimer
@@ -40,7 +39,7 @@ from nanorl.plugins import Hooks
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import SamplingConfig
-from nanorl.scoring import forward, score_batch
+from nanorl.scoring import Scoring, forward, score_batch
 from nanorl.tool_envs import episode_runner
 from nanorl.trajectory import Sample, collate
 
@@ -215,7 +214,7 @@ class Worker:
         home = spec.device if not kind.holds_own_weights or cfg.sync_check_every else "cpu"
         model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(home)
         del base
-        self.scoring = types.SimpleNamespace(cfg=cfg, model=model, tokenizer=self.tokenizer, world=1)  # a run
+        self.scoring = Scoring(cfg, model, self.tokenizer)
         self.params = model.state_dict()  # views of the module's tensors: loading copies into them
         for names, dt, shape, _ in weights.layout:  # the trainer's layout must fit this model exactly
             for n in names:
@@ -325,12 +324,9 @@ class Worker:
         metrics (dapo/*, groups_kept_frac, dropped_frac), and the run counters and notes they added
         (a step that ran out of rounds), which the trainer adds to its own (pipeline.accept)."""
         cfg, notes, counters, metrics = self.cfg, [], {}, {}
-        # the stages read these of a run: this worker's parts, one rank (the worker samples the union)
-        run = types.SimpleNamespace(cfg=cfg, engine=self.engine, loader=self.loader,
-                                    source=sources.local(self.engine, self.episodes), rewards=self.rewards,
-                                    tokenizer=self.tokenizer, scorers={},
-                                    hooks=self.hooks, world=1, counters=counters, step=b,
-                                    logger=types.SimpleNamespace(print=notes.append))
+        # what the stages read of a run (stages.Sampler): this worker's parts, one rank (it samples the union)
+        run = WorkerSampler(cfg, sources.local(self.engine, self.episodes), self.engine, self.loader,
+                            self.rewards, {}, None, self.tokenizer, self.hooks, 1, counters, b, Notes(notes))
         prompts = self.loader.next_batch()
         if cfg.over_sample > 1:
             samples = stages.oversampled_round(run, prompts, sampling, metrics)
@@ -342,7 +338,7 @@ class Worker:
         kept = stages.refill_groups(run, prompts, samples, sampling, PhaseTimer(), metrics)
         # a kept group may have lost samples (failed ones, --sample-filter): its prompt from any of them
         ids = {s.group_id: s.prompt_ids for s in kept}
-        kept_prompts = [types.SimpleNamespace(ids=ids[g]) for g in sorted(ids)]
+        kept_prompts = [Prompt(ids[g], "", "") for g in sorted(ids)]
         return kept_prompts, kept, metrics, {"counters": counters, "notes": notes}
 
     def greedy_rewards(self, prompts: list) -> list[float]:
@@ -363,6 +359,33 @@ class Worker:
         lp = score_batch(self.scoring, self.ref, batch, support)[0].cpu()  # [B, T]
         for s, row in zip(samples, lp):
             s.ref_logprobs = row[:s.response_length].tolist()
+
+
+@dataclasses.dataclass
+class WorkerSampler:
+    """stages.Sampler of the worker's DAPO rounds: its engine, prompts, rewards and hooks, one rank."""
+    cfg: object
+    source: object
+    engine: object
+    loader: object
+    rewards: RewardRunner
+    scorers: dict
+    reward_weights: dict | None
+    tokenizer: object
+    hooks: Hooks
+    world: int
+    counters: dict
+    step: int
+    logger: Notes
+
+
+@dataclasses.dataclass
+class Notes:
+    """A logger whose lines are kept (`lines`), to go to the trainer with the batch."""
+    lines: list
+
+    def print(self, line: str) -> None:
+        self.lines.append(line)
 
 
 def since(before: dict, now: dict) -> dict:

@@ -12,6 +12,7 @@ nanorl/update.py, whose forwards run through the same `micro_batches` (and `forw
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import nullcontext
 from typing import Any, Protocol
@@ -29,6 +30,16 @@ class Forwards(Protocol):
     model: torch.nn.Module  # the policy (its device; whether it packs varlen micro-batches)
     tokenizer: Any  # its pad_token_id pads the lockstep rows
     world: int  # ranks that agree on the micro-batch count (1: one process, the async worker)
+
+
+@dataclasses.dataclass
+class Scoring:
+    """The `Forwards` of a process that scores without training (the async rollout worker's reference
+    logprobs): its config, the model whose device and packing the micro-batches follow, its tokenizer."""
+    cfg: Any
+    model: torch.nn.Module
+    tokenizer: Any
+    world: int = 1
 
 
 def forward(cfg, model, batch, support):

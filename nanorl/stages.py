@@ -9,6 +9,7 @@ algorithm; an estimator's and a loss's declared needs decide what runs (nanorl/p
 from __future__ import annotations
 
 import math
+from typing import Any, Protocol
 
 import torch
 
@@ -24,6 +25,25 @@ from nanorl.scoring import routing_forward, score_batch, score_rows, zero_weight
 from nanorl.teacher import teacher_logprobs
 from nanorl.trajectory import TRAINS, collate
 from nanorl.update import old_policy_view, step_is_weights, trains
+
+
+class Sampler(Protocol):
+    """What the sampling stages (`generate`, `score`, `keep_trainable`, `refill_groups`,
+    `oversampled_round`) read of a run: train.py's Run, or the async worker's own for DAPO's refill
+    rounds (rollout_worker.WorkerSampler)."""
+    cfg: Any           # nanorl/config.py Config
+    source: Any        # where samples come from (nanorl/sources.py)
+    engine: Any        # the rollout engine (over-sampling aborts through it)
+    loader: Any        # the prompt stream (refill rounds draw from it)
+    rewards: Any       # --reward's runner
+    scorers: dict      # reward model / judge components (none in the worker)
+    reward_weights: dict | None
+    tokenizer: Any
+    hooks: Any         # --reward-postprocess, --sample-filter
+    world: int         # ranks that draw the same rounds
+    counters: dict     # run totals (dapo_gave_up)
+    step: int
+    logger: Any        # its `print` says a step that ran out of rounds
 
 
 def generate(run, prompts, n: int, sampling: SamplingConfig) -> list:
