@@ -28,19 +28,22 @@ from nanorl.data import Prompt, PromptLoader
 from nanorl.evaluation import EvalSampling, EvalSet, evaluate
 from nanorl.kl import AdaptiveKLController
 from nanorl.rewards import RewardRunner, exact
-from nanorl.rollout import SamplingConfig
+from nanorl.rollout import RolloutEngine, SamplingConfig
 from nanorl.task import build_model, build_tokenizer
 from nanorl.trajectory import Sample, collate
 
 # ----------------------------------------------------------------------------- checkpoint
 
 
-class SyncedEngine:
-    """An engine as checkpoint sees it: a sampler generator, and update_weights recorded."""
+class SyncedEngine(RolloutEngine):
+    """An engine as checkpoint sees it: a sampler generator (`rng`), and update_weights recorded."""
 
     def __init__(self):
         self.generator = torch.Generator().manual_seed(11)
         self.synced = []
+
+    def rng(self):
+        return self.generator
 
     def update_weights(self, model, version):
         self.synced.append((model, version))
