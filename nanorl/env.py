@@ -54,7 +54,8 @@ class Step(NamedTuple):
     observation: str | list[int] | None
     reward: float | dict = 0.0
     done: bool = False
-    # "tool_calls": n is counted; the rest is kept in metadata
+    # "tool_calls": n is counted; "mask_turn": True keeps the model turn it answers out of the loss
+    # (e.g. train only the final answer, S0 §4.5); the rest is kept in Sample.episode
     info: dict = {}
 
 
@@ -338,6 +339,8 @@ class EpisodeRunner:
             return self._fault(e, err)
         e.rewards.append(reward)
         e.tool_calls += int(info.get("tool_calls", 0))
+        if info.get("mask_turn"):  # the environment keeps this model turn out of the loss
+            e.mask[start:end] = [0] * (end - start)
         if done:
             e.end = "done"
         elif turn + 1 == self.max_turns:

@@ -3,7 +3,7 @@
 Link 2 of the chain (reward). In RL with verifiable rewards (RLVR) a reward is a program that checks the
 response against the label: 1 for the right answer, 0 otherwise, maybe a small bonus for the format:
 
-    fn(prompt: str, response: str, label: str) -> float | dict[str, float]
+    fn(prompt: str, response: str, label: str) -> float | dict[str, float] | SpanReward
     fn(prompt: str, response: str, label: str, sample: Sample) -> ...   (the Sample: ids, status, metadata)
 
 A dict names several components (e.g. {"correct": 1.0, "format": 0.5}): logged separately, summed into
@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from nanorl import code_reward, math_grader, reasoning_tasks
 from nanorl.config import BOUNDED_REWARDS
 from nanorl.plugins import check_call, load_checked
+from nanorl.spans import SpanReward, place
 from nanorl.trajectory import TRAINS
 
 # ----------------------------------------------------------------------------- built-in rewards
@@ -110,7 +111,9 @@ def score_samples(runner, tokenizer, prompts, samples) -> list:
     for s, failed in zip(samples, getattr(runner, "faulted", [])):
         if failed and s.status in TRAINS:  # no reward to learn from: it leaves the step (stages.py)
             s.status = "reward_fault"
-    return [split_log_only(r, s) for r, s in zip(out, samples)]
+    # a SpanReward: its spans mapped to the sample's tokens (credits, loss mask: nanorl/spans.py)
+    return [place(SpanReward(split_log_only(r.reward, s), r.credit, r.masked), s, tokenizer)
+            if isinstance(r, SpanReward) else split_log_only(r, s) for r, s in zip(out, samples)]
 
 
 def split_log_only(reward, sample):
@@ -137,11 +140,28 @@ def split_log_only(reward, sample):
 MAX_ABS_REWARD = 1e9
 
 
-def _checked(value) -> float | dict[str, float]:
-    """A reward value must be a finite real number (numpy scalars too) or a flat dict of them."""
+def _checked(value) -> float | dict[str, float] | SpanReward:
+    """A reward value must be a finite real number (numpy scalars too), a flat dict of them, or a
+    SpanReward of those (`_checked_spans`)."""
+    if isinstance(value, SpanReward):
+        return _checked_spans(value)
     if isinstance(value, dict):
         return {str(k): _number(v) for k, v in value.items()}
     return _number(value)
+
+
+def _checked_spans(value: SpanReward) -> SpanReward:
+    """Its reward a number or a dict of them, its spans (start, end) integers with 0 <= start <= end,
+    its credits finite numbers."""
+    def where(a, b) -> tuple[int, int]:
+        whole = all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in (a, b))
+        if not whole or not 0 <= a <= b:
+            raise ValueError(f"SpanReward: a span must be (start, end) with 0 <= start <= end, got {(a, b)}")
+        return int(a), int(b)
+    if isinstance(value.reward, SpanReward):
+        raise TypeError("SpanReward: its reward must be a float or a dict of floats, not a SpanReward")
+    credit = tuple((*where(a, b), _number(v)) for a, b, v in value.credit)
+    return SpanReward(_checked(value.reward), credit, tuple(where(a, b) for a, b in value.masked))
 
 
 def _number(value) -> float:

@@ -168,7 +168,9 @@ def to_batch(run, samples) -> tuple[list, object]:
     precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
     batch = collate(samples, run.tokenizer.pad_token_id).to(device)
     turns = turn_reward_tensor(samples, batch.response_ids.shape[1])
-    if turns is not None:  # an environment rewarded turns before the last (advantage_inputs)
+    if turns is None:  # a reward credited spans (nanorl/spans.py SpanReward); never with --env's episodes
+        turns = spans.span_reward_tensor(samples, batch.response_ids.shape[1])
+    if turns is not None:  # an environment rewarded turns before the last, or spans (advantage_inputs)
         batch.tensors.turn_rewards = turns.to(device)
     return samples, batch
 

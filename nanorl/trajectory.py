@@ -51,6 +51,8 @@ class Sample:
     greedy_baseline: float | None = None      # ReMax: its prompt's greedy reward (the async worker's)
     episode: dict | None = None               # --env: end reason, turns, spans, turn rewards, tool calls
     support_overflow: int | None = None       # --keep-sampling-mask on vLLM: tokens past --support-cap
+    # a reward's credited spans ((first token, end token), value): nanorl/spans.py SpanReward
+    span_credits: list[tuple[tuple[int, int], float]] | None = None
 
     def __post_init__(self):
         P, R = len(self.prompt_ids), len(self.response_ids)

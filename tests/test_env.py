@@ -241,6 +241,28 @@ def test_failures_end_the_episode_with_a_status_and_a_count(tok, mode, length, m
     collate(samples, PAD)  # trainable as they are
 
 
+class MaskFirst(Echo):
+    """Echo that keeps the first model turn out of the loss (train only what follows the tool's answer)."""
+    def step(self, action):
+        obs, reward, done, info = super().step(action)
+        return Step(obs, reward, done, {**info, "mask_turn": action.turn == 0})
+
+
+def test_an_environment_masks_a_model_turn_out_of_the_loss(tok, model):
+    engine = HFEngine(model, pad_id=PAD)
+    engine.generator.manual_seed(0)
+    runner = EpisodeRunner(engine, MaskFirst, tok, max_turns=TURNS + 1, max_tokens=64)
+    sp = SamplingConfig(temperature=0.9, max_new_tokens=8, stop_token_ids=STOPS)
+    samples = runner.generate(chat_prompts(tok, ["abcd", "cd", "ba", "dab"]), 3, sp)
+    # the episodes the environment answered after their first turn (a truncated one never reached it)
+    answered = [s for s in samples if len(s.episode["spans"]) > 1]
+    for s in answered:
+        (a, b), later = s.episode["spans"][0], s.episode["spans"][1:]
+        assert s.loss_mask[a:b] == [0] * (b - a)  # the first turn: masked
+        assert all(s.loss_mask[x:y] == [1] * (y - x) for x, y in later)  # the later ones train
+    assert len(answered) >= 3, [s.episode for s in samples]
+
+
 def test_turn_rewards_land_on_each_turns_last_token(tok):
     _, samples = run_flaky(tok, "go_on")  # rewards 0.5 on each of 3 turns
     tr = turn_reward_tensor(samples, 16)
