@@ -234,7 +234,11 @@ def test_config_refuses_what_cannot_combine():
 @pytest.mark.slow
 def test_an_agent_learns_through_train_py(tmp_path):
     """GRPO through train.py --agent examples/agents/calculator_agent.py:run on the built-in task's
-    calculator variant: held-out greedy accuracy (the agent's reward, 200 problems) rises."""
+    calculator variant: held-out greedy accuracy (the agent's reward, 200 problems) rises. Measured (2
+    shared cores of an Intel Xeon, seed 0, 30 steps of 16 prompts x 8 episodes, lr 3e-4): accuracy
+    0.490 -> 0.935, model calls per sampled episode 1.24 -> 1.73 (the agent learns to call the
+    calculator), 165 s. The +0.25 margin sits far inside that gain and above the ~0.035 noise of 200
+    greedy problems."""
     import train
 
     start = time.perf_counter()
