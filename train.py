@@ -38,13 +38,14 @@ import numpy as np
 import torch
 
 from nanorl import build, checkpoint, distributed, pipeline, precision, sources, stages
+from nanorl.agent import AgentRunner
 from nanorl.config import Config, ConfigError, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
 from nanorl.kl import AdaptiveKLController, FixedKLController
 from nanorl.logger import Logger, PhaseTimer, RunDirError, RunDirLock, claim_run_dir
 from nanorl.plan import Plan, make_plan
-from nanorl.plugins import Hooks, apply as apply_plugins
+from nanorl.plugins import Hooks, apply as apply_plugins, load_object
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import stop_token_ids
 from nanorl.teacher import load_teacher
@@ -73,7 +74,7 @@ class Run:
     critic: torch.nn.Module | None = None
     trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
     scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
-    episodes: object | None = None  # --env: the multi-turn driver over `engine` (nanorl/env.py)
+    episodes: object | None = None  # --env's multi-turn driver / --agent's runner (nanorl/env.py, agent.py)
     hooks: Hooks | None = None  # user plug-ins: reward post-processing, metadata metrics (nanorl/plugins.py)
     pipeline: object | None = None  # --async-steps: the trainer's end of the worker (nanorl/pipeline.py)
     source: object | None = None  # where the step's samples come from (nanorl/sources.py)
@@ -141,6 +142,9 @@ def setup(cfg: Config) -> Run:
                                                 "prompts_skipped_too_long": skipped["too_long"]})
     if cfg.env:  # multi-turn episodes: the environment answers between turns and scores the episode
         run.episodes = episode_runner(cfg, engine, tokenizer, fmt, log=logger.print)
+    if cfg.agent:  # a user's agent per episode, the policy behind an OpenAI-compatible endpoint
+        run.episodes = AgentRunner(engine, load_object(cfg.agent, "agent"), tokenizer,
+                                   template_kwargs=cfg.chat_template_dict, log=logger.print)
     run.source = sources.local(engine, run.episodes)  # where samples come from (--async-steps: run_training)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes

@@ -35,10 +35,10 @@ from nanorl.tool_envs import make_calc_task
 
 def with_task_files(cfg: Config, rank: int, world: int) -> Config:
     """Without --model or --train-data: the built-in task's files and model, made in code by rank 0
-    (--plugin's make_task, else --env calc's tool-using variant, else the arithmetic task)."""
+    (--plugin's make_task, else --env calc's or --agent's tool-using variant, else the arithmetic task)."""
     if cfg.model and cfg.train_data:
         return cfg
-    make = plugin_task(cfg.plugin) or (make_calc_task if cfg.env == "calc" else make_default)
+    make = plugin_task(cfg.plugin) or (make_calc_task if cfg.env == "calc" or cfg.agent else make_default)
     default = make(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
     if world > 1:  # rank 0 builds, the others read the same files
         box = [default]

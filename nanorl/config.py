@@ -176,6 +176,10 @@ class Config:
     tool_timeout: float = -1.0
     """Seconds per tool call; > 0 runs tools in a worker process killed at the limit (the episode ends
     as tool_timeout), 0 in-process; -1 = the environment's default (calc 0, python_tool 5, others 10)."""
+    agent: str = ""
+    """file.py:fn or module:fn, an agent function run per episode against an OpenAI-compatible endpoint
+    that serves the policy during rollouts; it returns the episode's reward (nanorl/agent.py, docs/agents.md).
+    Without --model: the built-in task's calculator variant (its tokenizer has a chat template)."""
     # --- asynchronous rollout (nanorl/pipeline.py): generation overlapped with training
     async_steps: int = 0
     """K: a worker process samples and scores batch b from weight version max(0, b − K) while the trainer

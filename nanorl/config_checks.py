@@ -139,6 +139,7 @@ def check(cfg) -> None:
     need(0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, "gamma and lam must be in [0, 1]")
     check_advantage_and_loss(cfg)
     check_env(cfg)
+    check_agent(cfg)
     check_async(cfg)
     check_lora(cfg)
     # routing replay's own forward computes π_old under the replayed routing (nanorl/stages.py), which
@@ -227,6 +228,24 @@ def check_env(cfg) -> None:
          "episode's length is bounded by env_max_tokens instead: not supported with --env")
     need(cfg.env != "calc" or cfg.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 "
          f"(a call is up to 12 tokens: calc(9+9+9)<eos>), got {cfg.max_new_tokens}")
+
+def check_agent(cfg) -> None:
+    """--agent: what cannot combine with a user's agent behind the endpoint (nanorl/agent.py)."""
+    if not cfg.agent:
+        return
+    need(":" in cfg.agent, f"--agent {cfg.agent!r}: expected 'file.py:fn' or 'module:fn'")
+    need(not cfg.env, "--agent with --env: one of them runs the episodes; pick one")
+    defaults = {f.name: f.default for f in fields(cfg)}
+    for k in ("reward", "reward_timeout"):
+        need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
+             f"--{k.replace('_', '-')} does nothing with --agent: the agent returns its episodes' rewards")
+    for flag, on in (("--async-steps", cfg.async_steps), ("--over-sample", cfg.over_sample > 1),
+                     ("--filter-groups", cfg.filter_groups), ("--overlong-buffer", cfg.overlong_buffer),
+                     ("--routing-replay", cfg.routing_replay),
+                     ("--advantage remax", cfg.advantage == "remax")):
+        need(not on, f"--agent with {flag} is not supported: an agent's episode is several engine calls "
+             "served while its function runs, here, in this step")
+
 
 def check_async(cfg) -> None:
     """The --async-steps group: ranges, and no flag that does nothing or cannot work."""

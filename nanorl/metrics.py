@@ -22,7 +22,8 @@ from nanorl.rewards import correct
 NAMESPACES = ("rollout/", "train/", "eval/", "perf/", "sync/", "routing/")
 ROLLOUT = ("reward_mean", "reward_std", "accuracy", "response_length_mean", "response_length_max",
            "truncated_frac", "groups_kept_frac", "overlong_penalty_mean", "dropped_frac", "think_masked_frac")
-ROLLOUT_GROUPS = ("reward/", "reward_faults/", "ksm/", "env/", "env_faults/", "dapo/", "dropped/")
+ROLLOUT_GROUPS = ("reward/", "reward_faults/", "ksm/", "env/", "env_faults/", "agent/", "agent_faults/",
+                  "dapo/", "dropped/")
 PERF = ("tokens_per_s",)
 
 

@@ -1,6 +1,6 @@
 """Where a step's samples come from, chosen once: the trainer's own engine, the multi-turn episode driver
-over it (--env), or the asynchronous rollout worker (--async-steps). train.setup picks one and the
-stages (nanorl/stages.py) ask it, never which one it is.
+over it (--env), a user's agent behind an endpoint over it (--agent), or the asynchronous rollout worker
+(--async-steps). train.setup picks one and the stages (nanorl/stages.py) ask it, never which one it is.
 
 Start at `Source`: `generate` and what a source says it did beyond sampling — `rewarded` (the samples
 come back scored: the environment scored its episodes, the worker scored its batch), `local` (sampled
@@ -47,8 +47,10 @@ class Source:
 
 def local(engine, episodes=None) -> Source:
     """The source of a process that samples for itself (the trainer, the async worker's refill rounds):
-    --env's episodes over the engine, else the engine."""
-    return Episodes(episodes) if episodes is not None else Source(engine)
+    --agent's or --env's episodes over the engine, else the engine."""
+    if episodes is None:
+        return Source(engine)
+    return Agents(episodes) if hasattr(episodes, "rollout") else Episodes(episodes)
 
 
 class Episodes(Source):
@@ -66,6 +68,29 @@ class Episodes(Source):
         # turns, tool use, how episodes ended; env faults as run totals
         faults = {f"env_faults/{k}": v for k, v in self.episodes.faults.items()}
         return {**episode_metrics(samples), **faults}
+
+
+class Agents(Source):
+    """--agent: the user's agent function per episode, talking to the engine through an OpenAI-compatible
+    endpoint; it returns each episode's reward (the Samples mask what the model did not write:
+    nanorl/agent.py). An episode whose calls do not chain becomes one Sample per call."""
+    rewarded = True
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        return self.runner.rollout(prompts, n, sampling)
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        # per episode (a split one has several samples): model calls, failures, splits; faults as run totals
+        eps = {s.metadata["agent"]["episode"]: s.metadata["agent"] for s in samples if "agent" in s.metadata}
+        n = max(1, len(eps))
+        return {"agent/episodes": len(eps),
+                "agent/calls_per_episode": sum(e["calls"] for e in eps.values()) / n,
+                "agent/failed_frac": sum(e["end"] != "done" for e in eps.values()) / n,
+                "agent/split_frac": sum(e["split"] for e in eps.values()) / n,
+                **{f"agent_faults/{k}": v for k, v in self.runner.faults.items()}}
 
 
 class Worker(Source):
