@@ -145,7 +145,8 @@ def setup(cfg: Config) -> Run:
     if cfg.agent:  # a user's agent per episode, the policy behind an OpenAI-compatible endpoint
         run.episodes = AgentRunner(engine, load_object(cfg.agent, "agent"), tokenizer,
                                    template_kwargs=cfg.chat_template_dict, log=logger.print)
-    run.source = sources.local(engine, run.episodes)  # where samples come from (--async-steps: run_training)
+    # where samples come from (--async-steps: run_training)
+    run.source = sources.Agents(run.episodes) if cfg.agent else sources.local(engine, run.episodes)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights

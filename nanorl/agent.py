@@ -87,7 +87,7 @@ class AgentRunner:
     call 1's prompt, response = sampled 1 + the in-between ids + sampled 2 + ..., loss_mask 1 on sampled
     ids, 0 on the in-between ones (tool results, user turns: the environment's). An agent that rewrote
     history (edited a reply, dropped a turn) breaks the chain: one Sample per call, each with the episode's
-    reward, all in the prompt's group (metadata agent.split). Status: the last call's (truncated when it
+    reward, all in the prompt's group (Sample.episode["split"]). Status: the last call's (truncated when it
     ran out of tokens); a failed episode: one empty Sample, env_error (it raised, a malformed request, no
     model call) or tool_timeout (past `timeout`), counted in `faults`, dropped by the step.
     `generate` (evaluation) keeps one Sample per episode: the last call of a split one."""
@@ -133,7 +133,7 @@ class AgentRunner:
         """One Sample per episode (evaluation reads n per prompt): a split episode's last call."""
         last = {}
         for s in self.rollout(prompts, n, sampling):
-            last[s.metadata["agent"]["episode"]] = s
+            last[s.episode["episode"]] = s
         return list(last.values())
 
     def url(self, episode_id: str) -> str:
@@ -179,13 +179,13 @@ class AgentRunner:
             self.faults[end] += 1
             status = "tool_timeout" if end == "timeout" else "env_error"
             return [Sample(prompt_ids=list(e.prompt.ids), response_ids=[], rollout_logprobs=[], reward=0.0,
-                           status=status, group_id=e.group, metadata={"agent": dict(meta, end=end)})]
+                           status=status, group_id=e.group, episode=dict(meta, end=end))]
         chained = all(b[0][:len(a[0]) + a[1].response_length] == a[0] + a[1].response_ids
                       for a, b in zip(e.calls, e.calls[1:]))
         if not chained:
             meta["split"] = True
             return [replace(s, prompt_ids=p, reward=e.reward, group_id=e.group,
-                            metadata={"agent": dict(meta, call=k)}) for k, (p, s) in enumerate(e.calls)]
+                            episode=dict(meta, call=k)) for k, (p, s) in enumerate(e.calls)]
         ids, logps, mask, support, spans, at = [], [], [], [], [], len(e.calls[0][0])
         for p, s in e.calls:
             # the in-between ids: a tool's answer, a user turn (seen, never trained on)
@@ -204,7 +204,7 @@ class AgentRunner:
         return [Sample(prompt_ids=list(e.calls[0][0]), response_ids=ids, rollout_logprobs=logps,
                        loss_mask=mask, reward=e.reward, status=last.status,
                        weight_version=min(s.weight_version for _, s in e.calls), group_id=e.group,
-                       sampling_support=_support(support), metadata={"agent": dict(meta, spans=spans)})]
+                       sampling_support=_support(support), episode=dict(meta, spans=spans))]
 
     # -- the server's side
     def _serve(self) -> None:

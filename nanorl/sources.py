@@ -47,10 +47,8 @@ class Source:
 
 def local(engine, episodes=None) -> Source:
     """The source of a process that samples for itself (the trainer, the async worker's refill rounds):
-    --agent's or --env's episodes over the engine, else the engine."""
-    if episodes is None:
-        return Source(engine)
-    return Agents(episodes) if hasattr(episodes, "rollout") else Episodes(episodes)
+    --env's episodes over the engine, else the engine (--agent's: `Agents`, chosen in train.setup)."""
+    return Episodes(episodes) if episodes is not None else Source(engine)
 
 
 class Episodes(Source):
@@ -84,7 +82,7 @@ class Agents(Source):
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         # per episode (a split one has several samples): model calls, failures, splits; faults as run totals
-        eps = {s.metadata["agent"]["episode"]: s.metadata["agent"] for s in samples if "agent" in s.metadata}
+        eps = {s.episode["episode"]: s.episode for s in samples if s.episode is not None}
         n = max(1, len(eps))
         return {"agent/episodes": len(eps),
                 "agent/calls_per_episode": sum(e["calls"] for e in eps.values()) / n,

@@ -49,7 +49,7 @@ class Sample:
     token_versions: list[int] | None = None  # per response token, the weight version that sampled it
     ref_logprobs: list[float] | None = None   # per response token, log π_ref (scored by the async worker)
     greedy_baseline: float | None = None      # ReMax: its prompt's greedy reward (the async worker's)
-    episode: dict | None = None               # --env: end reason, turns, spans, turn rewards, tool calls
+    episode: dict | None = None               # --env / --agent: how the episode went (end, turns, spans...)
     support_overflow: int | None = None       # --keep-sampling-mask on vLLM: tokens past --support-cap
     # a reward's credited spans ((first token, end token), value): nanorl/spans.py SpanReward
     span_credits: list[tuple[tuple[int, int], float]] | None = None

@@ -80,7 +80,7 @@ def test_openai_agent_records_the_sampled_ids_and_masks_the_rest():
     assert len(samples) == 6 and [s.group_id for s in samples] == [0, 0, 0, 1, 1, 1]
     assert len(engine.calls) == 12  # 2 calls per episode, 6 episodes
     for s in samples:
-        info = s.metadata["agent"]
+        info = s.episode
         assert (info["end"], info["calls"], info["split"], s.status in TRAINS) == ("done", 2, False, True)
         (a0, a1), (b0, b1) = info["spans"]
         assert a0 == 0 and b1 == s.response_length
@@ -130,7 +130,7 @@ def test_replies_are_never_retokenised():
     assert runner.engine.calls[1] == first + [4, 5, 1] + tool
     assert s.prompt_ids == first and s.response_ids == [4, 5, 1] + tool + [4, 5, 1]
     assert s.loss_mask == [1, 1, 1] + [0] * len(tool) + [1, 1, 1]
-    assert s.rollout_logprobs[:3] == [-0.5, -0.25, -0.125] and not s.metadata["agent"]["split"]
+    assert s.rollout_logprobs[:3] == [-0.5, -0.25, -0.125] and not s.episode["split"]
 
 
 def test_a_planted_retokenisation_is_caught(monkeypatch):
@@ -143,7 +143,7 @@ def test_a_planted_retokenisation_is_caught(monkeypatch):
     monkeypatch.setattr(AgentRunner, "_chat_ids", reencode)
     tok, runner, samples = run_bpe(reply_then_tool)
     assert 10 in runner.engine.calls[1]  # the merged "ab": the plant happened
-    assert len(samples) == 2 and all(s.metadata["agent"]["split"] for s in samples)
+    assert len(samples) == 2 and all(s.episode["split"] for s in samples)
     assert all(s.response_ids == [4, 5, 1] and s.reward == 1.0 for s in samples)
     assert Agents(runner).metrics(samples)["agent/split_frac"] == 1.0
 
@@ -157,7 +157,7 @@ def test_rewritten_history_falls_back_to_one_sample_per_call():
         client.chat.completions.create(model="policy", messages=messages)
         return {"correct": 1.0, "format": 0.5}
     _, runner, samples = run_bpe(editor)
-    assert [s.metadata["agent"]["call"] for s in samples] == [0, 1]
+    assert [s.episode["call"] for s in samples] == [0, 1]
     assert all(s.reward == {"correct": 1.0, "format": 0.5} and s.status == "completed" for s in samples)
 
 
@@ -182,7 +182,7 @@ def test_failed_episodes_are_counted_and_dropped():
     logs = []
     _, runner, samples = run_bpe(failing, prompts=("ok", "raise", "sleep", "bad", "none"), timeout=1.5,
                                  log=logs.append)
-    ends = [s.metadata["agent"]["end"] for s in samples]
+    ends = [s.episode["end"] for s in samples]
     assert ends == ["done", "error", "timeout", "malformed", "no_calls"]
     assert [s.status for s in samples] == ["completed", "env_error", "tool_timeout", "env_error", "env_error"]
     assert [s.status in TRAINS for s in samples] == [True, False, False, False, False]
