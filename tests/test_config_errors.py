@@ -142,6 +142,10 @@ CASES = [
     (dict(lora_sync="adapter", lora_rank=1024, engine="vllm"), None),
     (dict(lora_alpha=16.0), None),
     (dict(lora_rank=8, fsdp=True), None),
+    (dict(agent="agent.py"), None),  # --agent: no function named
+    (dict(agent="agent.py:fn", env="calc", max_new_tokens=16), None),
+    (dict(agent="agent.py:fn", reward="math"), None),
+    (dict(agent="agent.py:fn", async_steps=1), None),
 ]
 
 
