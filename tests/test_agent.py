@@ -252,3 +252,23 @@ def test_an_agent_learns_through_train_py(tmp_path):
           f"calls per episode {sum(calls[:5]) / 5:.2f} -> {sum(calls[-5:]) / 5:.2f}")
     assert len(rows) == 30 and torch.isfinite(torch.tensor(calls)).all()
     assert after - before >= 0.25
+
+
+@pytest.mark.slow
+def test_two_ranks_each_serve_their_own_endpoint(tmp_path):
+    """torchrun with 2 CPU ranks (gloo): each rank serves its shard's episodes on its own port, the step
+    trains on both shards and the ranks end with identical weights (train.py's check)."""
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29651",
+           "train.py", "--algo", "grpo", "--agent", "examples/agents/calculator_agent.py:run",
+           "--max-new-tokens", "12", "--steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4",
+           "--eval-every", "0", "--eval-limit", "16", "--threads", "1", "--quiet", "--out-dir", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "ranks in sync: parameters identical on 2 ranks" in res.stdout, res.stdout[-2000:]
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"rollout/agent/episodes"' in x]
+    assert len(rows) == 2 and all(r["rollout/agent/failed_frac"] < 1 for r in rows), rows
