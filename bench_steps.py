@@ -23,7 +23,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from nanorl import batching, distributed, pipeline, precision
+from nanorl import batching, distributed, pipeline, precision, sources
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import load_model, response_logprobs
@@ -359,7 +359,9 @@ class StepEntries:
                     f"{self.threads or 'default'} thread(s) per side")
             # what `train.py --algo grpo` runs
             run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)
-            run.pipeline = pipeline.start(run) if K else None
+            if K:  # as train.run_training: the worker becomes the sample source
+                run.pipeline = pipeline.start(run)
+                run.source = sources.Worker(run.pipeline, run.episodes)
             took, per, accs, reached = [], [], [], None
             try:
                 while run.step < steps and reached is None:

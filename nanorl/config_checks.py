@@ -229,6 +229,7 @@ def check_env(cfg) -> None:
     need(cfg.env != "calc" or cfg.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 "
          f"(a call is up to 12 tokens: calc(9+9+9)<eos>), got {cfg.max_new_tokens}")
 
+
 def check_agent(cfg) -> None:
     """--agent: what cannot combine with a user's agent behind the endpoint (nanorl/agent.py)."""
     if not cfg.agent:
