@@ -39,6 +39,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import CheckpointException
 
 from nanorl import ckpt_sharded, distributed, lora
+from nanorl.logger import OPTIMIZER_STEPS
 
 FORMAT = "nanorl-checkpoint-1"
 MANIFEST = "manifest.json"
@@ -311,7 +312,8 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
         "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
         "scorer_faults": [r["scorer_faults"] for r in ranks],
-        "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None})
+        "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None,
+        "optimizer_steps_bytes": _size(os.path.join(cfg.out_dir, OPTIMIZER_STEPS))})
 
 
 def _entry(root: str, name: str) -> dict:
@@ -512,7 +514,8 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
     if state.engine is not None:
         state.engine.update_weights(state.model, version=state.step)
     if saved.get("metrics_bytes") is not None:
-        _cut_metrics(logger, cfg.out_dir, os.path.dirname(os.path.normpath(path)), saved["metrics_bytes"])
+        _cut_metrics(logger, cfg.out_dir, os.path.dirname(os.path.normpath(path)), saved["metrics_bytes"],
+                     saved.get("optimizer_steps_bytes", 0))
 
 
 def _apply_lr(state: State, lr: float) -> None:
@@ -528,10 +531,18 @@ def _apply_lr(state: State, lr: float) -> None:
     sched._last_lr = lrs  # what get_last_lr (the logged train/lr) reads until the next step
 
 
-def _cut_metrics(logger, out_dir: str, root: str, size: int) -> None:
-    """Cut this run's metrics.jsonl back to the checkpoint: steps logged after it are redone."""
+def _cut_metrics(logger, out_dir: str, root: str, size: int, opt_size: int = 0) -> None:
+    """Cut this run's metrics.jsonl (and optimizer_steps.jsonl) back to the checkpoint: steps logged
+    after it are redone."""
     logfile = getattr(logger, "file", None)
     own = os.path.realpath(root) == os.path.realpath(os.path.join(out_dir, "checkpoints"))
     if logfile is not None and own and os.path.getsize(logfile.name) >= size:
         logfile.flush()
         os.truncate(logfile.name, size)
+        opt = os.path.join(out_dir, OPTIMIZER_STEPS)
+        if os.path.exists(opt) and _size(opt) >= opt_size:  # the logger opens it later: nothing to flush
+            os.truncate(opt, opt_size)
+
+
+def _size(path: str) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0

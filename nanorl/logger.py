@@ -58,10 +58,12 @@ class RunDirError(ConfigError):
 
 
 LOCK_FILE = ".nanorl.lock"
+# per-optimizer-step rows, when a rollout takes several optimizer steps (Logger.optimizer_step)
+OPTIMIZER_STEPS = "optimizer_steps.jsonl"
 # what a new run would truncate (metrics.jsonl, opened "w") or rotate away (checkpoints): an earlier run
 EARLIER_RUN = ("metrics.jsonl", "checkpoints")
 # what --overwrite deletes: the earlier run's outputs (the built-in task files in out_dir/task stay)
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tb")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tb", "optimizer_steps.jsonl")
 
 
 class RunDirLock:
@@ -154,11 +156,13 @@ class Logger:
     def __init__(self, out_dir: str, total_steps: int, enabled: bool = True, quiet: bool = False,
                  tensorboard: bool = False, wandb_project: str = "", config: dict | None = None,
                  resume: bool = False):
-        self.enabled, self.last = enabled, {}
+        self.enabled, self.last, self.out_dir, self.opt_file = enabled, {}, out_dir, None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
         self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume else "w")
+        if not resume and os.path.exists(os.path.join(out_dir, OPTIMIZER_STEPS)):  # a new run: its own rows
+            os.remove(os.path.join(out_dir, OPTIMIZER_STEPS))
         self.bar = None
         if not quiet:
             from tqdm import tqdm
@@ -191,6 +195,23 @@ class Logger:
             self.bar.set_postfix({name: f"{self.last[k]:.3g}" for name, k in self.BAR_KEYS if k in self.last})
             self.bar.refresh()
 
+    def optimizer_step(self, step: int, row: dict) -> None:
+        """One optimizer step's metrics on their own axis (several per rollout: --ppo-epochs,
+        --mini-batches): a row of out_dir/optimizer_steps.jsonl {"step", "opt_step", "epoch", ...}, and
+        TensorBoard's opt/<name> over opt_step (the scheduler's count of optimizer steps). Rank 0's rows:
+        the step's line in metrics.jsonl holds every rank's average."""
+        if not self.enabled:
+            return
+        if self.opt_file is None:  # only runs with several optimizer steps per rollout write it
+            self.opt_file = open(os.path.join(self.out_dir, OPTIMIZER_STEPS), "a")
+        axis = {"opt_step": int(row["opt_step"]), "epoch": int(row["epoch"])}
+        clean = {k: float(v) for k, v in row.items() if k not in axis}
+        self.opt_file.write(json.dumps({"step": step, **axis, **clean}) + "\n")
+        self.opt_file.flush()
+        for k, v in clean.items():
+            if self.tb is not None and math.isfinite(v):
+                self.tb.add_scalar(f"opt/{k}", v, axis["opt_step"])
+
     def print(self, text: str) -> None:
         if self.enabled:
             (self.bar.write if self.bar is not None else print)(text)
@@ -200,6 +221,8 @@ class Logger:
             if self.bar is not None:
                 self.bar.close()
             self.file.close()
+            if self.opt_file is not None:
+                self.opt_file.close()
             if self.tb is not None:
                 self.tb.close()
             if self.wandb is not None:

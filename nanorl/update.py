@@ -42,7 +42,7 @@ class Learner(Protocol):
     scaler: torch.amp.GradScaler | None  # fp16 only
     kl_ctl: Any  # nanorl/kl.py controller: .beta, the KL loss's coefficient
     counters: dict  # "skipped_updates" is counted here
-    logger: Any  # .print(str): a skipped update is reported
+    logger: Any  # .print(str): a skipped update is reported; .optimizer_step(step, row): several per rollout
     step: int  # seeds the per-step selections and the mini-batch order
     world: int  # ranks (1: one process)
 
@@ -135,6 +135,9 @@ def train_on(run: Learner, batch) -> dict:
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
+            if cfg.ppo_epochs * cfg.mini_batches > 1:  # several per rollout: each on its own axis
+                run.logger.optimizer_step(run.step + 1, {"opt_step": run.scheduler.last_epoch, "epoch": epoch,
+                                                         **stats})
     batch.tensors.update(**first)
     out = {k: v / counts[k] for k, v in sums.items()}
     out.update({"lr": run.scheduler.get_last_lr()[0], "skipped_updates": run.counters["skipped_updates"]})
