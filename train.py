@@ -150,7 +150,8 @@ def setup(cfg: Config) -> Run:
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
-    run.scorers = build.make_scorers(cfg, device, dtype, logger.print)
+    run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.async_steps else \
+        {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}  # async: the worker scores
     run.reward_weights = build.reward_weights(cfg)
     engine.update_weights(model, version=0)
     return run

@@ -254,6 +254,11 @@ def lr_factor(cfg: Config, step: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def scorer_names(cfg: Config) -> list[str]:
+    """The reward components --reward-model and --judge add beside --reward (`make_scorers`' keys)."""
+    return [name for name, on in (("rm", cfg.reward_model), ("judge", cfg.judge)) if on]
+
+
 def make_scorers(cfg: Config, device, dtype, log=print) -> dict:
     """The reward components scored beside --reward, each a scorer with
     .score(prompts, responses, labels) -> list[float | None] (None: a failed call) and .close():

@@ -85,8 +85,9 @@ def check(cfg) -> None:
     # components are summed unweighted): refused rather than silently ignored
     need(not cfg.reward_weights or scorer or cfg.plugin, "--reward-weights weighs --reward against the "
          "--reward-model / --judge components, and this run has neither: drop --reward-weights, or add one")
-    need(not (scorer and (cfg.async_steps or cfg.env)),
-         f"{scorer} with --async-steps or --env is not supported: the worker / the environment scores")
+    need(not (scorer and cfg.env), f"{scorer} with --env is not supported: the environment scores")
+    need(not (scorer and cfg.partial_rollout == "abort"), f"{scorer} with --partial-rollout abort is not "
+         "supported: its resumed samples are scored by --reward alone")
     for name in ("reward_postprocess", "sample_filter"):
         need(not getattr(cfg, name) or ":" in getattr(cfg, name), f"{name} must be "
              f"module:function or file.py:function, got {getattr(cfg, name)!r}")

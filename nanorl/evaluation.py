@@ -122,8 +122,8 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
 
 @dataclass
 class Scorer:
-    """Scored samples from an engine (or the --env driver over it): evaluation's, and the async
-    rollout worker's (nanorl/pipeline.py)."""
+    """Scored samples from an engine (or the --env driver over it), by --reward: evaluation's (the
+    step and the async rollout worker score through stages.generate + score, components included)."""
     engine: object
     rewards: object
     tokenizer: object

@@ -24,6 +24,7 @@ import os
 import pickle
 import queue
 import time
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -307,6 +308,8 @@ def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
             raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step {step} "
                                f"(--async-steps {K} allows versions {oldest}..{step})")
     run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
+    for name, faults in got.get("scorer_faults", {}).items():  # its reward model's / judge's
+        run.scorers[name].faults.update(faults)
     if run.episodes is not None:  # and its environments' (env_error, tool_timeout)
         run.episodes.faults.update(got["env_faults"])
     for k, v in got.get("counters", {}).items():  # DAPO's steps that ran out of rounds
@@ -326,7 +329,8 @@ def shards(got: dict, world: int) -> list[dict]:
         samples = [dataclasses.replace(s, group_id=s.group_id // world)
                    for s in got["samples"] if s.group_id % world == r]
         out.append({**got, "prompt_ids": got["prompt_ids"][r::world], "samples": samples,
-                    **({} if r == 0 else {"faults": {}, "env_faults": {}, "counters": {}, "notes": []})})
+                    **({} if r == 0 else {"faults": {}, "env_faults": {}, "scorer_faults": {}, "counters": {},
+                                           "notes": []})})
     return out
 
 
@@ -363,6 +367,20 @@ class Follower:
 
     def close(self) -> None:
         pass
+
+
+class WorkerScored:
+    """The trainer's side of a reward component (--reward-model, --judge) that the rollout worker
+    scores: its fault totals (logged as reward_faults/<name>/..., saved in checkpoints), nothing else."""
+
+    def __init__(self):
+        self.faults = Counter()
+
+    def score(self, prompts, responses, labels) -> list:
+        raise RuntimeError("async rollout: the rollout worker scores this reward component")
+
+    def close(self) -> None:
+        """Nothing held here."""
 
 
 def staleness_metrics(samples: list[Sample], step: int) -> dict:

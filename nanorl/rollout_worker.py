@@ -32,7 +32,6 @@ from nanorl import build, precision, sources, stages, weight_broadcast
 from nanorl.config_checks import ConfigError
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
-from nanorl.evaluation import Scorer
 from nanorl.logger import PhaseTimer
 from nanorl.partial_rollout import AbortingRollout
 from nanorl.plugins import Hooks
@@ -226,12 +225,13 @@ class Worker:
                                           self.pick_up_newer if cfg.partial_rollout == "switch" else None)
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
+        # --reward-model, --judge: their components beside --reward, scored here as the synchronous step
+        # scores them (the trainer holds only their fault totals: pipeline.WorkerScored)
+        self.scorers = build.make_scorers(cfg, spec.device, dtype, log=print)
+        self.reward_weights, self.hooks = build.reward_weights(cfg), Hooks(cfg)
         # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
         fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
         self.episodes = episode_runner(cfg, self.engine, self.tokenizer, fmt) if cfg.env else None
-        # n scored samples per prompt: the engine's, scored by --reward, or the --env episodes, which
-        # the environment scored (train.py's stages.generate + score)
-        self.scorer = Scorer(self.engine, self.rewards, self.tokenizer, self.episodes)
         self.engine.version = -1  # nothing loaded yet
         self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
         if cfg.partial_rollout == "abort":
@@ -241,7 +241,7 @@ class Worker:
                 self.partial.load_state_dict(spec.carry)
         self.loader = None  # --filter-groups: how many prompts a batch takes depends on its rewards
         if cfg.filter_groups:
-            self.loader, self.hooks = spec.loader, Hooks(cfg)
+            self.loader = spec.loader
             if spec.carry is not None:
                 self.loader.load_state_dict(spec.carry["loader"])
 
@@ -285,6 +285,7 @@ class Worker:
             self.load(need)
         t_load = time.perf_counter()
         faults, env_faults = dict(self.rewards.faults), dict(self.episodes.faults if self.episodes else {})
+        scorer_faults = {name: dict(s.faults) for name, s in self.scorers.items()}
         sampling = dataclasses.replace(self.spec.sampling, seed=batch_seed(cfg.seed, b))
         carry, partial_metrics, refill = {}, {}, {}
         if self.partial is not None:  # the worker's own prompts: the buffer first, then fresh ones
@@ -294,7 +295,7 @@ class Worker:
             prompts, samples, partial_metrics, refill = self.refilled(b, sampling)
             carry = {"carry": {"loader": self.loader.state_dict()}}
         else:
-            samples = self.scorer.scored(prompts, cfg.samples_per_prompt, sampling)
+            samples = self.scored(b, prompts, cfg.samples_per_prompt, sampling)
         t2 = time.perf_counter()
         if cfg.mask_offpolicy_in_partial_rollout:
             for s in samples:
@@ -314,6 +315,7 @@ class Worker:
         self.sync_metrics = {}  # reported with the batch of the version it checked, once
         return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
                 "env_faults": since(env_faults, self.episodes.faults) if self.episodes else {},
+                "scorer_faults": {n: since(scorer_faults[n], s.faults) for n, s in self.scorers.items()},
                 "metrics": timing, **carry, **refill}
 
     def refilled(self, b: int, sampling: SamplingConfig) -> tuple[list, list[Sample], dict, dict]:
@@ -324,14 +326,12 @@ class Worker:
         metrics (dapo/*, groups_kept_frac, dropped_frac), and the run counters and notes they added
         (a step that ran out of rounds), which the trainer adds to its own (pipeline.accept)."""
         cfg, notes, counters, metrics = self.cfg, [], {}, {}
-        # what the stages read of a run (stages.Sampler): this worker's parts, one rank (it samples the union)
-        run = WorkerSampler(cfg, sources.local(self.engine, self.episodes), self.engine, self.loader,
-                            self.rewards, {}, None, self.tokenizer, self.hooks, 1, counters, b, Notes(notes))
+        run = self.sampler(b, counters, notes)
         prompts = self.loader.next_batch()
         if cfg.over_sample > 1:
             samples = stages.oversampled_round(run, prompts, sampling, metrics)
         else:
-            samples = self.scorer.scored(prompts, cfg.samples_per_prompt, sampling)
+            samples = self.scored(b, prompts, cfg.samples_per_prompt, sampling)
             self.hooks.postprocess(samples)
         samples = stages.keep_trainable(run, samples, metrics)
         # the first round took the batch's seed; each later round takes its own (SamplingConfig.call)
@@ -341,11 +341,28 @@ class Worker:
         kept_prompts = [Prompt(ids[g], "", "") for g in sorted(ids)]
         return kept_prompts, kept, metrics, {"counters": counters, "notes": notes}
 
+    def sampler(self, b: int, counters: dict, notes: list) -> WorkerSampler:
+        """What the sampling stages read of a run (stages.Sampler): this worker's parts, one rank (it
+        samples the union of the ranks' prompts); `counters` and `notes` collect what they add."""
+        return WorkerSampler(self.cfg, sources.local(self.engine, self.episodes), self.engine, self.loader,
+                             self.rewards, self.scorers, self.reward_weights, self.tokenizer, self.hooks, 1,
+                             counters, b, Notes(notes))
+
+    def scored(self, b: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        """n scored samples per prompt, as the synchronous step makes them (stages.generate + score):
+        the engine's, scored by --reward with the reward model's and judge's components beside it, or
+        --env's episodes, which the environment scored."""
+        run = self.sampler(b, {}, [])
+        samples = stages.generate(run, prompts, n, sampling)
+        for s, r in zip(samples, stages.score(run, prompts, samples)):
+            s.reward = r
+        return samples
+
     def greedy_rewards(self, prompts: list) -> list[float]:
         """ReMax's baseline of each sample (in row order): the reward of its prompt's greedy response,
         sampled here from the same weights as the batch (train.py's stages.greedy_baselines, which
         reads it, samples it from the trainer's: the same version in a synchronous run)."""
-        greedy = self.scorer.scored(prompts, 1, dataclasses.replace(
+        greedy = self.scored(-1, prompts, 1, dataclasses.replace(
             self.spec.sampling, temperature=0.0, top_k=0, top_p=1.0, keep_support=False, seed=None))
         n = self.cfg.samples_per_prompt
         return [greedy[g].total_reward for g in range(len(prompts)) for _ in range(n)]
@@ -461,6 +478,8 @@ def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
         results.put(pickle.dumps(("error", traceback.format_exc())))
     if worker is not None:  # its reward (and tool) worker processes: this exit would wait for them
         worker.rewards.close()
+        for scorer in worker.scorers.values():  # a judge's threads, a reward model
+            scorer.close()
         if worker.episodes is not None:
             worker.episodes.close()
     results.close()

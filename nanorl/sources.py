@@ -94,7 +94,8 @@ class Agents(Source):
 class Worker(Source):
     """--async-steps: batches sampled and scored ahead by the rollout worker (nanorl/pipeline.py), from
     weight versions the trainer publishes; with --env its episodes, with a KL term its reference
-    logprobs, with --filter-groups its refill rounds, with ReMax its greedy baselines."""
+    logprobs, with --filter-groups its refill rounds, with ReMax its greedy baselines, with
+    --reward-model / --judge their components (the trainer keeps their fault totals)."""
     rewarded, local = True, False
 
     def __init__(self, pipeline, episodes=None):

@@ -159,3 +159,64 @@ def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
         assert row["rollout/reward_mean"] == pytest.approx(row["rollout/reward/rm"], rel=1e-5)  # correct=0
         assert 0.0 <= row["rollout/reward/correct"] <= 1.0  # the rule reward, still logged
     assert 0.0 <= res["after"]["eval/accuracy"] <= 1.0  # eval checks labels with --reward (exact)
+
+
+# ----------------------------------------------------------------------------- in the async rollout worker
+@pytest.mark.slow
+def test_the_async_worker_judges_its_batches_and_the_trainer_counts_the_faults(task, tmp_path, monkeypatch):
+    """--async-steps 1 --judge: the rollout worker (its own process) judges every sample of its batches
+    as the synchronous step does — batch 0's 16 samples judged, logged as the component `judge` — and
+    from request 17 on the judge answers 400 (not retried): batches 1-2 are reward faults, dropped, and
+    the worker's fault counts reach the trainer's run totals (rollout/reward_faults/judge/..., which a
+    checkpoint saves). Red before: --judge with --async-steps was refused."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+
+    def grade(body, n):
+        if n > 16:
+            return 400, "the judge refuses"
+        text = body["messages"][0]["content"]
+        response, label = text.split("Response: ", 1)[1].split("\nLabel: ")
+        return 200, "7" if label.strip() and label.strip() in response else "2"
+
+    server = JudgeServer(grade)
+    template = "Grade 0-10.\nQuestion: {prompt}\nResponse: {response}\nLabel: {label}"
+    try:
+        res = train.main(args(task, tmp_path, "--steps", "3", "--async-steps", "1", "--judge", template,
+                              "--judge-url", server.url, "--judge-model", "judge", "--judge-retries", "0",
+                              "--reward-weights", "correct=0"))
+    finally:
+        server.stop()
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
+    assert res["step"] == 3 and len(rows) == 3 and len(server.requests) == 3 * 16
+    k = (0.7 - rows[0]["rollout/reward/judge"]) / 0.5 * 16  # each sample 0.7 or 0.2
+    assert rows[0]["rollout/dropped_frac"] == 0.0 and abs(k - round(k)) < 1e-4
+    assert rows[0]["rollout/reward_mean"] == pytest.approx(rows[0]["rollout/reward/judge"])  # correct=0
+    assert [r["rollout/dropped_frac"] for r in rows[1:]] == [1.0, 1.0]
+    faults = [sum(v for key, v in r.items() if key.startswith("rollout/reward_faults/judge/")) for r in rows]
+    assert faults == [0, 16, 32], faults
+
+
+@pytest.mark.slow
+def test_the_async_worker_scores_with_the_reward_model(task, tmp_path):
+    """--async-steps 1 --reward-model: the worker loads the RM beside its engine and every batch carries
+    the component `rm` (--reward-weights correct=0,rm=1: the reward the advantage reads is the RM's)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from nanorl.task import build_tokenizer
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, num_labels=1,
+                      pad_token_id=tok.pad_token_id)
+    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    res = train.main(args(task, tmp_path / "run", "--steps", "2", "--async-steps", "1", "--reward-model",
+                          str(tmp_path / "rm"), "--reward-weights", "correct=0,rm=1"))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
+            if "rollout/reward/rm" in line]
+    assert res["step"] == 2 and len(rows) == 2
+    for row in rows:
+        assert row["rollout/reward_mean"] == pytest.approx(row["rollout/reward/rm"], rel=1e-5)
+        assert row["rollout/reward/rm"] != 0.0 and 0.0 <= row["rollout/reward/correct"] <= 1.0
