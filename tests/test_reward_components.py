@@ -124,22 +124,27 @@ def test_an_in_process_judge_runs_in_the_step(task, tmp_path, monkeypatch):
     assert row["rollout/reward_mean"] == pytest.approx(total, rel=1e-5)
 
 
-def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
-    """--reward-model: the RM's score of every sample is the component `rm`, computed in one batched
-    call over the step's samples (what RewardModel.score gives for them); --reward-weights correct=0
-    trains on it alone, while eval/accuracy still checks the labels with --reward."""
+def tiny_rm(path) -> None:
+    """A tiny random sequence classifier over the built-in task's tokenizer, saved at `path`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from nanorl import reward_models
     from nanorl.task import build_tokenizer
     tok = build_tokenizer()
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=2, num_labels=1,
                       pad_token_id=tok.pad_token_id)
-    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
-    tok.save_pretrained(tmp_path / "rm")
+    Qwen2ForSequenceClassification(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
+def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
+    """--reward-model: the RM's score of every sample is the component `rm`, computed in one batched
+    call over the step's samples (what RewardModel.score gives for them); --reward-weights correct=0
+    trains on it alone, while eval/accuracy still checks the labels with --reward."""
+    from nanorl import reward_models
+    tiny_rm(tmp_path / "rm")
     calls, real_score = [], reward_models.RewardModel.score
 
     def score(self, prompts, responses):
@@ -201,17 +206,7 @@ def test_the_async_worker_judges_its_batches_and_the_trainer_counts_the_faults(t
 def test_the_async_worker_scores_with_the_reward_model(task, tmp_path):
     """--async-steps 1 --reward-model: the worker loads the RM beside its engine and every batch carries
     the component `rm` (--reward-weights correct=0,rm=1: the reward the advantage reads is the RM's)."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    from nanorl.task import build_tokenizer
-    tok = build_tokenizer()
-    torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=2, num_labels=1,
-                      pad_token_id=tok.pad_token_id)
-    Qwen2ForSequenceClassification(cfg).save_pretrained(tmp_path / "rm")
-    tok.save_pretrained(tmp_path / "rm")
+    tiny_rm(tmp_path / "rm")
     res = train.main(args(task, tmp_path / "run", "--steps", "2", "--async-steps", "1", "--reward-model",
                           str(tmp_path / "rm"), "--reward-weights", "correct=0,rm=1"))
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
