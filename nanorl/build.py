@@ -54,7 +54,8 @@ def load_policy(cfg: Config, device, dtype):
     (--lora-rank last: PEFT's adapters in place, the base frozen); on CUDA, checked against the GPU's
     memory (`check_memory`) before anything else is built."""
     if cfg.async_steps:  # a rollout device that cannot work fails here, before minutes of loading
-        weight_broadcast.check_devices(device, cfg.rollout_device, broadcast=engine_of(cfg, device) == "vllm")
+        weight_broadcast.check_devices(device, cfg.rollout_device,
+                                       broadcast=engine_class(cfg, device).holds_own_weights)
     if distributed.rank0_reads(cfg.fsdp):
         model, tokenizer = load_on_rank0(cfg, dtype)
     else:
@@ -156,11 +157,12 @@ def engine_class(cfg: Config, device) -> type[RolloutEngine]:
     return HFEngine
 
 
-def worker_engine(cfg: Config, model, pad_id: int, dtype, longest_prompt: int, between_steps=None):
-    """The async rollout worker's engine (nanorl/rollout_worker.py): vLLM, never asleep (the trainer
-    trains elsewhere), or the HF engine on the worker's own model copy (`between_steps`: --partial-rollout
-    switch's hook)."""
-    if engine_class(cfg, model.device).holds_own_weights:
+def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dtype, longest_prompt: int,
+                  between_steps=None):
+    """The async rollout worker's engine of class `kind` (`engine_class` on the worker's device,
+    nanorl/rollout_worker.py): vLLM, never asleep (the trainer trains elsewhere), or the HF engine on the
+    worker's own model copy (`between_steps`: --partial-rollout switch's hook)."""
+    if kind.holds_own_weights:
         return vllm_engine(cfg, longest_prompt, rank=0, sleep=False)
     return HFEngine(model, pad_id=pad_id, compute_dtype=dtype, between_steps=between_steps)
 

@@ -540,7 +540,7 @@ def _cut_metrics(logger, out_dir: str, root: str, size: int, opt_size: int = 0) 
         logfile.flush()
         os.truncate(logfile.name, size)
         opt = os.path.join(out_dir, OPTIMIZER_STEPS)
-        if os.path.exists(opt) and _size(opt) >= opt_size:  # the logger opens it later: nothing to flush
+        if _size(opt) > opt_size:  # the logger opens it later: nothing to flush
             os.truncate(opt, opt_size)
 
 

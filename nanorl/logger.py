@@ -63,7 +63,7 @@ OPTIMIZER_STEPS = "optimizer_steps.jsonl"
 # what a new run would truncate (metrics.jsonl, opened "w") or rotate away (checkpoints): an earlier run
 EARLIER_RUN = ("metrics.jsonl", "checkpoints")
 # what --overwrite deletes: the earlier run's outputs (the built-in task files in out_dir/task stay)
-RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tb", "optimizer_steps.jsonl")
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tb", OPTIMIZER_STEPS)
 
 
 class RunDirLock:

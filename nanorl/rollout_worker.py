@@ -221,7 +221,8 @@ class Worker:
                 if t is None or t.dtype != dt or tuple(t.shape) != shape:
                     got = None if t is None else (t.dtype, tuple(t.shape))
                     raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
-        self.engine = build.worker_engine(cfg, model, self.tokenizer.pad_token_id, dtype, spec.longest_prompt,
+        self.engine = build.worker_engine(cfg, kind, model, self.tokenizer.pad_token_id, dtype,
+                                          spec.longest_prompt,
                                           self.pick_up_newer if cfg.partial_rollout == "switch" else None)
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)

@@ -36,7 +36,7 @@ class Sampler(Protocol):
     engine: Any        # the rollout engine (over-sampling aborts through it)
     loader: Any        # the prompt stream (refill rounds draw from it)
     rewards: Any       # --reward's runner
-    scorers: dict      # reward model / judge components (none in the worker)
+    scorers: dict      # reward model / judge components
     reward_weights: dict | None
     tokenizer: Any
     hooks: Any         # --reward-postprocess, --sample-filter

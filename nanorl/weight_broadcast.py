@@ -245,6 +245,7 @@ class Receiver:
             self.landing = _open(spec.shared, self.device)
         elif spec.backend == "nccl":
             self.landing = torch.empty(spec.size, dtype=torch.uint8, device=self.device)
+            self.landed = views_of(self.landing, self.layout)  # nccl receives each tensor into its view
         self.group = open_group(1, spec.port, spec.backend)
         # version -> (its host slot, its tensors by state-dict name)
         self.held: dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
@@ -280,9 +281,8 @@ class Receiver:
                         _broadcast(self.group, views[names[0]])
                 else:
                     if self.spec.backend == "nccl":
-                        landed = views_of(self.landing, self.layout)
                         for names, *_ in self.layout:
-                            _broadcast(self.group, landed[names[0]])
+                            _broadcast(self.group, self.landed[names[0]])
                     # one copy of the whole version to the host; then the landing buffer is free again
                     flat.copy_(self.landing, non_blocking=True)
                     if self.landing.is_cuda:
