@@ -6,149 +6,28 @@ H = −Σ_j p_j log p_j, with T the sampling temperature (the trainer scores tok
 the rollout sampled from); done naively the fp32 [N, V] temporaries are the largest activation of LLM RL.
 Start at `fused_linear_logprobs_entropy` (hidden @ weightᵀ a chunk of tokens at a time, only one
 [chunk, V] block alive) and `logprobs_and_entropy` (from logits); both run one `autograd.Function` whose
-per-row math has two backends (`_backend`): Triton kernels and chunked torch. Key choices: one pass with
+per-row math has two backends (`_backend`, chosen once per call): the Triton kernels
+(nanorl/entropy_triton.py) and the chunked torch twin here. Key choices: one pass with
 an online max, entropy accumulated about the running max (stable for large, peaked logits), an optional
 support mask (KSM: ids outside it are −inf), Σπ² in the same pass on request. The math, the backends and
 the comparison with verl's entropy: docs/from-slime-verl.md, "nanorl/entropy.py".
 
 Test: python -m pytest tests/test_entropy.py -q   (runs the Triton kernels in the interpreter)
 """
-import contextlib
 import math
-import os
+from typing import Callable, NamedTuple
 
 import torch
 
-# triton is optional: without it (or without a GPU / interpreter) the torch path is used
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:
-    triton = tl = None
-    HAS_TRITON = False
+# triton: the module or None (gpu_check.py reports its version)
+from nanorl.entropy_triton import HAS_TRITON, TRITON_INTERPRETED, triton, triton_backward, triton_forward  # noqa: F401
 
-# Kernels are wrapped for the interpreter at decoration time, so read the flag once, at import.
-TRITON_INTERPRETED = HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") == "1"
 # torch path: fp32 temporaries per row chunk (~4 live [rows, V])
 _ROW_BUDGET_BYTES = 64 << 20
 # fused-linear: bytes of one chunk's logits (+ its support mask)
 _LINEAR_BUDGET_BYTES = 256 << 20
-# Triton: vocabulary block per loop step (power of two)
-_MAX_BLOCK_V = 4096
 # torch path: stands in for log p = −inf where p = 0
 _FAR = -1e20
-
-# ----------------------------------------------------------------------------------------------------
-# Triton kernels (one program per row). Written without helper functions so that the same Python
-# source compiles with `triton.compile` even when the module was imported under the interpreter.
-if HAS_TRITON:
-
-    @triton.jit
-    def _fwd_kernel(x_ptr, stride_x, tgt_ptr, lp_ptr, ent_ptr, m_ptr, ls_ptr, sq_ptr, V, inv_temp,
-                    ignore_index, BLOCK_V: tl.constexpr, WITH_SQ: tl.constexpr):
-        # int64: row * stride exceeds 2**31 for N·V ≈ 6e8
-        row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * stride_x
-        # running max of z
-        m = float("-inf")
-        # Σ exp(z − m)
-        s = 0.0
-        # Σ exp(z − m)(z − m)
-        d = 0.0
-        # Σ exp(z − m)², for Σπ² = q / s² (OTB's path-variance proxy)
-        q = 0.0
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            z = tl.load(x_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32) * inv_temp
-            m_new = tl.maximum(m, tl.max(z, 0))
-            # Guard (−inf) − (−inf): while every z so far is −inf, shift by 0 (s = d = 0 anyway).
-            m_new_s = tl.where(m_new == float("-inf"), 0.0, m_new)
-            m_s = tl.where(m == float("-inf"), m_new_s, m)
-            alpha = tl.exp(m_s - m_new_s)
-            # 0 on −inf columns
-            e = tl.exp(z - m_new_s)
-            # zero BEFORE multiplying
-            zc = tl.where(z == float("-inf"), 0.0, z - m_new_s)
-            d = alpha * (d + s * (m_s - m_new_s)) + tl.sum(e * zc, 0)
-            if WITH_SQ:
-                q = alpha * alpha * q + tl.sum(e * e, 0)
-            s = alpha * s + tl.sum(e, 0)
-            m = m_new
-        m_fin = tl.where(m == float("-inf"), 0.0, m)
-        # lse = m + ls; a dead (all −inf) row keeps m = ls = 0
-        ls = tl.where(s > 0.0, tl.log(s), 0.0)
-        ent = tl.where(s > 0.0, ls - d / s, 0.0)
-        tgt = tl.load(tgt_ptr + row)
-        ignored = tgt == ignore_index
-        z_t = tl.load(x_row + tl.where(ignored, 0, tgt)).to(tl.float32) * inv_temp
-        # (z_t − m) − ls rather than z_t − lse: exact subtraction first keeps fp32 digits at |z| ≫ 1.
-        lp = tl.where(z_t == float("-inf"), float("-inf"), (z_t - m_fin) - ls)
-        tl.store(lp_ptr + row, tl.where(ignored, 0.0, lp))
-        tl.store(ent_ptr + row, tl.where(ignored, 0.0, ent))
-        tl.store(m_ptr + row, m_fin)
-        tl.store(ls_ptr + row, ls)
-        if WITH_SQ:
-            tl.store(sq_ptr + row, tl.where(ignored | (s <= 0.0), 0.0, q / (s * s)))
-
-    @triton.jit
-    def _bwd_kernel(x_ptr, stride_x, g_ptr, stride_g, tgt_ptr, m_ptr, ls_ptr, ent_ptr, glp_ptr,
-                    gent_ptr, V, inv_temp, ignore_index, BLOCK_V: tl.constexpr):
-        # g_ptr may alias x_ptr: each block is read before it is overwritten by the same program.
-        row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * stride_x
-        g_row = g_ptr + row * stride_g
-        tgt = tl.load(tgt_ptr + row)
-        active = tgt != ignore_index
-        m = tl.load(m_ptr + row)
-        ls = tl.load(ls_ptr + row)
-        ent = tl.load(ent_ptr + row)
-        g_lp = tl.load(glp_ptr + row)
-        g_ent = tl.load(gent_ptr + row)
-        for start in range(0, V, BLOCK_V):
-            cols = start + tl.arange(0, BLOCK_V)
-            in_row = cols < V
-            z = tl.load(x_row + cols, mask=in_row, other=float("-inf")).to(tl.float32) * inv_temp
-            live = z != float("-inf")
-            # zero BEFORE multiplying
-            logp = tl.where(live, (z - m) - ls, 0.0)
-            p = tl.where(live, tl.exp(logp), 0.0)
-            grad = g_lp * (tl.where(cols == tgt, 1.0, 0.0) - p) - g_ent * p * (logp + ent)
-            grad = tl.where(live & active, grad * inv_temp, 0.0)
-            tl.store(g_row + cols, grad.to(g_ptr.dtype.element_ty), mask=in_row)
-
-
-def _block_v(V):
-    return min(triton.next_power_of_2(V), _MAX_BLOCK_V)
-
-
-def _launch_guard(x):
-    """Where a kernel reading x runs: Triton launches on torch's CURRENT CUDA device, not x's, so a
-    tensor on another GPU (the async rollout worker's scoring, issue 45 M2) would be read from the
-    wrong device (an illegal memory access). The interpreter (CPU tensors) needs no guard."""
-    return torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext()
-
-
-def _triton_forward(x, targets, inv_temp, ignore_index, want_sq=False):
-    N, V = x.shape
-    lp, ent = (torch.empty(N, device=x.device, dtype=torch.float32) for _ in range(2))
-    norm = torch.empty(2, N, device=x.device, dtype=torch.float32)
-    sq = torch.empty(N if want_sq else 0, device=x.device, dtype=torch.float32)
-    if N > 0:
-        with _launch_guard(x):
-            _fwd_kernel[(N,)](x, x.stride(0), targets, lp, ent, norm[0], norm[1], sq if want_sq else lp, V,
-                              inv_temp, ignore_index, BLOCK_V=_block_v(V), WITH_SQ=want_sq, num_warps=8)
-    return lp, ent, norm, sq
-
-
-def _triton_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
-    N, V = x.shape
-    if N > 0:
-        with _launch_guard(x):
-            _bwd_kernel[(N,)](x, x.stride(0), out, out.stride(0), targets, norm[0], norm[1], ent, g_lp,
-                              g_ent, V, inv_temp, ignore_index, BLOCK_V=_block_v(V), num_warps=8)
-    return out
-
 
 # ----------------------------------------------------------------------------------------------------
 # Chunked torch: the same formulas, a few rows at a time so fp32 temporaries stay bounded.
@@ -234,15 +113,16 @@ def _backend(x, backend=None):
     return "torch"
 
 
-def _rows_forward(x, targets, inv_temp, ignore_index, backend, want_sq=False):
-    """(logprobs [N], entropy [N], norm [2, N], Σπ² [N] if want_sq else [0])."""
-    fn = _triton_forward if backend == "triton" else _torch_forward
-    return fn(x, targets, inv_temp, ignore_index, want_sq)
+class _Rows(NamedTuple):
+    """A backend's per-row pair: forward(x, targets, inv_temp, ignore_index, want_sq) -> (logprobs [N],
+    entropy [N], norm [2, N], Σπ² [N] if want_sq else [0]); backward(x, targets, norm, ent, g_lp, g_ent,
+    inv_temp, ignore_index, out) writes ∂/∂x into out (which may be x itself)."""
+    forward: Callable
+    backward: Callable
 
 
-def _rows_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out, backend):
-    fn = _triton_backward if backend == "triton" else _torch_backward
-    return fn(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out)
+# resolved once per call (`_backend`'s name), not per chunk
+ROWS = {"triton": _Rows(triton_forward, triton_backward), "torch": _Rows(_torch_forward, _torch_backward)}
 
 
 def _grads_or_zeros(g_lp, g_ent, like):
@@ -254,18 +134,19 @@ def _grads_or_zeros(g_lp, g_ent, like):
 class _LogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, inv_temp, ignore_index, backend):
-        lp, ent, norm, _ = _rows_forward(logits, targets, inv_temp, ignore_index, backend)
+        rows = ROWS[backend]
+        lp, ent, norm, _ = rows.forward(logits, targets, inv_temp, ignore_index)
         ctx.save_for_backward(logits, targets, norm, ent)
-        ctx.args = (inv_temp, ignore_index, backend)
+        ctx.args = (inv_temp, ignore_index, rows)
         return lp, ent
 
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         logits, targets, norm, ent = ctx.saved_tensors
-        inv_temp, ignore_index, backend = ctx.args
+        inv_temp, ignore_index, rows = ctx.args
         g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
         grad = torch.empty_like(logits)
-        _rows_backward(logits, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, grad, backend)
+        rows.backward(logits, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, grad)
         return grad, None, None, None, None
 
 
@@ -399,22 +280,23 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         norm = torch.empty(2, N, device=hidden.device, dtype=torch.float32)
         # Σπ², no grad
         sq = torch.empty(N if want_sq else 0, device=hidden.device, dtype=torch.float32)
+        rows = ROWS[backend]
         for a in range(0, N, chunk):
             b = min(a + chunk, N)
             logits = _chunk_logits(hidden, w, bias, support, a, b)
-            out = _rows_forward(logits, targets[a:b], inv_temp, ignore_index, backend, want_sq)
+            out = rows.forward(logits, targets[a:b], inv_temp, ignore_index, want_sq)
             lp[a:b], ent[a:b], norm[:, a:b] = out[:3]
             if want_sq:
                 sq[a:b] = out[3]
         ctx.save_for_backward(hidden, weight, bias, targets, support, norm, ent)
-        ctx.args = (inv_temp, ignore_index, chunk, backend)
+        ctx.args = (inv_temp, ignore_index, chunk, rows)
         ctx.mark_non_differentiable(sq)
         return lp, ent, sq
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _g_sq):
         hidden, weight, bias, targets, support, norm, ent = ctx.saved_tensors
-        inv_temp, ignore_index, chunk, backend = ctx.args
+        inv_temp, ignore_index, chunk, rows = ctx.args
         g_lp, g_ent = _grads_or_zeros(g_lp, g_ent, ent)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         # the compute copy again (fp32 masters), or weight itself
@@ -429,9 +311,9 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
             b = min(a + chunk, hidden.shape[0])
             # recompute, then
             logits = _chunk_logits(hidden, w, bias, support, a, b)
-            _rows_backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b],
-                           # overwrite with its grad
-                           inv_temp, ignore_index, logits, backend)
+            rows.backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b],
+                          # overwrite with its grad
+                          inv_temp, ignore_index, logits)
             if need_h:
                 grad_h[a:b] = _mm(logits, w)
             if need_w:

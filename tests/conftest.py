@@ -1,7 +1,7 @@
 """Test setup shared by every test file.
 
 TRITON_INTERPRET must be set before triton is imported anywhere: kernels are wrapped when decorated,
-so the Triton kernels in nanorl/entropy.py run in the interpreter on this GPU-less machine.
+so the Triton kernels in nanorl/entropy_triton.py run in the interpreter on this GPU-less machine.
 """
 import os
 

@@ -1,5 +1,6 @@
-"""Tests for nanorl/entropy.py: Triton kernels (run in the interpreter, see conftest.py), the chunked
-torch fallback and the fused-linear path, all against a float64 log_softmax reference.
+"""Tests for nanorl/entropy.py and nanorl/entropy_triton.py: the Triton kernels (run in the interpreter,
+see conftest.py), the chunked torch fallback and the fused-linear path, all against a float64
+log_softmax reference.
 
 Run: python -m pytest tests/test_entropy.py -q
 """
@@ -13,7 +14,8 @@ import textwrap
 import pytest
 import torch
 
-from nanorl import entropy as E
+import nanorl
+from nanorl import entropy as E, entropy_triton as ET
 
 BACKENDS = ["triton", "torch"] if E.TRITON_INTERPRETED else ["torch"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -23,7 +25,7 @@ NEG_INF = float("-inf")
 @pytest.fixture(autouse=True)
 def _small_blocks(monkeypatch):
     """Blocks of 256 so V = 1001 / 4096 take 4 / 16 steps of the online max (1001: masked tail)."""
-    monkeypatch.setattr(E, "_MAX_BLOCK_V", 256)
+    monkeypatch.setattr(ET, "_MAX_BLOCK_V", 256)
 
 
 def reference(logits, targets, temperature=1.0, keep=None, ignore_index=-100):
@@ -191,9 +193,9 @@ def test_fused_linear_matches_naive(backend, dtype, monkeypatch):
     support[0] = torch.tensor([t[0].item(), 1, 2, 3, 4])   # one restricted row
     g_lp, g_ent = torch.randn(N), torch.randn(N)
     seen_rows = []
-    rows_forward = E._rows_forward
-    monkeypatch.setattr(E, "_rows_forward",
-                        lambda x, *a: seen_rows.append(x.shape[0]) or rows_forward(x, *a))
+    rows = E.ROWS[backend]
+    monkeypatch.setitem(E.ROWS, backend, rows._replace(
+        forward=lambda x, *a: seen_rows.append(x.shape[0]) or rows.forward(x, *a)))
     ins = [a.clone().requires_grad_() for a in (hidden, weight, bias)]
     (lp, ent), grads = grads_of(
         lambda h, w, b: E.fused_linear_logprobs_entropy(h, w, t, 0.8, support, chunk_size=chunk, bias=b,
@@ -220,7 +222,7 @@ def test_sum_sq_probs_is_a_by_product_of_the_same_pass(backend, monkeypatch):
     """Σ_v π_v² (the optimal token baseline's ||∇_z log π||² = 1 − 2π_y + Σπ²) from the fused pass,
     chunked, with a support row and an ignored row, against softmax(z / T)² summed by hand; asking
     for it changes neither the logprobs nor the gradients."""
-    monkeypatch.setattr(E, "_MAX_BLOCK_V", 64)  # 5 vocabulary blocks: the running max moves between them
+    monkeypatch.setattr(ET, "_MAX_BLOCK_V", 64)  # 5 vocabulary blocks: the running max moves between them
     N, H, V = 9, 8, 300
     hidden, weight = torch.randn(N, H), torch.randn(V, H)
     weight[-1] = hidden[0] * 3                  # row 0's largest logit sits in the last block
@@ -313,9 +315,9 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", Device)
     with FakeTensorMode():
         on_gpu1 = torch.empty(3, 5, device="cuda:1")                          # [N, V], no storage
-    guard = E._launch_guard(on_gpu1)
+    guard = ET._launch_guard(on_gpu1)
     assert isinstance(guard, Device) and guard.device == torch.device("cuda", 1)
-    assert not isinstance(E._launch_guard(torch.empty(3, 5)), Device)     # CPU / interpreter: none
+    assert not isinstance(ET._launch_guard(torch.empty(3, 5)), Device)     # CPU / interpreter: none
 
     class Kernel:  # kernel[grid](...) records the device in force at the launch
         def __init__(self, name):
@@ -324,12 +326,12 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kw: launches.append((self.name, list(entered)))
 
-    monkeypatch.setattr(E, "_launch_guard", lambda x: Device(x.device))
-    monkeypatch.setattr(E, "_fwd_kernel", Kernel("fwd"))
-    monkeypatch.setattr(E, "_bwd_kernel", Kernel("bwd"))
+    monkeypatch.setattr(ET, "_launch_guard", lambda x: Device(x.device))
+    monkeypatch.setattr(ET, "_fwd_kernel", Kernel("fwd"))
+    monkeypatch.setattr(ET, "_bwd_kernel", Kernel("bwd"))
     x, t = torch.randn(3, 5), torch.tensor([0, 1, 2])                        # [N, V], [N]
-    _, ent, norm, _ = E._triton_forward(x, t, 1.0, -100)
-    E._triton_backward(x, t, norm, ent, torch.ones(3), torch.ones(3), 1.0, -100, torch.empty_like(x))
+    _, ent, norm, _ = ET.triton_forward(x, t, 1.0, -100)
+    ET.triton_backward(x, t, norm, ent, torch.ones(3), torch.ones(3), 1.0, -100, torch.empty_like(x))
     assert launches == [("fwd", [x.device]), ("bwd", [x.device])]
 
 
@@ -343,6 +345,8 @@ def test_module_works_without_triton(monkeypatch):
     # Load a second copy of the module while `import triton` raises ImportError.
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
+    monkeypatch.delitem(sys.modules, "nanorl.entropy_triton")  # imported again, without triton
+    monkeypatch.setattr(nanorl, "entropy_triton", ET)  # the package attribute the import rebinds
     spec = importlib.util.spec_from_file_location("entropy_no_triton", E.__file__)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -362,7 +366,7 @@ def test_kernels_compile_for_sm90():
         import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from nanorl import entropy as E
+        from nanorl import entropy_triton as ET
         target = GPUTarget("cuda", 90, 32)
         options = triton.compiler.make_backend(target).parse_options({"num_warps": 8}).__dict__
         common = {"V": "i32", "inv_temp": "fp32", "ignore_index": "i32", "BLOCK_V": "constexpr"}
@@ -373,10 +377,10 @@ def test_kernels_compile_for_sm90():
             bwd = {"x_ptr": f"*{dt}", "stride_x": "i64", "g_ptr": f"*{dt}", "stride_g": "i64",
                    "tgt_ptr": "*i64", "m_ptr": "*fp32", "ls_ptr": "*fp32", "ent_ptr": "*fp32",
                    "glp_ptr": "*fp32", "gent_ptr": "*fp32", **common}
-            variants = [(E._fwd_kernel, fwd, {"WITH_SQ": sq})
+            variants = [(ET._fwd_kernel, fwd, {"WITH_SQ": sq})
                         for sq in ((False, True) if dt == "bf16" else (True,))]
-            for kernel, sig, extra in variants + [(E._bwd_kernel, bwd, {})]:
-                src = ASTSource(kernel, sig, constexprs={"BLOCK_V": E._MAX_BLOCK_V, **extra})
+            for kernel, sig, extra in variants + [(ET._bwd_kernel, bwd, {})]:
+                src = ASTSource(kernel, sig, constexprs={"BLOCK_V": ET._MAX_BLOCK_V, **extra})
                 compiled = triton.compile(src, target=target, options=options)
                 assert len(compiled.asm["cubin"]) > 0 and ".target sm_90" in compiled.asm["ptx"]
                 print(compiled.metadata.name, dt, "ok")
