@@ -7,11 +7,12 @@ loadable as is by transformers / vLLM), trainer_state.pt (optimizer, critic, sch
 streams), trainer_state.json (step, loader, KL controller, counters, reward faults, config, layout) and
 manifest.json (size and sha256 of every other file), written last. Key choices: nothing is unpickled
 (JSON, safetensors, DCP, `torch.load(weights_only=True)`); a save is atomic (a hidden directory, fsync'd,
-one rename), so a reader sees a whole checkpoint or none, and a damaged one fails its manifest and is
-skipped; two layouts, "full" (rank 0 writes one copy) and "sharded" under FSDP (nanorl/ckpt_sharded.py);
-ranks agree on every verdict; a resume puts back every random stream, the loader and metrics.jsonl, so
-N steps + resume + N steps log what 2N steps log (the limits are in `resume`). The reference model is
-the starting `--model`, not saved. A LoRA run (--lora-rank) saves layout "lora": its adapters in PEFT's
+one rename: nanorl/ckpt_atomic.py, which this module hands the files to write), so a reader sees a
+whole checkpoint or none, and a damaged one fails its manifest and is skipped; two layouts, "full"
+(rank 0 writes one copy) and "sharded" under FSDP (nanorl/ckpt_sharded.py); ranks agree on every
+verdict; a resume puts back every random stream, the loader and metrics.jsonl, so N steps + resume + N
+steps log what 2N steps log (the limits are in `resume`). The reference model is the starting
+`--model`, not saved. A LoRA run (--lora-rank) saves layout "lora": its adapters in PEFT's
 format (adapter_config.json, adapter_model.safetensors: `PeftModel.from_pretrained(base, step_dir)`
 loads them) and the model's config instead of the full weights (the base is `--model`, unchanged);
 `python -m nanorl.export` merges them into a Hugging Face checkpoint.
@@ -21,12 +22,10 @@ loads them) and the model's config instead of the full weights (the base is `--m
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
 import re
-import shutil
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -38,15 +37,15 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import CheckpointException
 
-from nanorl import ckpt_sharded, distributed, lora
+from nanorl import ckpt_atomic, ckpt_sharded, distributed, lora
+
+# how the files land on disk (nanorl/ckpt_atomic.py); these names are this module's interface too
+from nanorl.ckpt_atomic import MANIFEST, CheckpointError, list_checkpoints, verify  # noqa: F401
 from nanorl.logger import OPTIMIZER_STEPS
 
-FORMAT = "nanorl-checkpoint-1"
-MANIFEST = "manifest.json"
 # test hook: NANORL_CHECKPOINT_PAUSE=<seconds> sleeps between the weights and the trainer state, so a
 # test can SIGKILL a save midway (tests/test_reliability.py)
 PAUSE_ENV = "NANORL_CHECKPOINT_PAUSE"
-STEP_DIR = re.compile(r"^step_(\d+)$")
 # config fields a resumed run may change without a note (where it writes, how long it runs, how it evaluates)
 # (lr: applied and said in the resume line, `_apply_lr`; AdamW's betas, eps and weight decay: applied to
 # the restored groups; overwrite: a start-up choice about out_dir)
@@ -54,10 +53,6 @@ FREE_FIELDS = {"resume", "steps", "out_dir", "save_every", "eval_every", "eval_l
                "keep_checkpoints", "tensorboard", "wandb_project", "reward_timeout", "pass_k",
                "test_data", "eval_temperature", "eval_max_new_tokens", "lr", "overwrite", "adam_beta1",
                "adam_beta2", "adam_eps", "weight_decay"}
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be written or read; the message says which and why."""
 
 
 @dataclass
@@ -141,26 +136,6 @@ def isolated_rng(engine, seed: int):
         set_rng_state(saved, engine)
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: str, obj) -> None:
-    with open(path, "w") as f:
-        json.dump(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def save(state: State, cfg, logger=None) -> str:
     """Checkpoint `state` as out_dir/checkpoints/step_NNNNNN (state.step); every rank calls it and
     returns the path, or raises the same CheckpointError. cfg: the run's Config, saved whole (a resume
@@ -168,108 +143,19 @@ def save(state: State, cfg, logger=None) -> str:
     None; its `file` (rank 0's metrics.jsonl) is flushed and its length saved, for the resume to cut
     back to. FSDP: each rank writes its own shards (nanorl/ckpt_sharded.py). Else rank 0 writes the
     one copy (DDP replicas are identical). Every rank hashes a share of the files."""
-    rank, world = state.rank, state.world
     faults = dict(state.rewards.faults) if state.rewards is not None else {}
     local = {"rng": rng_state(state.engine), "reward_faults": faults,
              "scorer_faults": {name: dict(s.faults) for name, s in state.scorers.items()}}
     # RNG streams differ by rank: collect them all
-    ranks = [local] * world
-    if world > 1:
-        torch.distributed.all_gather_object(ranks, local)
+    ranks = ckpt_atomic.all_gather(state.world, local)
+
+    def write(tmp: str) -> None:
+        # collective: State carries the model, trained, critic, optimizer and rank it reads
+        sharded = ckpt_sharded.save(state, tmp) if cfg.fsdp else None
+        if state.rank == 0:
+            _write_rank0(state, cfg, logger, tmp, ranks, sharded)
     root = os.path.join(cfg.out_dir, "checkpoints")
-    final = os.path.join(root, f"step_{state.step:06d}")
-    tmp, err = _from_rank0(world, _make_tmp(root, state.step) if rank == 0 else None)
-    # several nodes: a rank that cannot see rank 0's directory would hash nothing, silently; the
-    # verdict is agreed before the collective save below
-    if world > 1:
-        if err is None and not os.path.isdir(tmp):
-            err = f"{tmp} (made by rank 0) is not visible on rank {rank}: --out-dir must be shared"
-        err = _first_error(world, err)
-    trash = tmp.replace(f"{os.sep}.tmp-", f"{os.sep}.trash-")
-    try:
-        if err is None:
-            try:
-                # collective: State carries the model, trained, critic, optimizer and rank it reads
-                sharded = ckpt_sharded.save(state, tmp) if cfg.fsdp else None
-                if rank == 0:
-                    _write_rank0(state, cfg, logger, tmp, ranks, sharded)
-            except (OSError, CheckpointException) as e:
-                err = f"{type(e).__name__}: {e}"
-        err = _first_error(world, err)
-        entries = {}
-        # sizes and sha256 (after an fsync): each rank a share of the files
-        if err is None:
-            files = sorted(os.path.relpath(os.path.join(d, n), tmp) for d, _, ns in os.walk(tmp) for n in ns)
-            try:
-                entries = {f: _entry(tmp, f) for f in files[rank::world]}
-            except OSError as e:
-                err = f"{type(e).__name__}: {e}"
-        shares = [(entries, err)] * world
-        if world > 1:
-            torch.distributed.all_gather_object(shares, (entries, err))
-        err = next((e for _, e in shares if e), None)
-        if rank == 0 and err is None:
-            try:
-                # the manifest is written last: it means "complete"
-                _write_json(os.path.join(tmp, MANIFEST), {"format": FORMAT, "step": state.step, "files": {
-                    f: m for share, _ in shares for f, m in sorted(share.items())}})
-                _fsync(tmp)
-                # the same step saved again (save_every, then the end of the run)
-                if os.path.exists(final):
-                    os.rename(final, trash)
-                os.rename(tmp, final)
-                _fsync(root)
-            except OSError as e:
-                err = f"{type(e).__name__}: {e}"
-        err = _from_rank0(world, err)
-    # anything else (a bug, Ctrl-C): leave no half-written directory behind
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if err is not None:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        prev = [p for _, p in list_checkpoints(root)]
-        raise CheckpointError(f"could not write checkpoint {final}: {err}. Nothing was replaced: the "
-                              f"previous checkpoint ({prev[0] if prev else 'none'}) is intact. Free disk "
-                              "space, then resume with --resume latest.")
-    if rank == 0:
-        shutil.rmtree(trash, ignore_errors=True)
-        complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
-        keep = cfg.keep_checkpoints
-        # keep the newest `keep` complete ones, delete everything older
-        for s, p in list_checkpoints(root):
-            if len(complete) >= keep and s < complete[keep - 1][0]:
-                shutil.rmtree(p, ignore_errors=True)
-    return final
-
-
-def _make_tmp(root: str, step: int) -> tuple[str, str | None]:
-    """Rank 0: clear what killed saves left behind, create this save's hidden directory: (path, error)."""
-    tmp = os.path.join(root, f".tmp-step_{step:06d}-{os.getpid()}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        # leftovers of a save that was killed: never valid, never read
-        for name in os.listdir(root):
-            if name.startswith((".tmp-", ".trash-")):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-        os.makedirs(tmp)
-        return tmp, None
-    except OSError as e:
-        return tmp, f"{type(e).__name__}: {e}"
-
-
-def _torch_save(obj, path: str) -> None:
-    """torch.save, with a failed write raised as the OSError it is: torch's zip writer reports a full
-    disk as RuntimeError "[enforce fail at inline_container.cc:...] unexpected pos ...", which `save`
-    would otherwise treat as a bug (a traceback instead of its one line)."""
-    try:
-        torch.save(obj, path)
-    except RuntimeError as e:
-        if "inline_container" not in str(e):
-            raise
-        raise OSError(f"torch.save could not write {os.path.basename(path)} (is the disk full?): {e}") from e
+    return ckpt_atomic.write_step_dir(root, state.step, state.rank, state.world, write, cfg.keep_checkpoints)
 
 
 def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
@@ -295,9 +181,9 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     # test hook (PAUSE_ENV)
     time.sleep(float(os.environ.get(PAUSE_ENV) or 0))
     # read back with weights_only=True
-    _torch_save({"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
-                 "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]},
-                os.path.join(tmp, "trainer_state.pt"))
+    trainer = {"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
+               "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]}
+    ckpt_atomic.torch_save(trainer, os.path.join(tmp, "trainer_state.pt"))
     # --async-steps: the batches in flight, sampled from versions this checkpoint does not hold
     # (pipeline.pt; what that guarantees is in nanorl/pipeline.py)
     if state.pipeline is not None:
@@ -306,66 +192,14 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     logfile = getattr(logger, "file", None)
     if logfile is not None:
         logfile.flush()
-    _write_json(os.path.join(tmp, "trainer_state.json"), {
-        "format": FORMAT, "step": state.step, "config": dataclasses.asdict(cfg),
+    ckpt_atomic.write_json(os.path.join(tmp, "trainer_state.json"), {
+        "format": ckpt_atomic.FORMAT, "step": state.step, "config": dataclasses.asdict(cfg),
         "layout": "lora" if adapters else "full" if sharded is None else "sharded", "sharded": sharded,
         "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
         "scorer_faults": [r["scorer_faults"] for r in ranks],
         "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None,
         "optimizer_steps_bytes": _size(os.path.join(cfg.out_dir, OPTIMIZER_STEPS))})
-
-
-def _entry(root: str, name: str) -> dict:
-    path = os.path.join(root, name)
-    _fsync(path)
-    return {"bytes": os.path.getsize(path), "sha256": _sha256(path)}
-
-
-def _from_rank0(world: int, value):
-    """Rank 0's value on every rank (a broadcast; one process: the value)."""
-    box = [value]
-    if world > 1:
-        torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _first_error(world: int, err: str | None) -> str | None:
-    """The first rank's error, or None: the same verdict on every rank (an all-gather)."""
-    errs = [err] * world
-    if world > 1:
-        torch.distributed.all_gather_object(errs, err)
-    return next((e for e in errs if e), None)
-
-
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """(step, path) of every step_N directory under root, newest first (validity not checked)."""
-    names = os.listdir(root) if os.path.isdir(root) else []
-    found = [(int(m.group(1)), os.path.join(root, n)) for n in names if (m := STEP_DIR.match(n))]
-    return sorted(found, reverse=True)
-
-
-def verify(path: str, part: tuple[int, int] = (0, 1)) -> dict:
-    """The manifest of a complete, intact checkpoint; else CheckpointError saying what is wrong.
-    part=(rank, world): hash only every world-th file from the rank-th (ranks split the reading)."""
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            manifest = json.load(f)
-        files = manifest["files"]
-    except FileNotFoundError:
-        why = "not a checkpoint, or its save was interrupted"
-        raise CheckpointError(f"{path}: no {MANIFEST} ({why})") from None
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{path}: corrupt {MANIFEST} ({e})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    for i, (name, meta) in enumerate(sorted(files.items())):
-        p = os.path.join(path, name)
-        if not os.path.isfile(p):
-            raise CheckpointError(f"{path}: {name} is missing")
-        if os.path.getsize(p) != meta["bytes"] or (i % part[1] == part[0] and _sha256(p) != meta["sha256"]):
-            raise CheckpointError(f"{path}: {name} is corrupt (size or sha256 differs from the manifest)")
-    return manifest
 
 
 def _read(rank: int, world: int, path: str) -> tuple[dict, dict, list[dict]]:
@@ -391,7 +225,7 @@ def _read(rank: int, world: int, path: str) -> tuple[dict, dict, list[dict]]:
         err = str(e)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
         err = f"{path}: unreadable ({type(e).__name__}: {e})"
-    err = _first_error(world, err)
+    err = ckpt_atomic.first_error(world, err)
     if err is not None:
         raise CheckpointError(err)
     return state, tensors, weights

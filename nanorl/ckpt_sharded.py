@@ -6,10 +6,11 @@ its Adam state (a 7B model in fp32: 28 GB of weights and 56 GB of moments, times
 torch.distributed.checkpoint (DCP) writes each rank's shards as they are and, at load, plans which slices
 each rank's shards need, so the extra host memory of a resume is about one tensor's shard (measured:
 tests/test_lockstep.py); the same plan reshards N ranks onto M. Start at `save` and `load`;
-nanorl/checkpoint.py owns the step directory, its atomic rename, the manifest, the RNG, loader and
-scheduler state. Key choices: the policy's weights end as whole Hugging Face safetensors (loadable by
-transformers and vLLM as before); the optimizer state and the critic stay in DCP's format under `dcp/`,
-keyed by parameter name; tied weights are saved once. What goes where: `save`'s docstring.
+nanorl/checkpoint.py owns the RNG, loader and scheduler state, nanorl/ckpt_atomic.py the step
+directory, its atomic rename and the manifest. Key choices: the policy's weights end as whole Hugging
+Face safetensors (loadable by transformers and vLLM as before); the optimizer state and the critic
+stay in DCP's format under `dcp/`, keyed by parameter name; tied weights are saved once. What goes
+where: `save`'s docstring.
 """
 from __future__ import annotations
 

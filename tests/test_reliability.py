@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import train
-from nanorl import build, checkpoint, logger, update
+from nanorl import build, checkpoint, ckpt_atomic, logger, update
 from nanorl.checkpoint import CheckpointError
 from nanorl.config import ConfigError, parse_args
 from nanorl.logger import RunDirError
@@ -205,7 +205,7 @@ def test_disk_full_keeps_previous_checkpoint(task, saved, tmp_path, monkeypatch,
         def full(*a, **k):
             raise OSError(errno.ENOSPC, "No space left on device")
         if where == "trainer_state":
-            monkeypatch.setattr(checkpoint, "_write_json", full)
+            monkeypatch.setattr(ckpt_atomic, "write_json", full)
         else:
             monkeypatch.setattr(run.model, "save_pretrained", full)
         for step in (4, 3):  # a new step, and the same step again (which replaces by rename)
