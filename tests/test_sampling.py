@@ -282,11 +282,21 @@ def test_draw_is_multinomials_draw_bit_for_bit():
     logp = torch.log_softmax(z, dim=-1)
     # shapes alternate: draw's reused buffers (one shape held at a time) follow the input's shape
     small = torch.log_softmax(torch.randn(3, 1000) * 3, dim=-1)  # [3, 1000]
+    tiny = torch.randn(4, 20) * 3  # [4, 20] under _RACE_MIN_V: multinomial itself
+    tiny[1], tiny[2, 5:] = 0.0, float("-inf")
+    tiny = torch.log_softmax(tiny, dim=-1)
     for seed in range(6):
         g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
-        for lp in (logp, small) if seed % 2 else (logp,):
+        for lp in (logp, small, tiny) if seed % 2 else (logp, tiny):
             assert torch.equal(draw(lp, g1), torch.multinomial(lp.exp(), 1, generator=g2).squeeze(-1))
             assert torch.equal(g1.get_state(), g2.get_state())
+
+
+def test_draw_takes_the_race_where_multinomial_would_raise():
+    """Under _RACE_MIN_V ids a row multinomial refuses (all zero, NaN) still gets an id, as before."""
+    logp = torch.full((2, 10), float("-inf"))  # [B, V] no mass at all
+    logp[1, 3] = float("nan")
+    assert draw(logp, torch.Generator().manual_seed(0)).tolist() == [0, 3]
 
 
 def test_nan_or_inf_logits_raise():
