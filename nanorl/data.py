@@ -225,9 +225,9 @@ def build_prompts(rows: list[dict], tokenizer, input_key: str, label_key: str, m
     if not prompts:
         raise DataError(f"{source}: no usable prompt left (skipped {skipped}; max prompt length "
                         f"{max_prompt_len} tokens)")
-    note = skip_note(source, skipped, len(rows), max_prompt_len)
-    if note and log is not None:
-        log(note)
+    # a note only when something was dropped
+    if log is not None and any(skipped.values()):
+        log(skip_note(source, skipped, len(rows), max_prompt_len))
     return prompts, skipped
 
 

@@ -185,9 +185,10 @@ class Logger:
         self.last.update(clean)
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
         self.file.flush()
-        for k, v in clean.items():
-            if self.tb is not None and isinstance(v, float) and math.isfinite(v):
-                self.tb.add_scalar(k, v, step)
+        if self.tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(clean, step=step)
         if self.bar is not None:
@@ -208,9 +209,10 @@ class Logger:
         clean = {k: float(v) for k, v in row.items() if k not in axis}
         self.opt_file.write(json.dumps({"step": step, **axis, **clean}) + "\n")
         self.opt_file.flush()
-        for k, v in clean.items():
-            if self.tb is not None and math.isfinite(v):
-                self.tb.add_scalar(f"opt/{k}", v, axis["opt_step"])
+        if self.tb is not None:
+            for k, v in clean.items():
+                if math.isfinite(v):
+                    self.tb.add_scalar(f"opt/{k}", v, axis["opt_step"])
 
     def print(self, text: str) -> None:
         if self.enabled:

@@ -238,17 +238,21 @@ class Hooks:
         already a metric of the step raises: rename the field). Every rank calls it: the fields are
         pooled over ranks first (one all_gather_object), so all ranks log the same keys — a key only
         some ranks had would misalign the metric all-reduce (nanorl/distributed.py reduce_metrics)."""
-        extra = metadata_metrics(samples, self.log_metadata, gather=_all_gather)
+        extra = metadata_metrics(samples, self.log_metadata, gather=_all_gather if _world() > 1 else None)
         clash = sorted(set(extra) & set(metrics))
         if clash:
             raise ValueError(f"Sample.metadata fields {clash} are also metric names of the step: rename them")
         return {**metrics, **extra}
 
 
+def _world() -> int:
+    """The number of ranks (1 without torch.distributed: one process has nothing to pool)."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _all_gather(local: dict) -> list[dict]:
     import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [local]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, local)
     return out

@@ -330,9 +330,9 @@ class RewardRunner:
         out = [res[1] if res[0] == "ok" else self._fault(res[1], res[2]) for res in results]
         # which calls failed (the last call's): score_samples marks those samples reward_fault
         self.faulted = [res[0] != "ok" for res in results]
-        names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r if k[:1] != "_"))
         # a failed sample scores a dict of zeros: one kind per batch
         if any(isinstance(r, dict) for r in out):
+            names = list(dict.fromkeys(k for r in out if isinstance(r, dict) for k in r if k[:1] != "_"))
             for i, r in enumerate(out):
                 if isinstance(r, float):
                     self._fault("MixedTypes", f"reward returned {r!r} where other responses got a dict")
