@@ -126,9 +126,6 @@ def claim_run_dir(out_dir: str, resume: str = "", overwrite: bool = False) -> Ru
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         found = earlier_run(out_dir)
-        own = os.path.realpath(os.path.join(out_dir, "checkpoints"))
-        continues = resume == "latest" or (resume and os.path.realpath(os.path.dirname(
-            os.path.normpath(resume))) == own)
         if found and overwrite:
             for name in RUN_OUTPUTS:
                 path = os.path.join(out_dir, name)
@@ -137,7 +134,7 @@ def claim_run_dir(out_dir: str, resume: str = "", overwrite: bool = False) -> Ru
                 elif os.path.exists(path):
                     os.remove(path)
             print(f"--overwrite: deleted the earlier run in {out_dir} ({', '.join(found)})")
-        elif found and not continues:
+        elif found and not _continues(out_dir, resume):
             fix = (f"resuming {resume} (another directory's checkpoint) would mix the two: choose an "
                    "empty --out-dir" if resume else "--resume latest continues it, --overwrite deletes "
                    "it, or choose another --out-dir")
@@ -146,6 +143,14 @@ def claim_run_dir(out_dir: str, resume: str = "", overwrite: bool = False) -> Ru
         lock.release()
         raise
     return lock
+
+
+def _continues(out_dir: str, resume: str) -> bool:
+    """Whether --resume continues the run in out_dir: "latest", or a checkpoint of out_dir's own."""
+    if resume == "latest":
+        return True
+    own = os.path.realpath(os.path.join(out_dir, "checkpoints"))
+    return bool(resume) and os.path.realpath(os.path.dirname(os.path.normpath(resume))) == own
 
 
 class Logger:
