@@ -157,14 +157,13 @@ def engine_class(cfg: Config, device) -> type[RolloutEngine]:
     return HFEngine
 
 
-def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dtype, longest_prompt: int,
-                  between_steps=None):
+def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dtype, longest_prompt: int):
     """The async rollout worker's engine of class `kind` (`engine_class` on the worker's device,
     nanorl/rollout_worker.py): vLLM, never asleep (the trainer trains elsewhere), or the HF engine on the
-    worker's own model copy (`between_steps`: --partial-rollout switch's hook)."""
+    worker's own model copy."""
     if kind.holds_own_weights:
         return vllm_engine(cfg, longest_prompt, rank=0, sleep=False)
-    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype, between_steps=between_steps)
+    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype)
 
 
 def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):

@@ -7,10 +7,9 @@ shared memory (`SharedWeights`, the HF engine) or over a process group (weight_b
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
 frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
 baselines and --env episodes are sampled here too, from the batch's own weights; DAPO's refill rounds
-(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts:
---partial-rollout switch picks up a newer version between decode steps, abort buffers and resumes
-(nanorl/partial_rollout.py). Design and measurements:
-docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
+(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts
+(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py). Design and
+measurements: docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
 
@@ -222,8 +221,7 @@ class Worker:
                     got = None if t is None else (t.dtype, tuple(t.shape))
                     raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
         self.engine = build.worker_engine(cfg, kind, model, self.tokenizer.pad_token_id, dtype,
-                                          spec.longest_prompt,
-                                          self.pick_up_newer if cfg.partial_rollout == "switch" else None)
+                                          spec.longest_prompt)
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
         # --reward-model, --judge: their components beside --reward, scored here as the synchronous step
@@ -268,22 +266,13 @@ class Worker:
         if every and version % every == 0:
             self.sync_metrics = {f"sync/{k}": v for k, v in self.engine.check_sync(model).items()}
 
-    def pick_up_newer(self) -> bool:
-        """Between decode steps (partial rollouts): load a version published since, if any."""
-        newest = self.weights.latest.value  # a plain read; newest() then synchronises with publish
-        if newest <= self.engine.version:
-            return False
-        self.load(self.weights.newest())
-        return True
-
     def rollout(self, b: int, prompts: list) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         need = sampled_from(b, cfg.async_steps, self.spec.start_version)
         while not self.weights.wait_for(need, timeout=5.0):
             _exit_if_orphaned()
         t1 = time.perf_counter()
-        if self.engine.version < need or cfg.partial_rollout != "switch":  # switch: a newer one is kept
-            self.load(need)
+        self.load(need)
         t_load = time.perf_counter()
         faults, env_faults = dict(self.rewards.faults), dict(self.episodes.faults if self.episodes else {})
         scorer_faults = {name: dict(s.faults) for name, s in self.scorers.items()}

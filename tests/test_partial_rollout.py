@@ -158,7 +158,9 @@ def test_resume_with_buffered_partial_samples_is_the_uninterrupted_run(task, tmp
 def test_config_refuses_abort_without_over_sampling():
     for kw, msg in ((dict(async_steps=1, partial_rollout="abort"), "needs --over-sample >= 2"),
                     (dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
-                    (dict(partial_rollout="maybe"), "partial_rollout must be one of")):
+                    (dict(partial_rollout="maybe"), "partial_rollout must be one of"),
+                    # the HF-only "switch" kind is gone: abort is the one kind
+                    (dict(async_steps=1, partial_rollout="switch"), "partial_rollout must be one of")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)
     assert Config(async_steps=1, partial_rollout="abort", over_sample=2).over_sample == 2
