@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from nanorl import build, precision, weight_broadcast
 from nanorl.rollout import SamplingConfig, stop_token_ids
-from nanorl.rollout_worker import SharedWeights, WorkerSpec, _worker_main, sampled_from, slot_layout
+from nanorl.rollout_worker import WorkerSpec, _worker_main, sampled_from
+from nanorl.shared_weights import SharedWeights, slot_layout
 from nanorl.trajectory import Sample
 
 FILE = "pipeline.pt"  # in a checkpoint directory: the batches a save finished (module docstring)
