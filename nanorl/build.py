@@ -193,6 +193,7 @@ def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
     if gguf_model.is_gguf(cfg.model):
         raise ValueError(f"--engine vllm with the GGUF model {cfg.model}: not supported (vLLM is not given "
                          "GGUF files); use --engine hf")
+    from nanorl.engine_weights import AdapterSync
     from nanorl.vllm_engine import VLLMEngine
     # the run's longest request, not the model's context (an episode: its prompt + every turn)
     longest = longest_prompt + max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)
@@ -204,7 +205,7 @@ def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
                       kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                       record_routing=cfg.routing_replay, sleep_mode=sleep,
-                      lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0)
+                      adapters=AdapterSync(cfg.lora_rank) if cfg.lora_sync == "adapter" else None)
 
 
 def make_trained(cfg: Config, model, device, dtype):

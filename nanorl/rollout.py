@@ -67,16 +67,21 @@ class RolloutEngine:
         exact copy (a sync is free and exact); True: it holds a copy of its own (vLLM), which the trainer
         streams into, `check_sync` compares, and `sleep` may free between rollouts; a version it holds
         needs no second load.
-    max_model_len: the longest sequence, prompt + response, it accepts (None: no limit of its own)."""
+    max_model_len: the longest sequence, prompt + response, it accepts (None: no limit of its own).
+    adapters: LoRA's adapter sync (nanorl/engine_weights.py AdapterSync) where the engine serves the
+        trainer's adapters on its own base weights (vLLM, --lora-sync adapter); None: it loads weights."""
     holds_own_weights = False
     max_model_len = None
+    adapters = None
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
         """`len(prompts) * n` samples; prompt i's n samples are consecutive with group_id = i."""
         raise NotImplementedError
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Load the trainer's current weights; samples generated afterwards carry `version`."""
+        """Load the trainer's current weights; samples generated afterwards carry `version`. An engine
+        with weights of its own loads what `engine_weights.to_load(model, dtype, self.adapters)` hands
+        it: the full tensors (LoRA: merged) under checkpoint names, one at a time, or the adapters."""
         raise NotImplementedError
 
     def sampled_module(self) -> torch.nn.Module | None:
