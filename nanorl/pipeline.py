@@ -95,7 +95,7 @@ class Trainer(Protocol):
     tokenizer: Any  # stop tokens and the worker's decoding
     loader: Any  # nanorl/data.py PromptLoader: the worker draws the same prompts, in the same order
     rewards: Any  # nanorl/rewards.py RewardRunner: .faults, the run totals
-    episodes: Any  # nanorl/env.py EpisodeRunner or None (--env): .faults, the run totals
+    episodes: Any  # nanorl/episodes.py EpisodeRunner or None (--env): .faults, the run totals
     logger: Any  # .print(str)
     counters: dict  # the run's counters: the worker's (DAPO's gave-up steps) are added to them
     plan: Any  # nanorl/plan.py Plan: whether the worker also samples ReMax's greedy baselines
