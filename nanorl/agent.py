@@ -27,7 +27,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from nanorl.env import _add, _support
+from nanorl.episodes import _add, _support
 from nanorl.trajectory import Sample
 
 # seconds an episode may run (a function attribute `timeout` overrides it)

@@ -157,14 +157,13 @@ def engine_class(cfg: Config, device) -> type[RolloutEngine]:
     return HFEngine
 
 
-def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dtype, longest_prompt: int,
-                  between_steps=None):
+def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dtype, longest_prompt: int):
     """The async rollout worker's engine of class `kind` (`engine_class` on the worker's device,
     nanorl/rollout_worker.py): vLLM, never asleep (the trainer trains elsewhere), or the HF engine on the
-    worker's own model copy (`between_steps`: --partial-rollout switch's hook)."""
+    worker's own model copy."""
     if kind.holds_own_weights:
         return vllm_engine(cfg, longest_prompt, rank=0, sleep=False)
-    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype, between_steps=between_steps)
+    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype)
 
 
 def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):
@@ -194,6 +193,7 @@ def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
     if gguf_model.is_gguf(cfg.model):
         raise ValueError(f"--engine vllm with the GGUF model {cfg.model}: not supported (vLLM is not given "
                          "GGUF files); use --engine hf")
+    from nanorl.engine_weights import AdapterSync
     from nanorl.vllm_engine import VLLMEngine
     # the run's longest request, not the model's context (an episode: its prompt + every turn)
     longest = longest_prompt + max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)
@@ -205,7 +205,7 @@ def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
                       kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
                       gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
                       record_routing=cfg.routing_replay, sleep_mode=sleep,
-                      lora_rank=cfg.lora_rank if cfg.lora_sync == "adapter" else 0)
+                      adapters=AdapterSync(cfg.lora_rank) if cfg.lora_sync == "adapter" else None)
 
 
 def make_trained(cfg: Config, model, device, dtype):

@@ -186,8 +186,7 @@ class Config:
     trains on the batches before it (so no sample is more than K versions old); 0 = the synchronous loop.
     The worker runs --threads torch threads (1 when 0); correct the staleness with --tis-cap / --mis-high."""
     partial_rollout: str = ""
-    """Partial rollouts, per-token versions recorded ("" = off). switch: a generation running when newer
-    weights are published goes on under them (re-prefilled). abort (slime's): with --over-sample F the
+    """Partial rollouts, per-token versions recorded ("" = off). abort (slime's): with --over-sample F the
     worker keeps F× the batch's groups in flight and, once the batch has its groups, aborts the rest
     into a buffer that the next batch resumes first, under its newer weights (nanorl/partial_rollout.py)."""
     mask_offpolicy_in_partial_rollout: bool = False

@@ -19,7 +19,7 @@ CHOICES = {"engine": ("auto", "hf", "vllm"), "sleep_level": (0, 1, 2),
            "old_logprobs": ("auto", "recompute", "rollout"), "logprob_impl": ("fused", "naive"),
            "schedule": ("constant", "cosine"), "dtype": ("float32", "bfloat16", "float16"),
            "lora_sync": ("merged", "adapter"),
-           "partial_rollout": ("", "switch", "abort")}
+           "partial_rollout": ("", "abort")}
 
 # vLLM 0.32's accepted max_lora_rank values (vllm/config/lora.py MaxLoRARanks; pydantic refuses others)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -252,8 +252,8 @@ def check_agent(cfg) -> None:
 def check_async(cfg) -> None:
     """The --async-steps group: ranges, and no flag that does nothing or cannot work."""
     on = cfg.async_steps > 0
-    need(not (cfg.partial_rollout and cfg.env), "--partial-rollout with --env is not supported: a "
-         "weight switch between an episode's turns would re-prefill the environment's tokens as well")
+    need(not (cfg.partial_rollout and cfg.env), "--partial-rollout with --env is not supported: the "
+         "buffer resumes single responses, not an episode's turns")
     need(cfg.async_steps >= 0, f"async_steps must be >= 0, got {cfg.async_steps}")
     need(not cfg.partial_rollout or on, "partial_rollout needs async_steps >= 1")
     need(not cfg.mask_offpolicy_in_partial_rollout or cfg.partial_rollout,
@@ -271,10 +271,7 @@ def check_async(cfg) -> None:
                        "--partial-rollout abort (not built: both choose the batch's groups, in two ways)"),
                       (cfg.routing_replay, "--routing-replay (not built: the worker records no "
                        "routing)"),
-                      (cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)"),
-                      (cfg.partial_rollout == "switch" and cfg.engine == "vllm", "--partial-rollout "
-                       "switch and --engine vllm (not built: the vLLM worker loads a version between "
-                       "batches only)")):
+                      (cfg.fsdp, "--fsdp (not built: one full copy per rank for the worker)")):
         need(not (on and bad), f"--async-steps with {what} is not supported")
 
 def check_estimator(cfg, fn) -> None:

@@ -12,9 +12,9 @@ the plain causal LM (`model.base_model`, `get_output_embeddings`, ...). What cha
 - the reference (a KL term): the same module with its adapters off (`Reference`), no frozen copy;
 - the sync: the HF engine samples from the module itself, adapters on; vLLM gets the MERGED weights
   W + (α/r)·B·A under the base model's own names (`iter_merged`), streamed through the same verified
-  reload as full fine-tuning (nanorl/vllm_engine.py), one tensor at a time; the base stays untouched
-  (merging in place and back would round the base weights); --lora-sync adapter hands vLLM the
-  adapters instead (its own LoRA, nanorl/vllm_engine.py);
+  reload as full fine-tuning, one tensor at a time; the base stays untouched (merging in place and
+  back would round the base weights); --lora-sync adapter hands vLLM the adapters instead (its own
+  LoRA). What the engine loads is decided in nanorl/engine_weights.py, not in the engine;
 - checkpoints hold the adapters in PEFT's format (`save_adapters`: PeftModel.from_pretrained loads
   them) instead of the full model; `python -m nanorl.export` writes a merged HF checkpoint.
 

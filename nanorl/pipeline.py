@@ -33,7 +33,8 @@ import torch.multiprocessing as mp
 
 from nanorl import build, precision, weight_broadcast
 from nanorl.rollout import SamplingConfig, stop_token_ids
-from nanorl.rollout_worker import SharedWeights, WorkerSpec, _worker_main, sampled_from, slot_layout
+from nanorl.rollout_worker import WorkerSpec, _worker_main, sampled_from
+from nanorl.shared_weights import SharedWeights, slot_layout
 from nanorl.trajectory import Sample
 
 FILE = "pipeline.pt"  # in a checkpoint directory: the batches a save finished (module docstring)
@@ -94,7 +95,7 @@ class Trainer(Protocol):
     tokenizer: Any  # stop tokens and the worker's decoding
     loader: Any  # nanorl/data.py PromptLoader: the worker draws the same prompts, in the same order
     rewards: Any  # nanorl/rewards.py RewardRunner: .faults, the run totals
-    episodes: Any  # nanorl/env.py EpisodeRunner or None (--env): .faults, the run totals
+    episodes: Any  # nanorl/episodes.py EpisodeRunner or None (--env): .faults, the run totals
     logger: Any  # .print(str)
     counters: dict  # the run's counters: the worker's (DAPO's gave-up steps) are added to them
     plan: Any  # nanorl/plan.py Plan: whether the worker also samples ReMax's greedy baselines

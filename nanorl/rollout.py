@@ -67,16 +67,21 @@ class RolloutEngine:
         exact copy (a sync is free and exact); True: it holds a copy of its own (vLLM), which the trainer
         streams into, `check_sync` compares, and `sleep` may free between rollouts; a version it holds
         needs no second load.
-    max_model_len: the longest sequence, prompt + response, it accepts (None: no limit of its own)."""
+    max_model_len: the longest sequence, prompt + response, it accepts (None: no limit of its own).
+    adapters: LoRA's adapter sync (nanorl/engine_weights.py AdapterSync) where the engine serves the
+        trainer's adapters on its own base weights (vLLM, --lora-sync adapter); None: it loads weights."""
     holds_own_weights = False
     max_model_len = None
+    adapters = None
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
         """`len(prompts) * n` samples; prompt i's n samples are consecutive with group_id = i."""
         raise NotImplementedError
 
     def update_weights(self, model: torch.nn.Module, version: int) -> None:
-        """Load the trainer's current weights; samples generated afterwards carry `version`."""
+        """Load the trainer's current weights; samples generated afterwards carry `version`. An engine
+        with weights of its own loads what `engine_weights.to_load(model, dtype, self.adapters)` hands
+        it: the full tensors (LoRA: merged) under checkpoint names, one at a time, or the adapters."""
         raise NotImplementedError
 
     def sampled_module(self) -> torch.nn.Module | None:
@@ -157,10 +162,6 @@ class HFEngine(RolloutEngine):
     # rows per forward; larger requests are generated in chunks
     max_batch: int = 512
     generator: torch.Generator = field(default_factory=torch.Generator)
-    # Partial rollouts (nanorl/pipeline.py): called before every decode step after the first; True
-    # means it loaded newer weights into the module and set `version`. The KV cache is then rebuilt
-    # under them and each Sample records its tokens' versions in Sample.token_versions.
-    between_steps: Callable[[], bool] | None = None
 
     def sampled_module(self) -> torch.nn.Module:
         return self.model
@@ -193,10 +194,6 @@ class HFEngine(RolloutEngine):
         come back in the result only); the result holds those very Samples. True aborts every
         unfinished request: it comes back with status "aborted" and the tokens it had (none in a chunk
         not started)."""
-        # a re-prefill would record twice
-        if self.record_routing and self.between_steps is not None:
-            raise ValueError("HFEngine: record_routing with between_steps (partial rollouts) is not "
-                             "supported")
         if self.record_routing and until is not None:  # the routing of unfinished rows is still open
             raise ValueError("HFEngine: record_routing with until (over-sampling) is not supported")
         if sampling.seed is not None:
@@ -237,7 +234,6 @@ class HFEngine(RolloutEngine):
         done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] row has sampled a stop token
         step_ids, step_pos = ids, pos
         recording = self._recorder()
-        versions = []  # [R] the weight version of each decode step
         first, copy = self._shared_prefill(rows, device)
         members: dict[int, list[int]] = {}  # group → its rows (until: reported once all have stopped)
         for b, (g, _) in enumerate(rows):
@@ -245,11 +241,6 @@ class HFEngine(RolloutEngine):
         reported, given, aborted = set(), {}, False  # given: the Samples `until` saw, by row
         with recording as rec:
             for i in range(sp.max_new_tokens):
-                if i and self.between_steps is not None and self.between_steps():
-                    # New weights mid-generation: re-prefill prompt + response so far under them (the old
-                    # weights' KV cache would make the next tokens samples of neither policy).
-                    cache, step_pos = DynamicCache(), (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P+i]
-                    step_ids = torch.cat([ids, torch.stack(tokens, 1)], 1)  # [B, P+i]
                 # each distinct prompt's prefill once, then copied
                 if i == 0 and first is not None:
                     out = self.model(input_ids=ids[first], attention_mask=attn[first],
@@ -267,7 +258,6 @@ class HFEngine(RolloutEngine):
                                            record_support=sp.keep_support, support_cap=sp.support_cap)
                 tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)  # [B] finished rows pad
                 tokens.append(tok)
-                versions.append(self.version)
                 logps.append(lp)
                 supports.append(sup)
                 done = done | torch.isin(tok, stop)
@@ -279,7 +269,7 @@ class HFEngine(RolloutEngine):
                              if g not in reported and all(stopped[b] for b in bs)]
                     if ready:
                         reported.update(ready)
-                        so_far = self._samples(rows, tokens, logps, supports, versions, sp, rec, P)
+                        so_far = self._samples(rows, tokens, logps, supports, sp, rec, P)
                         given.update({b: so_far[b] for g in ready for b in members[g]})
                         if until([so_far[b] for g in ready for b in members[g]]):
                             aborted = True
@@ -289,7 +279,7 @@ class HFEngine(RolloutEngine):
                 attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
         # the rows `until` saw come back as the very Samples it saw (it may have scored them)
         samples = [given.get(b, s) for b, s in
-                   enumerate(self._samples(rows, tokens, logps, supports, versions, sp, rec, P))]
+                   enumerate(self._samples(rows, tokens, logps, supports, sp, rec, P))]
         if aborted:  # the requests still running when the caller had enough
             stopped = done.tolist()
             for b, s in enumerate(samples):
@@ -297,7 +287,7 @@ class HFEngine(RolloutEngine):
                     s.status = "aborted"
         return samples
 
-    def _samples(self, rows, tokens, logps, supports, versions, sp, rec, P) -> list[Sample]:
+    def _samples(self, rows, tokens, logps, supports, sp, rec, P) -> list[Sample]:
         """One Sample per row from the decode steps so far (each cut after its first stop token)."""
         tokens = torch.stack(tokens, 1).cpu()  # [B, R]
         logps = torch.stack(logps, 1).float().cpu()  # [B, R]
@@ -310,10 +300,7 @@ class HFEngine(RolloutEngine):
             s = Sample(prompt_ids=list(prompt), response_ids=resp[:length],
                        rollout_logprobs=logps[b, :length].tolist(),
                        status="completed" if stopped else "truncated",
-                       # its oldest token's version
-                       weight_version=versions[0], group_id=g)
-            if self.between_steps is not None:
-                s.token_versions = versions[:length]
+                       weight_version=self.version, group_id=g)
             if sp.keep_support:
                 s.sampling_support = support[b, :length].to(torch.int32).cpu()  # [R, K]
             # drop the left padding: position 0 is the first prompt token

@@ -3,14 +3,13 @@ scores batch b from weight version `sampled_from(b, K, v0)` while the trainer tr
 batch. nanorl/pipeline.py is the trainer's end, which starts it and reads what it sends.
 
 Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). Versions arrive in
-shared memory (`SharedWeights`, the HF engine) or over a process group (weight_broadcast.Receiver,
+shared memory (nanorl/shared_weights.py, the HF engine) or over a process group (weight_broadcast.Receiver,
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
 frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
 baselines and --env episodes are sampled here too, from the batch's own weights; DAPO's refill rounds
-(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts:
---partial-rollout switch picks up a newer version between decode steps, abort buffers and resumes
-(nanorl/partial_rollout.py). Design and measurements:
-docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
+(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts
+(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py). Design and
+measurements: docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ import functools
 import os
 import pickle
 import queue
-import shutil
 import signal
 import time
 import traceback
@@ -29,7 +27,6 @@ import torch
 import torch.multiprocessing as mp
 
 from nanorl import build, precision, sources, stages, weight_broadcast
-from nanorl.config_checks import ConfigError
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
@@ -65,119 +62,6 @@ class WorkerSpec:
     world: int = 1            # trainer ranks: prompt g goes to rank g % world (pipeline.shards)
     loader: object = None     # --partial-rollout abort, --filter-groups: the worker draws its own prompts
     carry: dict | None = None  # what a checkpoint saved of them (a resume): the buffer, the loader
-
-
-def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
-    """Where each state-dict tensor lives in a slot's flat buffer: entries (names, dtype, shape, byte
-    offset) and the slot's size in bytes. Floating-point parameters are stored in the compute dtype
-    the worker's engine holds them in (a frozen copy, `frozen_copy`), buffers and integer tensors in
-    their own; tied parameters (one tensor, several names) take one place. Offsets are 64-byte aligned,
-    so every entry can be viewed as its dtype."""
-    params = {id(p) for p in model.parameters()}
-    entries, where, size = [], {}, 0
-    for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) in where:
-            entries[where[id(t)]][0].append(name)
-            continue
-        dt = dtype if id(t) in params and t.is_floating_point() else t.dtype
-        where[id(t)] = len(entries)
-        entries.append(([name], dt, tuple(t.shape), size))
-        size += -(-t.numel() * dt.itemsize // 64) * 64
-    return [(tuple(n), dt, shape, off) for n, dt, shape, off in entries], max(size, 64)
-
-
-def check_shared_memory(nbytes: int, what: str, path: str = "/dev/shm") -> None:
-    """Shared CPU tensors live in /dev/shm on Linux (torch's file-descriptor strategy maps files there),
-    which a container sizes at 64 MiB unless told: the first write past it dies of SIGBUS or "No space
-    left on device" deep in a copy. Refuse before allocating, with the sizes and the fix."""
-    if not os.path.isdir(path):  # macOS: shared memory is not a file system
-        return
-    free = shutil.disk_usage(path).free
-    if nbytes > free:
-        raise ConfigError(f"{what} need {nbytes / 2**30:.2f} GiB of shared memory and {path} has "
-                          f"{free / 2**30:.2f} GiB free: enlarge it (docker run --shm-size=..., or mount -o "
-                          f"remount,size=... {path}), or lower --async-steps")
-
-
-class SharedWeights:
-    """K+1 slots of the policy's tensors in shared memory; version v lives in slot v % (K+1).
-
-    A slot is overwritten by version v + K + 1, which needs step v + K to have trained, hence batch
-    v + K to exist, which the worker samples from version ≥ v: no slot is rewritten while read.
-
-    One shared storage per slot, every tensor a view into it at its offset (`slot_layout`): torch
-    shares each CPU storage through a file descriptor held open by every process that maps it, so a
-    storage per tensor (291 for Qwen2.5-0.5B, × K+1 slots) ran past the common `ulimit -n` of 1024.
-    The slots hold the compute dtype (bf16 runs ship and store half the bytes of the fp32 masters;
-    fp32 runs stay fp32, bit for bit the trainer's weights)."""
-
-    def __init__(self, model: torch.nn.Module, K: int, ctx, dtype: torch.dtype = torch.float32):
-        self.layout, size = slot_layout(model, dtype)
-        check_shared_memory((K + 1) * size, f"--async-steps {K}: the worker's {K + 1} weight slots")
-        self.flat = [torch.empty(size, dtype=torch.uint8).share_memory_() for _ in range(K + 1)]
-        self.latest, self.cond = ctx.RawValue("q", -1), ctx.Condition()
-        self._views, self._staging = {}, None
-
-    def __getstate__(self) -> dict:
-        # what the spawn start method pickles: the K+1 flat storages (one descriptor each), never
-        # the views, which would each be reduced as a storage of their own
-        return {**self.__dict__, "_views": {}, "_staging": None}
-
-    def _view(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return weight_broadcast.views_of(flat, self.layout)
-
-    def slot(self, version: int) -> dict[str, torch.Tensor]:
-        """Every state-dict name → its tensor in version's slot (tied names: the same view)."""
-        i = version % len(self.flat)
-        if i not in self._views:
-            self._views[i] = self._view(self.flat[i])
-        return self._views[i]
-
-    @torch.no_grad()
-    def publish(self, model: torch.nn.Module, version: int) -> None:
-        state, i = model.state_dict(), version % len(self.flat)
-        first = [names[0] for names, *_ in self.layout]
-        if any(state[n].is_cuda for n in first):
-            self._publish_from_cuda(state, first, i)
-        else:
-            # on the host the copy into shared memory is the only copy (casting to the slot's dtype)
-            views = self.slot(version)
-            for n in first:
-                views[n].copy_(state[n].detach())
-        with self.cond:  # the lock orders the copy before the version the worker reads
-            self.latest.value = version
-            self.cond.notify_all()
-
-    def _publish_from_cuda(self, state: dict, first: list[str], i: int) -> None:
-        """Device → pinned staging buffer, every tensor cast to the slot's dtype on the device first
-        (half the bytes over the bus in bf16) and copied with non_blocking=True, one synchronisation
-        for all; then one host copy into the shared slot. A device → pageable (shared) copy would
-        block on each tensor. The staging buffer (one slot's size, page-locked) is made once."""
-        if self._staging is None:
-            self._staging = torch.empty(self.flat[i].numel(), dtype=torch.uint8, pin_memory=True)
-            self._staging_views = self._view(self._staging)
-        devices = set()
-        for n in first:
-            t, dst = state[n].detach(), self._staging_views[n]
-            devices.add(t.device)
-            # the cast's temporary is freed after the copy is queued: the caching allocator reuses
-            # it only for work queued later on the same stream, after the copy has read it
-            dst.copy_(t.to(dst.dtype), non_blocking=True)
-        for d in devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
-        self.flat[i].copy_(self._staging)
-
-    def wait_for(self, version: int, timeout: float) -> bool:
-        with self.cond:
-            return self.cond.wait_for(lambda: self.latest.value >= version, timeout)
-
-    def release(self, version: int) -> None:
-        """Nothing to free: a slot is overwritten in turn (the class docstring)."""
-
-    def newest(self) -> int:
-        with self.cond:
-            return self.latest.value
 
 
 # ----------------------------------------------------------------------------- the worker process
@@ -222,8 +106,7 @@ class Worker:
                     got = None if t is None else (t.dtype, tuple(t.shape))
                     raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
         self.engine = build.worker_engine(cfg, kind, model, self.tokenizer.pad_token_id, dtype,
-                                          spec.longest_prompt,
-                                          self.pick_up_newer if cfg.partial_rollout == "switch" else None)
+                                          spec.longest_prompt)
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
         # --reward-model, --judge: their components beside --reward, scored here as the synchronous step
@@ -268,22 +151,13 @@ class Worker:
         if every and version % every == 0:
             self.sync_metrics = {f"sync/{k}": v for k, v in self.engine.check_sync(model).items()}
 
-    def pick_up_newer(self) -> bool:
-        """Between decode steps (partial rollouts): load a version published since, if any."""
-        newest = self.weights.latest.value  # a plain read; newest() then synchronises with publish
-        if newest <= self.engine.version:
-            return False
-        self.load(self.weights.newest())
-        return True
-
     def rollout(self, b: int, prompts: list) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         need = sampled_from(b, cfg.async_steps, self.spec.start_version)
         while not self.weights.wait_for(need, timeout=5.0):
             _exit_if_orphaned()
         t1 = time.perf_counter()
-        if self.engine.version < need or cfg.partial_rollout != "switch":  # switch: a newer one is kept
-            self.load(need)
+        self.load(need)
         t_load = time.perf_counter()
         faults, env_faults = dict(self.rewards.faults), dict(self.episodes.faults if self.episodes else {})
         scorer_faults = {name: dict(s.faults) for name, s in self.scorers.items()}

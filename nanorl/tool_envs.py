@@ -1,8 +1,8 @@
 """Built-in tool environments: a calculator on the built-in task, and a Python tool for real models.
 
-Environments for nanorl/env.py's multi-turn driver: they shape link 1 (rollout, as episodes of model and
-tool turns) and link 2 (the reward). `--env calc` (`CalcEnv`): the built-in task (sums of three one-digit
-numbers) with a calculator the model may call before answering; `make_calc_task(out_dir)` writes its
+Environments for the multi-turn driver (nanorl/episodes.py): they shape link 1 (rollout, as episodes of
+model and tool turns) and link 2 (the reward). `--env calc` (`CalcEnv`): the built-in task (sums of three
+one-digit numbers) with a calculator the model may call before answering; `make_calc_task(out_dir)` writes its
 data, tokenizer and model (train.py builds it for `--env calc` when no --model is given).
 `--env python_tool` (`PythonToolEnv`): ChatML-style (Qwen2.5 / Hermes) tool calls for real chat models,
 answered with a Python expression's value, the final answer graded by the math reward. Key choice: the
@@ -28,7 +28,8 @@ from dataclasses import replace
 import torch
 
 from nanorl import task
-from nanorl.env import Env, EpisodeRunner, Step
+from nanorl.env import Env, Step
+from nanorl.episodes import EpisodeRunner
 from nanorl.plugins import load_object
 
 # ----------------------------------------------------------------------------- the calculator task

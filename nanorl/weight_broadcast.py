@@ -111,7 +111,7 @@ class ChannelSpec:
     port: int
     backend: str                # the transport (`transport_for`): "gloo", "nccl" or "ipc"
     layout: list[tuple]         # (names, dtype, shape, byte offset) per tensor, in broadcast order
-    size: int                   # one version's bytes (rollout_worker.slot_layout gives both)
+    size: int                   # one version's bytes (shared_weights.slot_layout gives both)
     slots: int                  # versions the worker may hold at once, in its host memory: K + 2
     device: str                 # the worker's device, in the trainer's numbering
     # The worker's GPU (physical_id, filled in here, in the trainer's process): the worker finds its
@@ -148,7 +148,7 @@ def _broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
 
 def views_of(flat: torch.Tensor, layout: list[tuple]) -> dict[str, torch.Tensor]:
     """One version's tensors, views into one flat buffer at the layout's (64-byte aligned) offsets
-    (rollout_worker.slot_layout's; its SharedWeights views its slots the same way)."""
+    (shared_weights.slot_layout's; its SharedWeights views its slots the same way)."""
     views = {}
     for names, dt, shape, off in layout:
         view = flat[off:off + math.prod(shape) * dt.itemsize].view(dt).view(shape)

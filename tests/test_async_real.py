@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import rewards, rollout_worker
+from nanorl import rewards, shared_weights
 from nanorl.config import Config
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.task import build_model, build_tokenizer, problems, save_model_dir
@@ -91,11 +91,11 @@ def step_lines(out) -> list[dict]:
 def test_slot_descriptors_do_not_grow_with_the_tensor_count():
     """K+1 slots cost the same descriptors for 27 tensors as for 291: one per slot."""
     ctx, K, added = mp.get_context("fork"), 3, {}
-    rollout_worker.SharedWeights(build_model(32, layers=1), K, ctx)  # one-time state (2 descriptors) first
+    shared_weights.SharedWeights(build_model(32, layers=1), K, ctx)  # one-time state (2 descriptors) first
     for layers in (2, 24):
         model = build_model(32, layers=layers)
         before = open_fds()
-        weights = rollout_worker.SharedWeights(model, K, ctx)
+        weights = shared_weights.SharedWeights(model, K, ctx)
         added[len(model.state_dict())] = open_fds() - before
         del weights
     assert set(added) == {27, 291} and added[27] == added[291] <= K + 1
@@ -109,7 +109,7 @@ def test_slots_hold_the_compute_dtype_and_the_published_weights(dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn(p.shape))
-    weights = rollout_worker.SharedWeights(model, 1, mp.get_context("fork"), dtype)
+    weights = shared_weights.SharedWeights(model, 1, mp.get_context("fork"), dtype)
     weights.publish(model, 5)
     views, state = weights.slot(5), model.state_dict()
     assert set(views) == set(state) and weights.newest() == 5

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from nanorl import batching
+from nanorl import batching, bin_packing
 from nanorl.batching import (
     agree_num_micro_batches,
     block_causal_mask,
@@ -57,7 +57,7 @@ def cap_blind_kk(lengths, k):
 
 def ffd_count(lengths, cap):
     normal = [i for i, n in enumerate(lengths) if n <= cap]
-    return len(batching._first_fit_decreasing(normal, lengths, cap, None)) + len(lengths) - len(normal)
+    return len(bin_packing.first_fit_decreasing(normal, lengths, cap, None)) + len(lengths) - len(normal)
 
 
 def set_partitions(items):
@@ -147,7 +147,7 @@ def test_slime_1838_imposed_count_cap_and_no_empty_bucket():
     cap, idx = 17, list(range(len(lengths)))
     assert len(make_micro_batches(lengths, cap)) == 13
     assert max(cap_blind_kk(lengths, 14)) > cap                                        # the cap-blind KK
-    first_fit = batching._first_fit_decreasing(idx, lengths, cap, max_bins=14)
+    first_fit = bin_packing.first_fit_decreasing(idx, lengths, cap, max_bins=14)
     assert len(first_fit) == 13                                                        # → one bin empty
     bins = make_micro_batches(lengths, cap, num_micro_batches=14)
     check_partition(bins, lengths, cap)

@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import bench  # noqa: E402
+import bench_components  # noqa: E402
 
 ENTRIES = {"gae", "group_adv", "policy_loss", "logprob", "scaling", "grpo_step", "rollout", "trainer",
            "train_memory", "weight_sync", "eval_sharded", "padding", "ksm", "routing_replay", "reward_model",
@@ -122,16 +123,17 @@ def test_peak_mib_sees_a_large_cpu_allocation():
 def test_group_adv_loop_baseline_hand_computed():
     # one group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(1/3); RLOO: r_i - mean of the other three
     scores, index, mask = torch.tensor([1.0, 0, 0, 1, 5]), torch.tensor([0, 0, 0, 0, 1]), torch.ones(5, 2)
-    grpo = bench.group_adv_loop(scores, mask, index)
+    grpo = bench_components.group_adv_loop(scores, mask, index)
     a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
     torch.testing.assert_close(grpo[:, 0], torch.tensor([a, -a, -a, a, 0.0]))  # group of one -> 0
-    rloo = bench.group_adv_loop(scores, mask, index, leave_one_out=True)
+    rloo = bench_components.group_adv_loop(scores, mask, index, leave_one_out=True)
     torch.testing.assert_close(rloo[:, 1], torch.tensor([1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3, 0.0]))
 
 
 def test_loss_reference_matches_total_loss():
-    x = bench.rl_inputs(3, 17, "cpu", seed=1)
-    torch.testing.assert_close(bench.loss_nanorl(x)[0], bench.loss_reference(x)[0], rtol=1e-5, atol=1e-6)
+    x = bench_components.rl_inputs(3, 17, "cpu", seed=1)
+    torch.testing.assert_close(bench_components.loss_nanorl(x)[0], bench_components.loss_reference(x)[0],
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_table_ratio_is_baseline_over_impl():

@@ -132,7 +132,7 @@ def test_building_a_config_imports_no_higher_level_module_and_loads_no_user_file
         Config()
         parse_args(["--algo", "ppo"])
         Config(env="calc", max_new_tokens=12)
-        Config(async_steps=1, rollout_device="cpu", partial_rollout="switch")
+        Config(async_steps=1, rollout_device="cpu", partial_rollout="abort", over_sample=2)
         c = Config(plugin={str(user)!r}, reward={str(user)!r} + ":reward",
                    reward_postprocess={str(user)!r} + ":reward_postprocess", log_metadata="a,b/")
         assert c.temperature == 1.0, c.temperature
@@ -223,20 +223,18 @@ MOVED_CHECKS = [
     (dict(env="calc"), "--env calc needs --max-new-tokens >= 12"),
     # from pipeline.check_config
     (dict(async_steps=-1), "async_steps must be >= 0"),
-    (dict(partial_rollout="switch"), "partial_rollout needs async_steps"),
+    (dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
     (dict(async_steps=1, rollout_device="tpu0"), "rollout_device 'tpu0' is not a device"),
     (dict(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2),
      "--async-steps with --filter-groups and --partial-rollout abort"),
-    (dict(async_steps=1, partial_rollout="switch", advantage="remax"),
+    (dict(async_steps=1, partial_rollout="abort", over_sample=2, advantage="remax"),
      "--partial-rollout with --advantage remax"),
-    (dict(async_steps=1, partial_rollout="switch", env="calc", max_new_tokens=12),
+    (dict(async_steps=1, partial_rollout="abort", over_sample=2, env="calc", max_new_tokens=12),
      "--partial-rollout with --env"),
     (dict(async_steps=1, routing_replay=True), "--async-steps with --routing-replay"),
     (dict(async_steps=1, fsdp=True), "--async-steps with --fsdp"),
-    (dict(async_steps=1, partial_rollout="switch", engine="vllm"),
-     "--partial-rollout switch and --engine vllm"),
     # from plugins.check_config: the forms of the plug-in flags
     (dict(reward_postprocess="nope"), "reward_postprocess must be module:function"),
     (dict(reward_postprocess="m:f", advantage="remax"), "reward_postprocess with advantage remax"),
@@ -260,7 +258,7 @@ def test_the_moved_checks_pass_what_is_allowed():
     # a reward_timeout of 0 with --env is fine (the environment scores; rewards run in-process)
     assert Config(env="calc", max_new_tokens=12, reward_timeout=0.0).env == "calc"
     assert Config(env="my_env.py:MyEnv").env == "my_env.py:MyEnv"
-    cfg = Config(async_steps=2, partial_rollout="switch", mask_offpolicy_in_partial_rollout=True,
-                 rollout_device="cpu")
+    cfg = Config(async_steps=2, partial_rollout="abort", over_sample=2,
+                 mask_offpolicy_in_partial_rollout=True, rollout_device="cpu")
     assert cfg.async_steps == 2
     assert Config(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"

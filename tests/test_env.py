@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from nanorl.data import Prompt
-from nanorl.env import ChatTurns, Env, EpisodeRunner, Step, ToolRunner, episode_metrics, turn_reward_tensor
+from nanorl.env import Env, Step, ToolRunner, episode_metrics, turn_reward_tensor
+from nanorl.episodes import ChatTurns, EpisodeRunner
 from nanorl.policy import response_logprobs
 from nanorl.rollout import HFEngine, RolloutEngine, SamplingConfig
 from nanorl.task import build_model

@@ -17,7 +17,7 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before 
 
 from test_env import PAD, STOPS, TURNS, Echo, Recording, assert_tito, bpe_chat_tokenizer, chat_prompts  # noqa: E402
 
-from nanorl.env import EpisodeRunner  # noqa: E402
+from nanorl.episodes import EpisodeRunner  # noqa: E402
 from nanorl.policy import response_logprobs  # noqa: E402
 from nanorl.rollout import SamplingConfig  # noqa: E402
 from nanorl.task import build_model  # noqa: E402

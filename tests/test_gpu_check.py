@@ -25,6 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import gpu_check  # noqa: E402
+from gpu_checks import common, head_and_sync, step_and_head, train_runs, weights_and_memory  # noqa: E402
 from nanorl import entropy  # noqa: E402
 from nanorl.config import Config  # noqa: E402
 
@@ -47,7 +48,7 @@ def test_cpu_dry_run_passes_every_stage(tmp_path):
     data = json.loads(out.read_text())
     assert data["failed"] == [] and data["smoke"] is True
     assert set(data["stages"]) == STAGES
-    math_verify = gpu_check.math_reward_or_skip() is None
+    math_verify = common.math_reward_or_skip() is None
     vllm = gpu_check.need_vllm() is None
     for label, stage in data["stages"].items():
         skipped = (label == "3 README" and not math_verify) or (label == "11 N2" and not vllm)
@@ -105,7 +106,7 @@ def test_head_passes_on_peaked_logits_and_fails_on_near_uniform(head_check, monk
     def uniform(N, H, V, device, seed=0):  # the old check's inputs: N(0,1) hidden, weight × H^-½
         g = torch.Generator().manual_seed(seed)
         return torch.randn(N, H, generator=g).to(torch.bfloat16), torch.randn(V, H, generator=g) * H ** -0.5
-    monkeypatch.setattr(gpu_check, "peaked_head", uniform)
+    monkeypatch.setattr(step_and_head, "peaked_head", uniform)
     bad = gpu_check.crit_heads(gpu_check.head_stage(head_check))
     assert bad and all("near-uniform" in why for why in bad), bad
 
@@ -132,13 +133,13 @@ HEAD = dict(median_entropy=1.8, log_v=math.log(151936), support_k=32, support_en
                                          (("errors", "fp32 kernel vs fp32", "grad_w"), 2e-3),
                                          (("errors", "fp32 kernel vs fp32", "logprob"), float("nan"))])
 def test_head_criterion_fails_on_planted_fault(path, value):
-    assert gpu_check.crit_head(HEAD) == []
+    assert step_and_head.crit_head(HEAD) == []
     bad = copy.deepcopy(HEAD)
     d = bad
     for k in path[:-1]:
         d = d[k]
     d[path[-1]] = value
-    assert gpu_check.crit_head(bad)
+    assert step_and_head.crit_head(bad)
 
 
 # ----------------------------------------------------------------------------- stages 3, 5, 6
@@ -186,26 +187,26 @@ def test_attention_audit_sees_an_fp32_call():
                                          attn_implementation="sdpa"))
     ids = torch.randint(0, 32, (1, 5))
     run = {**copy.deepcopy(RUN)}
-    with gpu_check.attention_audit() as calls:
+    with train_runs.attention_audit() as calls:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             model(input_ids=ids)
     assert calls == collections.Counter({"torch.bfloat16": 2})
     assert gpu_check.crit_run({**run, "attn": dict(calls)}) == []
-    with gpu_check.attention_audit() as calls:
+    with train_runs.attention_audit() as calls:
         model(input_ids=ids)
     assert calls == collections.Counter({"torch.float32": 2})
     assert any("attention audit" in why for why in gpu_check.crit_run({**run, "attn": dict(calls)}))
 
 
-@pytest.mark.skipif(gpu_check.math_reward_or_skip() is not None, reason="math-verify not installed")
+@pytest.mark.skipif(common.math_reward_or_skip() is not None, reason="math-verify not installed")
 def test_readme_stage_fails_when_every_reward_call_faults(tmp_path, monkeypatch):
     """End to end: the README stage's run with a reward that raises finishes its steps (the runner
     counts faults instead of crashing; the faulted samples leave each step, so no step updates) — and
     the stage fails on the counted faults and the missing updates."""
     faulty = tmp_path / "faulty.py"
     faulty.write_text("def reward(prompt, response, label):\n    raise ValueError('planted')\n")
-    real = gpu_check.rehearsal_argv
-    monkeypatch.setattr(gpu_check, "rehearsal_argv", lambda *a, **k: [
+    real = train_runs.rehearsal_argv
+    monkeypatch.setattr(train_runs, "rehearsal_argv", lambda *a, **k: [
         str(faulty) + ":reward" if x == "math" else x for x in real(*a, **k)])
     c = gpu_check.Check(gpu_check.SMOKE, torch.device("cpu"), str(tmp_path), smoke=True)
     r = gpu_check.readme_stage(c)
@@ -237,18 +238,18 @@ def test_step_flops_of_qwen25_05b_by_hand():
         model = Qwen2ForCausalLM(Qwen2Config(**gpu_check.FULL.model))
     # per layer: q, o 896×896; k, v 896×128 (2 KV heads of 64); gate, up, down 896×4864
     per_layer = 2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864
-    assert gpu_check.block_matmul_params(model) == 24 * per_layer == 357_826_560  # "0.36B non-embedding"
+    assert common.block_matmul_params(model) == 24 * per_layer == 357_826_560  # "0.36B non-embedding"
     rows, T, scored = 4, 2048, 4 * 1536
     want = 6 * 24 * per_layer * rows * T + 12 * 24 * 896 * T * rows * T + 6 * 151936 * 896 * scored
-    assert gpu_check.step_flops(model, rows, T, scored) == want
+    assert common.step_flops(model, rows, T, scored) == want
 
 
 def test_peak_table_by_device_name():
-    assert gpu_check.peak_bf16("NVIDIA H200") == 989e12
-    assert gpu_check.peak_bf16("NVIDIA H100 80GB HBM3") == 989e12
-    assert gpu_check.peak_bf16("NVIDIA A100-SXM4-80GB") == 312e12
+    assert common.peak_bf16("NVIDIA H200") == 989e12
+    assert common.peak_bf16("NVIDIA H100 80GB HBM3") == 989e12
+    assert common.peak_bf16("NVIDIA A100-SXM4-80GB") == 312e12
     for other in ("NVIDIA H100 PCIe", "NVIDIA H200 NVL", "Tesla T4"):  # not the SXM figure: MFU n/a
-        assert gpu_check.peak_bf16(other) is None
+        assert common.peak_bf16(other) is None
 
 
 def test_rehearsal_is_the_readme_gpu_command_line():
@@ -257,7 +258,7 @@ def test_rehearsal_is_the_readme_gpu_command_line():
                      re.S).group(0)
     words = shlex.split(line.replace("\\\n", " "), comments=True)
     flags = {w: v for w, v in zip(words, words[1:]) if w.startswith("--")}
-    argv = gpu_check.rehearsal_argv({"model": "M", "train": "T.jsonl", "test": "E.jsonl"}, "OUT", "hf")
+    argv = train_runs.rehearsal_argv({"model": "M", "train": "T.jsonl", "test": "E.jsonl"}, "OUT", "hf")
     given = dict(zip(argv[::2], argv[1::2]))
     for flag, value in flags.items():
         # ours: files made in code; no vLLM
@@ -359,7 +360,7 @@ def test_memory_child_counts_the_state_the_plan_counts():
     """Stage 8's child function on the CPU at tiny sizes: masters, gradients and AdamW moments counted
     from the tensors equal the plan's terms (the allocator's peak is CUDA's: None here)."""
     s = gpu_check.SMOKE
-    r = gpu_check.memory_child(config=s.big, rows=s.big_rows, T=s.big_T, device="cpu")
+    r = weights_and_memory.memory_child(config=s.big, rows=s.big_rows, T=s.big_T, device="cpu")
     assert gpu_check.crit_memory(r) == [], r
     assert r["measured"]["peak"] is None and r["measured"]["grads"] == r["estimate"]["grads"] > 0
 
@@ -385,7 +386,7 @@ def test_memory_criterion_fails_on_planted_fault(fault):
 
 
 def test_device_head_child_on_the_host_and_its_criterion():
-    r = gpu_check.device_head_child(H=16, V=512, N=32, chunk=8, device="cpu", backend="torch")
+    r = head_and_sync.device_head_child(H=16, V=512, N=32, chunk=8, device="cpu", backend="torch")
     assert gpu_check.crit_device_head(r) == [] and r["devices"] == ["cpu"]
     for fault in (dict(devices=["cuda:0"]), dict(errors={**r["errors"], "grad_w": 0.5}),
                   dict(errors={**r["errors"], "logprob": float("nan")})):

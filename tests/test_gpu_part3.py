@@ -175,10 +175,10 @@ def test_check_sync_uses_the_fused_head_and_caps_the_probe(monkeypatch):
     states chunk by chunk: no [S, V] logits), cuts every probe to PROBE_MAX_TOKENS, and still
     agrees with the engine (fp32: max |Δ| <= 1e-4). A rollout of one probe also runs the padded
     count of trainer forwards (TRAINER_PROBE_FORWARDS)."""
-    from nanorl import vllm_engine
+    from nanorl import sync_check
     for name, mod in p3_rank_check.fake_vllm_modules().items():
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(vllm_engine, "PROBE_MAX_TOKENS", 48, raising=False)
+    monkeypatch.setattr(sync_check, "PROBE_MAX_TOKENS", 48)
     model = p3_rank_check.tiny_qwen2()
     reference = p3_rank_check.tiny_qwen2()
     gen = torch.Generator().manual_seed(0)
@@ -196,11 +196,11 @@ def test_check_sync_uses_the_fused_head_and_caps_the_probe(monkeypatch):
     stats = engine.check_sync(model)
     assert stats["max_abs_logprob_diff"] <= 1e-4 and stats["model_runner_v2"] == 0.0
     assert max(lengths) <= 48 and max(engine.llm.lengths) <= 48
-    assert len(lengths) == vllm_engine.TRAINER_PROBE_FORWARDS
+    assert len(lengths) == sync_check.TRAINER_PROBE_FORWARDS
     # a short-context engine (probes of at most 47 tokens): the probes share forwards of at most 48 * 3
     # tokens, 3 rows each, right-padded, and agree with the engine as closely (red check: a row scored
     # from its neighbour's hidden states fails the sync check)
-    monkeypatch.setattr(vllm_engine, "PROBE_MAX_TOKENS", 48 * 3, raising=False)
+    monkeypatch.setattr(sync_check, "PROBE_MAX_TOKENS", 48 * 3)
     short = p3_rank_check.fake_engine(reference, rollout, max_model_len=48)
     lengths.clear()
     rows = []

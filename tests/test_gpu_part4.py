@@ -19,7 +19,7 @@ import sys
 import pytest
 import torch
 
-from nanorl import pipeline, vllm_engine
+from nanorl import pipeline, sync_check
 from nanorl.config import Config, parse_args
 from nanorl.config_checks import VLLM_LORA_RANKS, vllm_max_lora_rank
 
@@ -161,14 +161,14 @@ def test_sync_bound_follows_tf32(matmul_precision, monkeypatch):
     monkeypatch.delenv("VLLM_FLOAT32_MATMUL_PRECISION", raising=False)
     f32, bf16 = torch.float32, torch.bfloat16
     matmul_precision("highest")
-    assert vllm_engine.sync_bound(f32, f32) == ("max", 1e-3, "torch.float32")
-    assert vllm_engine.sync_bound(bf16, f32) == ("mean", 0.1, "torch.bfloat16")
+    assert sync_check.sync_bound(f32, f32) == ("max", 1e-3, "torch.float32")
+    assert sync_check.sync_bound(bf16, f32) == ("mean", 0.1, "torch.bfloat16")
     matmul_precision("high")
-    assert vllm_engine.sync_bound(f32, f32) == ("mean", 0.05, "torch.float32 with TF32 matmuls")
-    assert vllm_engine.sync_bound(f32, bf16) == ("mean", 0.1, "torch.bfloat16")
+    assert sync_check.sync_bound(f32, f32) == ("mean", 0.05, "torch.float32 with TF32 matmuls")
+    assert sync_check.sync_bound(f32, bf16) == ("mean", 0.1, "torch.bfloat16")
     matmul_precision("highest")
     monkeypatch.setenv("VLLM_FLOAT32_MATMUL_PRECISION", "HIGH")
-    assert vllm_engine.sync_bound(f32, f32)[:2] == ("mean", 0.05)
+    assert sync_check.sync_bound(f32, f32)[:2] == ("mean", 0.05)
 
 
 def test_check_sync_with_tf32_sized_noise_fails_only_at_full_precision(matmul_precision, monkeypatch):
@@ -188,24 +188,24 @@ def test_check_sync_with_tf32_sized_noise_fails_only_at_full_precision(matmul_pr
     rollout = [(torch.randint(0, 64, (24,), generator=g).tolist(),
                 torch.randint(0, 64, (16,), generator=g).tolist())]  # (prompt, response)
     matmul_precision("highest")
-    with pytest.raises(vllm_engine.SyncError, match=r"max \|Δlogprob\| .* > bound 0.001 \(torch.float32\)"):
+    with pytest.raises(sync_check.SyncError, match=r"max \|Δlogprob\| .* > bound 0.001 \(torch.float32\)"):
         p3_rank_check.fake_engine(noisy, rollout).check_sync(model)
     matmul_precision("high")
     stats = p3_rank_check.fake_engine(noisy, rollout).check_sync(model)
     assert stats["max_abs_logprob_diff"] > 1e-3 and stats["mean_abs_logprob_diff"] < 0.05
-    with pytest.raises(vllm_engine.SyncError, match="TF32 matmuls"):
+    with pytest.raises(sync_check.SyncError, match="TF32 matmuls"):
         p3_rank_check.fake_engine(p3_rank_check.tiny_qwen2(seed=1), rollout).check_sync(model)
 
 
 def test_weight_slots_larger_than_dev_shm_are_refused_with_the_sizes(monkeypatch):
     """A container's default /dev/shm (64 MiB) against the async worker's K+1 slots: one line with
     both sizes and the fix, before anything is allocated (the first write would die of SIGBUS)."""
-    from nanorl import rollout_worker
+    from nanorl import shared_weights
     from nanorl.config_checks import ConfigError
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of fp32 per slot
     usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(p)._replace(free=6 * 2**20))
     with pytest.raises(ConfigError, match=r"--async-steps 1: the worker's 2 weight slots need 0.01 GiB of "
                                           r"shared memory and /dev/shm has 0.01 GiB free: enlarge it"):
-        rollout_worker.SharedWeights(model, 1, torch.multiprocessing.get_context("fork"))
-    rollout_worker.SharedWeights(model, 0, torch.multiprocessing.get_context("fork"))  # one slot fits
+        shared_weights.SharedWeights(model, 1, torch.multiprocessing.get_context("fork"))
+    shared_weights.SharedWeights(model, 0, torch.multiprocessing.get_context("fork"))  # one slot fits

@@ -236,7 +236,7 @@ HUNG = """
 import sys, time
 sys.path.insert(0, {repo!r})
 import train
-from nanorl import distributed
+from nanorl import rank_lifecycle
 real = train.rl_step
 
 
@@ -245,7 +245,7 @@ def hung(run):
         print(f"PLANTED {{time.time()}}", flush=True)
         # what NCCL's watchdog records when a collective fails (TORCH_NCCL_ASYNC_ERROR_HANDLING=2):
         # the error, and no Python exception; the main thread stays stuck
-        distributed.backend_error = lambda: "NCCL collective timed out (TIMEOUT) planted"
+        rank_lifecycle.backend_error = lambda: "NCCL collective timed out (TIMEOUT) planted"
         time.sleep(600)
     return real(run)
 
@@ -259,7 +259,7 @@ def test_a_collective_error_no_python_code_sees_ends_every_rank_with_it(task, tm
     """A failed NCCL collective raises nothing: NCCL's watchdog thread records it (init sets
     TORCH_NCCL_ASYNC_ERROR_HANDLING=2, so it no longer abort()s the process unannounced) while the
     main thread may stay stuck. Planted on rank 1 (its error, its main thread asleep): fail_together's
-    watcher finds it (distributed.backend_error), posts it, and every rank ends within seconds naming
+    watcher finds it (rank_lifecycle.backend_error), posts it, and every rank ends within seconds naming
     rank 1 and the error. Red before: rank 1 slept on and rank 0 waited in its collective."""
     assert os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") in (None, "2")
     script = tmp_path / "hung.py"
@@ -294,12 +294,12 @@ def test_end_process_skips_the_teardown_after_the_group_is_destroyed(monkeypatch
     """A rank that joined a group ends with os._exit even after train.main destroyed the group: the
     teardown is where a gloo rank aborted ("terminate called without an active exception"). Red
     check: deciding by dist.is_initialized() (the old rule) returns here instead."""
-    from nanorl import distributed
+    from nanorl import rank_lifecycle
     exits = []
-    monkeypatch.setattr(distributed.os, "_exit", exits.append)
-    monkeypatch.setattr(distributed, "_JOINED", threading.Event())
-    distributed.end_process(0)  # never joined: Python ends as usual
+    monkeypatch.setattr(rank_lifecycle.os, "_exit", exits.append)
+    monkeypatch.setattr(rank_lifecycle, "_JOINED", threading.Event())
+    rank_lifecycle.end_process(0)  # never joined: Python ends as usual
     assert exits == []
-    distributed._JOINED.set()
-    distributed.end_process(3)  # joined, the group already gone (no group in this process)
+    rank_lifecycle._JOINED.set()
+    rank_lifecycle.end_process(3)  # joined, the group already gone (no group in this process)
     assert exits == [3]

@@ -163,6 +163,6 @@ def test_adapter_sync_refuses_sleep_level_2():
     an engine object with sleep mode on, no vLLM started)."""
     from nanorl.vllm_engine import VLLMEngine
     engine = VLLMEngine.__new__(VLLMEngine)
-    engine.sleep_supported, engine._asleep, engine._lora_dir = True, None, "/nonexistent"
+    engine.sleep_supported, engine._asleep, engine.adapters = True, None, object()  # a stand-in AdapterSync
     with pytest.raises(RuntimeError, match="use --sleep-level 1"):
         engine.sleep(2)

@@ -18,8 +18,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before 
 
 import train  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
+from nanorl.engine_weights import iter_checkpoint_tensors  # noqa: E402
+from nanorl.sync_check import SyncError  # noqa: E402
 from nanorl.task import make_default  # noqa: E402
-from nanorl.vllm_engine import SyncError, iter_checkpoint_tensors, sync_weights  # noqa: E402
+from nanorl.vllm_engine import sync_weights  # noqa: E402
 
 
 def lora_run(tmp_path, *extra):
@@ -80,7 +82,7 @@ def test_vllm_own_lora_adapter_sync_passes_the_check_and_catches_a_stale_adapter
         checks, m = three_steps(run)
         print("adapter sync check max |Δlogprob| per step:", checks)
         assert max(checks) < 1e-3 and m["train/logprob_diff_abs_max"] < 1e-3, checks
-        assert run.engine._lora is not None and run.engine._lora.lora_int_id == 4  # setup + 3 steps
+        assert run.engine.adapters.latest.id == run.engine._lora.lora_int_id == 4  # setup + 3 steps
         plant_stale_adapter(run.model)
         with pytest.raises(SyncError):
             run.engine.check_sync(run.model)

@@ -1,6 +1,6 @@
 """Issue 30, m1 / m4 / m8 (nanorl/distributed.py).
 
-m1: the weight stream (iter_full_tensors, vllm_engine.iter_checkpoint_tensors, VLLMEngine.update_weights)
+m1: the weight stream (iter_full_tensors, engine_weights.iter_checkpoint_tensors, VLLMEngine.update_weights)
 yields tensors in the engine's dtype, each shard cast before its all-gather, equal to the cast of the
 full fp32 tensor: on 1 rank and on 2 FSDP ranks over gloo.
 m4: check_ranks_in_sync checksums the stream (never the full state dict) and still catches a planted
@@ -73,7 +73,7 @@ def test_vllm_engine_streams_in_its_dtype(monkeypatch):
     monkeypatch.setattr(vllm_engine, "sync_weights", capture)
 
     class Stub:
-        llm, dtype, _asleep, _lora_dir = object(), torch.bfloat16, None, None
+        llm, dtype, _asleep, adapters = object(), torch.bfloat16, None, None
 
     vllm_engine.VLLMEngine.update_weights(Stub(), tiny_model(), version=1)
     floats = {k: d for k, d in seen.items() if d.is_floating_point}
@@ -107,7 +107,7 @@ def test_rank_check_streams_and_catches_a_planted_difference():
 
 def _worker_stream(rank: int, world: int) -> None:
     from nanorl import distributed
-    from nanorl.vllm_engine import iter_checkpoint_tensors
+    from nanorl.engine_weights import iter_checkpoint_tensors
     model = tiny_model(seed=0)
     full = {k: v.detach().clone() for k, v in model.state_dict().items()}  # before sharding, fp32
     distributed.shard(model, torch.device("cpu"))

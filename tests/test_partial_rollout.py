@@ -20,7 +20,7 @@ from test_pipeline import (
 )
 
 import train
-from nanorl import pipeline, rollout_worker, stages
+from nanorl import pipeline, rollout_worker, shared_weights, stages
 from nanorl.config import Config
 from nanorl.offpolicy import is_weights
 from nanorl.trajectory import collate
@@ -41,7 +41,7 @@ def make_worker(run, max_new_tokens: int, engine: str = "hf"):
     its own prompts from a copy of the run's loader as the pipeline gives it one; engine "vllm": its
     own vLLM engine (the run's is HF: one vLLM engine per process), loading versions as the worker
     loads them (it reads the slots of either channel)."""
-    weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
+    weights_ = shared_weights.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
     loader = copy.copy(run.loader)
     loader.load_state_dict(run.loader.state_dict())
@@ -158,7 +158,9 @@ def test_resume_with_buffered_partial_samples_is_the_uninterrupted_run(task, tmp
 def test_config_refuses_abort_without_over_sampling():
     for kw, msg in ((dict(async_steps=1, partial_rollout="abort"), "needs --over-sample >= 2"),
                     (dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
-                    (dict(partial_rollout="maybe"), "partial_rollout must be one of")):
+                    (dict(partial_rollout="maybe"), "partial_rollout must be one of"),
+                    # the HF-only "switch" kind is gone: abort is the one kind
+                    (dict(async_steps=1, partial_rollout="switch"), "partial_rollout must be one of")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)
     assert Config(async_steps=1, partial_rollout="abort", over_sample=2).over_sample == 2

@@ -5,7 +5,6 @@ masks; an async run resumes to the uninterrupted run; a worker's error surfaces 
 (The learning test is in tests/test_learning.py.)   python -m pytest tests/test_pipeline.py -q
 """
 import copy
-import dataclasses
 import json
 import os
 
@@ -16,7 +15,6 @@ import torch.multiprocessing as mp
 import train
 from nanorl import checkpoint, pipeline, rollout_worker, scoring, sources, stages
 from nanorl.config import Config
-from nanorl.offpolicy import is_weights
 from nanorl.policy import response_logprobs
 from nanorl.trajectory import collate
 
@@ -222,69 +220,6 @@ def test_trainer_refuses_a_sample_older_than_k(task, tmp_path, monkeypatch):
     assert len(step_lines(tmp_path / "bad")) == 3  # steps 0-2 trained (within the bound), step 3 never did
 
 
-def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
-    """A new version is published right before decode step 2 of a batch: its samples longer than 2
-    tokens carry versions [0, 0, 1, ...]; the old tokens' logprobs are the old weights', the new
-    ones' the new weights' given the whole prefix (the cache was rebuilt, not reused); the mask flag
-    leaves exactly the old tokens of two-version samples out of the loss; and without it the TIS
-    ratio of the new tokens is 1 (they are on-policy for the new version), of the old ones not."""
-    run = setup_run(task, tmp_path, steps=4, async_steps=1, partial_rollout="switch",
-                    mask_offpolicy_in_partial_rollout=True)
-    weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
-    weights_.publish(run.model, 0)
-    stop = stages.stop_tokens(run)
-    spec = rollout_worker.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
-                               rollout_worker.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
-    worker = rollout_worker.Worker(spec, weights_)
-    old = {k: v.clone() for k, v in run.model.state_dict().items()}
-    new_model = copy.deepcopy(run.model)
-    with torch.no_grad():
-        for p in new_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    calls, pick_up = [], worker.pick_up_newer
-
-    def forced():  # called before decode steps 1, 2, 3: the trainer publishes version 1 before step 2
-        calls.append(1)
-        if len(calls) == 2:
-            weights_.publish(new_model, 1)
-        return pick_up()
-    worker.engine.between_steps = forced
-    try:
-        samples = worker.rollout(1, run.loader.next_batch())["samples"]  # batch 1 starts from version 0
-    finally:
-        run.logger.close()
-    lengths = [s.response_length for s in samples]
-    assert min(lengths) <= 2 < max(lengths)  # rows that ended before the update, and rows across it
-    for s in samples:
-        L = s.response_length
-        assert s.token_versions == [0] * min(L, 2) + [1] * (L - 2) and s.weight_version == 0
-        assert s.loss_mask == ([0, 0] + [1] * (L - 2) if L > 2 else [1] * L)
-    batch = collate(samples, run.tokenizer.pad_token_id)
-    real = batch.attention_mask[:, batch.prompt_width:] > 0  # [B, T] every sampled token
-    tv = torch.full(real.shape, -1)
-    for b, s in enumerate(samples):
-        tv[b, :s.response_length] = torch.tensor(s.token_versions)
-    lp_old, lp_new = logprobs_under(run.model, old, batch), logprobs_under(run.model, new_model.state_dict(),
-                                                                           batch)
-    assert (lp_old - batch.rollout_logprobs)[tv == 0].abs().max() < 1e-5
-    assert (lp_new - batch.rollout_logprobs)[tv == 1].abs().max() < 1e-5
-    assert (lp_old - batch.rollout_logprobs)[tv == 1].abs().max() > 1e-3  # the new part is really new
-    two = torch.tensor([len(set(s.token_versions)) > 1 for s in samples])[:, None]  # [B, 1]
-    assert torch.equal(batch.response_mask > 0, real & ~(two & (tv == 0)))  # what the loss reads
-    _, _, rho = is_weights(lp_new, batch.rollout_logprobs, real.float(), tis=(0.0, 2.0))
-    assert (rho[tv == 1] - 1).abs().max() < 1e-5 and (rho[tv == 0] - 1).abs().max() > 1e-3
-    m = pipeline.staleness_metrics(samples, 1)
-    assert 0 < m["async/partial_frac"] < 1 and m["async/masked_token_frac"] > 0
-
-
-def test_partial_rollout_run_keeps_the_bound(task, tmp_path):
-    train.main(args(task, tmp_path, "--steps", "3", "--async-steps", "1", "--partial-rollout", "switch",
-                    "--rollout-device", "cpu"))
-    lines = step_lines(tmp_path)
-    assert len(lines) == 3 and all(x["rollout/async/staleness_max"] <= 1
-                                   and "rollout/async/partial_frac" in x for x in lines)
-
-
 def test_spawned_worker_is_the_forked_one(task, tmp_path, monkeypatch):
     """The start method CUDA needs (spawn: a fresh interpreter, everything pickled to it) samples the
     same batches as the fork used on CPU: the same run, metric for metric. (Not bit for bit: the
@@ -333,13 +268,12 @@ def test_worker_error_is_raised_in_the_trainer(task, tmp_path, monkeypatch):
 
 
 def test_config_rejects_what_async_cannot_do():
-    for kw, msg in ((dict(partial_rollout="switch"), "partial_rollout needs async_steps"),
+    for kw, msg in ((dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
                     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
                     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
                     (dict(async_steps=1, rollout_device="tpu0"), "is not a device"),
                     (dict(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2),
                      "filter-groups and --partial-rollout abort"),
-                    (dict(async_steps=1, partial_rollout="switch", engine="vllm"), "engine vllm"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
             Config(**kw)

@@ -10,7 +10,7 @@ import pytest
 
 from nanorl import dump, rewards
 from nanorl.data import PromptFormat, build_prompts
-from nanorl.env import ChatTurns
+from nanorl.episodes import ChatTurns
 from nanorl.plugins import load_file
 from nanorl.rollout import stop_token_ids
 from nanorl.trajectory import Sample, collate

@@ -23,9 +23,14 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine, before 
 
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from nanorl import vllm_engine  # noqa: E402
+from nanorl import (
+    vllm_engine,  # noqa: E402
+    vllm_sizing,  # noqa: E402
+)
+from nanorl.engine_weights import iter_checkpoint_tensors  # noqa: E402
 from nanorl.rollout import SamplingConfig  # noqa: E402
-from nanorl.vllm_engine import SyncError, VLLMEngine, iter_checkpoint_tensors, sync_weights  # noqa: E402
+from nanorl.sync_check import SyncError  # noqa: E402
+from nanorl.vllm_engine import VLLMEngine, sync_weights  # noqa: E402
 
 EOS = 1
 TOL = 1e-4  # fp32 engine vs fp32 trainer (measured ≈ 1e-6)
@@ -66,7 +71,7 @@ def test_request_that_cannot_fit_fails_before_start_up_naming_the_flag(tiny_dir,
     from transformers import AutoConfig
     text_config = AutoConfig.from_pretrained(tiny_dir).get_text_config()
     # L x (K,V) x heads x dim x 4 B
-    assert vllm_engine.kv_bytes_per_token(text_config, "float32") == 2 * 2 * 1 * 32 * 4
+    assert vllm_sizing.kv_bytes_per_token(text_config, "float32") == 2 * 2 * 1 * 32 * 4
     with pytest.raises(ValueError, match=r"max_model_len=32768 \(unset: the model's full context\) needs "
                                          r"16\.1 MiB"
                                          r".*raise --kv-cache-gb, or lower --max-model-len"):

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nanorl import weight_broadcast as wb
-from nanorl.rollout_worker import slot_layout
+from nanorl.shared_weights import slot_layout
 
 TIMEOUT = 120  # seconds: a hung collective fails the test rather than the suite
 

@@ -32,7 +32,7 @@ def _measure(init_file: str, rank: int, world: int) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from nanorl import distributed
-    from nanorl.vllm_engine import iter_checkpoint_tensors
+    from nanorl.engine_weights import iter_checkpoint_tensors
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
