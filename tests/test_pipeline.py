@@ -159,7 +159,8 @@ def test_remax_baselines_are_the_greedy_rewards_of_the_batchs_version(task, tmp_
             assert got == greedy_rewards(v)
             # the trainer's own version t would give other baselines (the test is not vacuous)
             seen_differ |= t > v and greedy_rewards(t) != got
-            assert stages.greedy_baselines(run, prompts, samples, None).tolist() == got
+            baselines = stages.greedy_baselines(train.sampler_of(run), prompts, samples, None, None)
+            assert baselines.tolist() == got
             next_version(run, pipe, versions, t, g, scale=0.5)  # far enough to change greedy answers
     finally:
         pipe.close()
@@ -232,7 +233,7 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
                     mask_offpolicy_in_partial_rollout=True)
     weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
-    stop = stages.stop_tokens(run)
+    stop = pipe_stop_tokens(run)
     spec = rollout_worker.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
                                rollout_worker.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
     worker = rollout_worker.Worker(spec, weights_)
