@@ -206,7 +206,7 @@ def rl_step(run: Run) -> dict:
         # only checking rollouts, or DAPO's filter left no rank a sample: no update
         stages.dump_step(learner, samples, None)
         run.source.publish(run.model, run.step + 1)  # async: batch step + 1 + K waits for version step + 1
-        return stages.step_metrics(learner, plan, run.hooks, samples, None, None, timer, metrics)
+        return stages.rollout_metrics(run.hooks, samples, timer, metrics)
     samples, batch = stages.to_batch(learner, run.engine, samples)
     valid = batch.response_mask  # [B, T] every response token (DAPO's overlong filter narrows the loss's)
     with timer("logprob"), torch.no_grad():

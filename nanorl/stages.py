@@ -173,13 +173,17 @@ def sync(learner: Learner, engine, source, metrics: dict) -> None:
             metrics.update({f"sync/{k}": v for k, v in engine.check_sync(learner.model).items()})
 
 
+def rollout_metrics(hooks, samples, timer, metrics: dict) -> dict:
+    """The metrics of a step that made no update (--debug-rollout-only, or no rank kept a sample),
+    namespaced, with the --log-metadata fields (`hooks`)."""
+    timed = {f"time/{k}": v for k, v in timer.seconds.items()}
+    return hooks.with_metadata(namespaced({**metrics, **timed}), samples)
+
+
 def step_metrics(learner: Learner, plan, hooks, samples, batch, mask, timer, metrics: dict) -> dict:
     """The step's metrics, namespaced (rollout/, train/, perf/: nanorl/metrics.py), with the
     trainer-vs-engine mismatch, the adaptive β's update (one β for every rank) and the --log-metadata
-    fields (`hooks`). mask [B, T]: the batch's response tokens. batch None: no update was made."""
-    if batch is None:
-        timed = {f"time/{k}": v for k, v in timer.seconds.items()}
-        return hooks.with_metadata(namespaced({**metrics, **timed}), samples)
+    fields (`hooks`). mask [B, T]: the batch's response tokens."""
     trainer_logp, _, scored = old_policy_view(batch)  # [B, T] the trainer's π_old, where it scored
     metrics.update(mismatch_metrics(trainer_logp, batch.rollout_logprobs, mask * scored))
     if plan.is_weights == "first forward":  # the update weighed each token with these (micro_step)
