@@ -37,7 +37,7 @@ import time
 import numpy as np
 import torch
 
-from nanorl import build, checkpoint, distributed, pipeline, precision, sources, stages
+from nanorl import build, checkpoint, distributed, pipeline, precision, rounds, sources, stages
 from nanorl.agent import AgentRunner
 from nanorl.config import Config, ConfigError, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
@@ -47,10 +47,10 @@ from nanorl.logger import Logger, PhaseTimer, RunDirError, RunDirLock, claim_run
 from nanorl.plan import Plan, make_plan
 from nanorl.plugins import Hooks, apply as apply_plugins, load_object
 from nanorl.rewards import RewardRunner, load_reward_fn
-from nanorl.rollout import stop_token_ids
+from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.teacher import load_teacher
 from nanorl.tool_envs import episode_runner
-from nanorl.update import train_on
+from nanorl.update import Learner, train_on
 
 # ----------------------------------------------------------------------------- set-up
 
@@ -79,6 +79,8 @@ class Run:
     pipeline: object | None = None  # --async-steps: the trainer's end of the worker (nanorl/pipeline.py)
     source: object | None = None  # where the step's samples come from (nanorl/sources.py)
     plan: Plan | None = None  # what each step computes: the estimator's and loss's needs (nanorl/plan.py)
+    sampling: SamplingConfig | None = None  # how each step samples (temperature, top-k/p, stop tokens)
+    rounds: rounds.OneRound | None = None  # how each step draws: one round, DAPO's (nanorl/rounds.py)
     scorers: dict = dataclasses.field(default_factory=dict)  # reward model / judge components (build.py)
     reward_weights: dict | None = None  # --reward-weights: each component's weight in the total
     rank: int = 0
@@ -149,6 +151,13 @@ def setup(cfg: Config) -> Run:
     run.source = sources.Agents(run.episodes) if cfg.agent else sources.local(engine, run.episodes)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
+    run.sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                                  max_new_tokens=cfg.max_new_tokens,
+                                  stop_token_ids=stop_token_ids(model, tokenizer),
+                                  keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
+    run.rounds = rounds.OneRound()
+    if cfg.filter_groups:  # DAPO's dynamic sampling: its rounds run here, or in the async worker
+        run.rounds = rounds.FromWorker() if cfg.async_steps else rounds.DynamicSampling()
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
     run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.async_steps else \
         {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}  # async: the worker scores
@@ -186,30 +195,50 @@ def evaluate_run(run: Run) -> dict:
 
 
 def rl_step(run: Run) -> dict:
-    """One optimizer step: the chain of the module docstring, one stage per link (nanorl/stages.py)."""
+    """One optimizer step: the chain of the module docstring, one stage per link (nanorl/stages.py).
+    The stages take the step's records: its sampler (what drawing samples reads), its learner (the
+    policy and its optimizer, what the forwards and the update read) and its plan."""
     timer, metrics = PhaseTimer(), {}
+    sampler, learner, plan = sampler_of(run), learner_of(run), run.plan
     prompts = run.loader.next_batch()
-    samples, baselines = stages.rollout(run, prompts, timer, metrics)  # 1-2. sampled, scored, filtered
-    if run.cfg.debug_rollout_only or not stages.enough_to_train(run, len(samples)):
+    samples, baselines = stages.rollout(sampler, plan, run.sampling, prompts, timer, metrics)  # 1-2.
+    if run.cfg.debug_rollout_only or not stages.enough_to_train(run.world, len(samples)):
         # only checking rollouts, or DAPO's filter left no rank a sample: no update
-        stages.dump_step(run, samples, None)
+        stages.dump_step(learner, samples, None)
         run.source.publish(run.model, run.step + 1)  # async: batch step + 1 + K waits for version step + 1
-        return stages.step_metrics(run, samples, None, None, timer, metrics)
-    samples, batch = stages.to_batch(run, samples)
+        return stages.rollout_metrics(run.hooks, samples, timer, metrics)
+    samples, batch = stages.to_batch(learner, run.engine, samples)
     valid = batch.response_mask  # [B, T] every response token (DAPO's overlong filter narrows the loss's)
     with timer("logprob"), torch.no_grad():
-        stages.recompute(run, samples, batch, metrics)  # 3. what the plan needs before the update
+        stages.recompute(learner, plan, run.source, samples, batch, metrics)  # 3. what the plan needs
     with timer("advantage"):
-        stages.advantages(run, batch, baselines, metrics)  # 4. (and the step's off-policy weights)
+        stages.advantages(learner, plan, batch, baselines, metrics)  # 4. (and the step's off-policy weights)
     with timer("logprob"), torch.no_grad():
-        stages.reference_of_trained_rows(run, batch)  # a KL loss with --skip-zero-advantage
+        stages.reference_of_trained_rows(learner, plan, batch)  # a KL loss with --skip-zero-advantage
     with timer("train"):
-        metrics.update(train_on(run, batch))  # 5-7. loss, backward, optimizer step
-    stages.dump_step(run, samples, batch)
+        metrics.update(train_on(learner, batch))  # 5-7. loss, backward, optimizer step
+    stages.dump_step(learner, samples, batch)
     precision.free_cached_memory(batch.input_ids.device)  # activations go back before the engine wakes
     with timer("sync"):
-        stages.sync(run, metrics)  # 8. the engine samples the next batch from the new weights
-    return stages.step_metrics(run, samples, batch, valid, timer, metrics)
+        stages.sync(learner, run.engine, run.source, metrics)  # 8. the next batch is sampled from them
+    return stages.step_metrics(learner, plan, run.hooks, samples, batch, valid, timer, metrics)
+
+
+def sampler_of(run: Run) -> rounds.Sampler:
+    """This step's sampling side (nanorl/rounds.py): what drawing and scoring its samples reads."""
+    return rounds.Sampler(cfg=run.cfg, source=run.source, engine=run.engine, loader=run.loader,
+                          rewards=run.rewards, scorers=run.scorers, reward_weights=run.reward_weights,
+                          tokenizer=run.tokenizer, hooks=run.hooks, world=run.world, counters=run.counters,
+                          step=run.step, logger=run.logger, rounds=run.rounds)
+
+
+def learner_of(run: Run) -> Learner:
+    """This step's training side (nanorl/update.py): the policy, its optimizer, the frozen models it is
+    scored against."""
+    return Learner(cfg=run.cfg, model=run.model, trained=run.trained, ref=run.ref, teacher=run.teacher,
+                   tokenizer=run.tokenizer, optimizer=run.optimizer, scheduler=run.scheduler,
+                   scaler=run.scaler, kl_ctl=run.kl_ctl, counters=run.counters, logger=run.logger,
+                   step=run.step, world=run.world, rank=run.rank)
 
 
 # ----------------------------------------------------------------------------- main

@@ -1,5 +1,5 @@
 """LLM judges, link 2 of the chain (reward): a generative model grades each response, its answer parsed
-into a score in [0, 1] — the reward component `judge` (--judge, nanorl/stages.py with_components).
+into a score in [0, 1] — the reward component `judge` (--judge, nanorl/rounds.py with_components).
 
 A judge is a str.format template with {prompt}, {response} (required) and {label}, and a parse rule
 (`make_parser`: "number:LO:HI" or "yesno"). It runs behind any OpenAI-compatible endpoint (`vllm serve`,

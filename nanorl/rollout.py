@@ -189,7 +189,7 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig,
                  until: Callable[[list[Sample]], bool] | None = None) -> list[Sample]:
-        """until (over-sampling with abort, stages.oversampled_round): called with the n Samples of each
+        """until (over-sampling with abort, rounds.oversampled_round): called with the n Samples of each
         group whose rows have all stopped, between decode steps (groups still running at the last step
         come back in the result only); the result holds those very Samples. True aborts every
         unfinished request: it comes back with status "aborted" and the tokens it had (none in a chunk

@@ -26,7 +26,7 @@ from multiprocessing import forkserver
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import build, precision, sources, stages, weight_broadcast
+from nanorl import build, precision, rounds, sources, weight_broadcast
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
@@ -195,43 +195,34 @@ class Worker:
 
     def refilled(self, b: int, sampling: SamplingConfig) -> tuple[list, list[Sample], dict, dict]:
         """--filter-groups: DAPO's dynamic sampling exactly as the synchronous step runs it (its first
-        round, F× over-sampled with --over-sample; keep_trainable; stages.refill_groups), on this
-        worker's prompts, engine and weights. Returns the kept groups' prompts (group ids 0..), their
-        samples (--reward-postprocess applied before the filter read them, as in the step), the rounds'
-        metrics (dapo/*, groups_kept_frac, dropped_frac), and the run counters and notes they added
-        (a step that ran out of rounds), which the trainer adds to its own (pipeline.accept)."""
-        cfg, notes, counters, metrics = self.cfg, [], {}, {}
-        run = self.sampler(b, counters, notes)
+        round, F× over-sampled with --over-sample; keep_trainable; the refill rounds: one call,
+        rounds.dynamic_sampling), on this worker's prompts, engine and weights. Returns the kept groups'
+        prompts (group ids 0..), their samples (--reward-postprocess applied before the filter read
+        them, as in the step), the rounds' metrics (dapo/*, groups_kept_frac, dropped_frac), and the run
+        counters and notes they added (a step that ran out of rounds), which the trainer adds to its own
+        (pipeline.accept)."""
+        notes, counters, metrics = [], {}, {}
         prompts = self.loader.next_batch()
-        if cfg.over_sample > 1:
-            samples = stages.oversampled_round(run, prompts, sampling, metrics)
-        else:
-            samples = self.scored(b, prompts, cfg.samples_per_prompt, sampling)
-            self.hooks.postprocess(samples)
-        samples = stages.keep_trainable(run, samples, metrics)
         # the first round took the batch's seed; each later round takes its own (SamplingConfig.call)
-        kept = stages.refill_groups(run, prompts, samples, sampling, PhaseTimer(), metrics)
+        kept = rounds.dynamic_sampling(self.sampler(b, counters, notes), prompts, sampling, PhaseTimer(),
+                                       metrics)
         # a kept group may have lost samples (failed ones, --sample-filter): its prompt from any of them
         ids = {s.group_id: s.prompt_ids for s in kept}
         kept_prompts = [Prompt(ids[g], "", "") for g in sorted(ids)]
         return kept_prompts, kept, metrics, {"counters": counters, "notes": notes}
 
-    def sampler(self, b: int, counters: dict, notes: list) -> WorkerSampler:
-        """What the sampling stages read of a run (stages.Sampler): this worker's parts, one rank (it
-        samples the union of the ranks' prompts); `counters` and `notes` collect what they add."""
-        return WorkerSampler(self.cfg, sources.local(self.engine, self.episodes), self.engine, self.loader,
-                             self.rewards, self.scorers, self.reward_weights, self.tokenizer, self.hooks, 1,
-                             counters, b, Notes(notes))
+    def sampler(self, b: int, counters: dict, notes: list) -> rounds.Sampler:
+        """What drawing samples reads (rounds.Sampler): this worker's parts, one rank (it samples the
+        union of the ranks' prompts); `counters` and `notes` collect what they add."""
+        return rounds.Sampler(self.cfg, sources.local(self.engine, self.episodes), self.engine, self.loader,
+                              self.rewards, self.scorers, self.reward_weights, self.tokenizer, self.hooks, 1,
+                              counters, b, Notes(notes))
 
     def scored(self, b: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
-        """n scored samples per prompt, as the synchronous step makes them (stages.generate + score):
+        """n scored samples per prompt, as the synchronous step makes them (rounds.scored):
         the engine's, scored by --reward with the reward model's and judge's components beside it, or
         --env's episodes, which the environment scored."""
-        run = self.sampler(b, {}, [])
-        samples = stages.generate(run, prompts, n, sampling)
-        for s, r in zip(samples, stages.score(run, prompts, samples)):
-            s.reward = r
-        return samples
+        return rounds.scored(self.sampler(b, {}, []), prompts, n, sampling)
 
     def greedy_rewards(self, prompts: list) -> list[float]:
         """ReMax's baseline of each sample (in row order): the reward of its prompt's greedy response,
@@ -251,24 +242,6 @@ class Worker:
         lp = score_batch(self.scoring, self.ref, batch, support)[0].cpu()  # [B, T]
         for s, row in zip(samples, lp):
             s.ref_logprobs = row[:s.response_length].tolist()
-
-
-@dataclasses.dataclass
-class WorkerSampler:
-    """stages.Sampler of the worker's DAPO rounds: its engine, prompts, rewards and hooks, one rank."""
-    cfg: object
-    source: object
-    engine: object
-    loader: object
-    rewards: RewardRunner
-    scorers: dict
-    reward_weights: dict | None
-    tokenizer: object
-    hooks: Hooks
-    world: int
-    counters: dict
-    step: int
-    logger: Notes
 
 
 @dataclasses.dataclass

@@ -6,8 +6,8 @@ Start at `score_batch(run, module, batch, support)`: it splits the batch as the 
 `module` (the policy + critic behind `run.trained`, or the reference) on each piece. `forward` is one
 policy forward: response logprobs and entropy [B, T], packed under a token budget (nanorl/batching.py),
 MoE routing replayed (nanorl/moe_replay.py); `routing_forward` is the old-logprob pass of a
---routing-replay run. What these read of `run` is `Forwards` (train.py's Run, the async rollout worker's
-parts, or any object with those attributes). The update (loss, backward, optimizer step) is
+--routing-replay run. What these read of `run` is `Forwards` (the step's update.Learner, or the async
+rollout worker's `Scoring`). The update (loss, backward, optimizer step) is
 nanorl/update.py, whose forwards run through the same `micro_batches` (and `forward`, via run.trained).
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from nanorl.trajectory import PaddedBatch, Sample, collate, pack
 
 
 class Forwards(Protocol):
-    """What this module reads of `run` (update.Learner is a superset)."""
+    """What this module reads of `run` (update.Learner, the step's training side, holds it all)."""
     cfg: Any  # nanorl/config.py Config: temperature, logprob_impl, token budget, micro-batch size, replay
     model: torch.nn.Module  # the policy (its device; whether it packs varlen micro-batches)
     tokenizer: Any  # its pad_token_id pads the lockstep rows

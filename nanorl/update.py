@@ -4,7 +4,7 @@ advantages becomes new weights.
 `train_on` runs `ppo_epochs` passes over a rollout batch, each split into `mini_batches` optimizer
 steps, each of those into micro-batches that fit in memory (`micro_batches`: a sample count or a
 balanced token budget). Start there, then `micro_step` (one micro-batch's loss) and `sync_and_step`;
-what they read of `run` is `Learner` (train.py's Run, or any object with those attributes).
+what they read is `Learner`, the training side's record (train.py builds it from its Run).
 Key choices: every micro-batch's loss takes the denominators of the WHOLE optimizer step (summed over
 micro-batches and ranks), so the gradient does not depend on how the step was split (TRL #3021), and
 the token selections some losses make are made once per optimizer step (`select_tokens`); a
@@ -15,8 +15,9 @@ The forwards it runs and the no-gradient scoring over the same micro-batches (`m
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -28,14 +29,16 @@ from nanorl.offpolicy import is_weights, opsm_mask
 from nanorl.scoring import micro_batches, pad_batch
 
 
-class Learner(Protocol):
-    """What this module reads of `run` (train.py's Run is one; any object with these attributes will
-    do, so the update can be lifted into another trainer: tests/test_module_inputs.py runs it on a
-    SimpleNamespace). train_on changes optimizer, scheduler, scaler and counters, nothing else."""
+@dataclasses.dataclass
+class Learner:
+    """The training side of one step, what the update and the stages after the rollout read (train.py
+    builds it from its Run each step; tests/test_module_inputs.py runs the update on one built by hand).
+    train_on changes optimizer, scheduler, scaler and counters, nothing else."""
     cfg: Any  # nanorl/config.py Config: the update's flags (epochs, mini-batches, the loss's knobs)
     model: torch.nn.Module  # the policy, fp32 master weights
     trained: torch.nn.Module  # policy (+ critic) behind one forward, DDP/FSDP-wrapped (nanorl/distributed.py)
-    ref: torch.nn.Module | None  # the frozen reference (a KL loss), else None
+    ref: torch.nn.Module | None  # the frozen reference (a KL term), else None
+    teacher: torch.nn.Module | None  # --teacher, scored beside the policy (nanorl/teacher.py), else None
     tokenizer: Any  # its pad_token_id pads the lockstep rows
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
@@ -45,6 +48,7 @@ class Learner(Protocol):
     logger: Any  # .print(str): a skipped update is reported; .optimizer_step(step, row): several per rollout
     step: int  # seeds the per-step selections and the mini-batch order
     world: int  # ranks (1: one process)
+    rank: int = 0  # this process's (rank 0 writes the rollout dumps)
 
 
 def pad_loss(outputs) -> torch.Tensor:
@@ -56,53 +60,53 @@ def pad_loss(outputs) -> torch.Tensor:
     return torch.stack(off).sum()
 
 
-def loss_config(run: Learner) -> LossConfig:
-    c = run.cfg
+def loss_config(learner: Learner) -> LossConfig:
+    c = learner.cfg
     # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
     return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
                       dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg),
                       dro_beta=c.dro_beta,
                       cov_ratio=c.cov_ratio, cov_kl_coef=c.cov_kl_coef, agg_mode=c.loss_agg,
                       norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
-                      kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
+                      kl_coef=0.0 if c.kl_in_reward else learner.kl_ctl.beta, vf_coef=c.vf_coef)
 
 
-def select_tokens(run: Learner, mini, step_index: int, lcfg: LossConfig) -> None:
+def select_tokens(learner: Learner, mini, step_index: int, lcfg: LossConfig) -> None:
     """Token selections made once per optimizer step over the whole step (so micro-batching changes
     nothing), from the recompute pass (π_old: π_θ itself at the first pass): the 80/20 rule's top-q
     entropy tokens become the step's loss mask (denominators included, as the authors' fork does);
     kl_cov / clip_cov get their covariance-selected tokens (nanorl/losses.py)."""
-    cfg, t = run.cfg, mini.tensors
+    cfg, t = learner.cfg, mini.tensors
     if cfg.top_entropy_quantile:
         keep = top_entropy_mask(t.old_entropy, mini.response_mask, cfg.top_entropy_quantile)  # [b, T]
         mini.response_mask = mini.response_mask * keep
     loss = POLICY_LOSSES.get(cfg.policy_loss)  # None: a user loss (nanorl/plugins.py), no selection
     if loss is not None and loss.select is not None:
-        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + run.step) * 1009 + step_index)
+        gen = torch.Generator().manual_seed((cfg.seed * 1_000_003 + learner.step) * 1009 + step_index)
         t.cov_selected = loss.select(t.old_logprobs, t.advantages, mini.response_mask, lcfg, gen)
 
 
-def train_on(run: Learner, batch) -> dict:
+def train_on(learner: Learner, batch) -> dict:
     """ppo_epochs × mini_batches optimizer steps on one rollout batch; returns averaged metrics."""
-    cfg, B = run.cfg, batch.input_ids.shape[0]
-    params = [p for g in run.optimizer.param_groups for p in g["params"]]
-    lcfg, sums, counts, steps = loss_config(run), {}, {}, 0
-    gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
+    cfg, B = learner.cfg, batch.input_ids.shape[0]
+    params = [p for g in learner.optimizer.param_groups for p in g["params"]]
+    lcfg, sums, counts, steps = loss_config(learner), {}, {}, 0
+    gen = torch.Generator().manual_seed(cfg.seed * 7919 + learner.step)
     first = {k: torch.zeros_like(batch.response_mask, dtype=torch.float) for k in FIRST_PASS}  # [B, T] each
     for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
         for rows in order.tensor_split(cfg.mini_batches):  # at most mini_batches optimizer steps
             mini = batch.select(rows.tolist()) if len(rows) else None  # None: no row of this step here
-            groups = micro_batches(run, mini)  # agreed over ranks: pads where this rank has fewer
+            groups = micro_batches(learner, mini)  # agreed over ranks: pads where this rank has fewer
             if not groups:  # no rank holds a row of this step (fewer samples than mini-batches): no step
                 continue
             if mini is not None:
-                select_tokens(run, mini, steps, lcfg)
+                select_tokens(learner, mini, steps, lcfg)
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
             if cfg.skip_zero_advantage:  # after the denominators: skipped rows keep their share of them
                 mini, rows, skipped = skip_zero_advantage(mini, rows)
-                groups = micro_batches(run, mini)  # re-planned (and agreed again) over the rows that train
+                groups = micro_batches(learner, mini)  # re-planned (and agreed again) over the training rows
                 sums["rows_skipped_frac"] = sums.get("rows_skipped_frac", 0.0) + skipped
                 counts["rows_skipped_frac"] = counts.get("rows_skipped_frac", 0) + 1
             if not groups:  # every row skipped: the whole batch's gradient is exactly 0, and AdamW
@@ -110,37 +114,39 @@ def train_on(run: Learner, batch) -> dict:
                     p.grad = torch.zeros_like(p)
             stats = {}
             for i, mrows in enumerate(groups):
-                with sync_gradients_after(run.trained, last=i == len(groups) - 1):  # one reduction per step
+                last = i == len(groups) - 1
+                with sync_gradients_after(learner.trained, last=last):  # one reduction per step
                     if mrows:
                         mb = mini.select(mrows)
-                        loss, m = micro_step(run, mb, lcfg, n_tok, n_seq)
+                        loss, m = micro_step(learner, mb, lcfg, n_tok, n_seq)
                         if epoch == 0:  # each row's first forward of the update (old_policy_view)
                             mb.tensors.first_pass_mask = torch.ones_like(mb.response_mask, dtype=torch.float)
                             for k in FIRST_PASS:
                                 first[k][rows[mrows], :mb.response_ids.shape[1]] = getattr(mb.tensors, k)
                                 setattr(mb.tensors, k, None)
                     else:  # a lockstep pad: the collectives of a micro-batch, zero gradient
-                        loss, m = pad_loss(run.trained(pad_batch(run), None)), None
-                    loss = loss * loss_scale(run.world)  # DDP's mean over ranks → the global sum
+                        loss, m = pad_loss(learner.trained(pad_batch(learner), None)), None
+                    loss = loss * loss_scale(learner.world)  # DDP's mean over ranks → the global sum
                     # a non-finite loss can have finite gradients (a NaN outside the graph, a NaN clamp
                     # bound): NaN them, so that sync_and_step's norm check skips the step on every rank
                     # (gradients are reduced over ranks); x 1.0 leaves a finite loss's bits as they are
                     loss = loss * torch.where(torch.isfinite(loss.detach()), 1.0, math.nan)
-                    (run.scaler.scale(loss) if run.scaler else loss).backward()  # fp16: scaled
+                    (learner.scaler.scale(loss) if learner.scaler else loss).backward()  # fp16: scaled
                 if m is not None:
                     accumulate(stats, m)
-            grad_norm = sync_and_step(run, params)
+            grad_norm = sync_and_step(learner, params)
             stats = finish(stats) if stats else {}  # a rank that ran only pads has no loss metrics
             stats["grad_norm"] = grad_norm
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
             if cfg.ppo_epochs * cfg.mini_batches > 1:  # several per rollout: each on its own axis
-                run.logger.optimizer_step(run.step + 1, {"opt_step": run.scheduler.last_epoch, "epoch": epoch,
-                                                         **stats})
+                learner.logger.optimizer_step(learner.step + 1, {"opt_step": learner.scheduler.last_epoch,
+                                                                 "epoch": epoch, **stats})
     batch.tensors.update(**first)
     out = {k: v / counts[k] for k, v in sums.items()}
-    out.update({"lr": run.scheduler.get_last_lr()[0], "skipped_updates": run.counters["skipped_updates"]})
+    out.update({"lr": learner.scheduler.get_last_lr()[0],
+                "skipped_updates": learner.counters["skipped_updates"]})
     return out
 
 
@@ -193,17 +199,17 @@ def step_is_weights(cfg, old_logp, rollout_logp, mask):
                       mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
 
 
-def micro_step(run: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
-    cfg = run.cfg
+def micro_step(learner: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
+    cfg = learner.cfg
     support = mb.sampling_support if cfg.keep_sampling_mask else None
-    logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
+    logp, ent, values = learner.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
     t, mask = mb.tensors, mb.response_mask
     # train_on keeps epoch 0's (old_policy_view)
     t.first_pass_logprobs, t.first_pass_entropy = logp.detach(), ent.detach()
     # on-policy: π_old is the current policy, detached
     old = t.old_logprobs if t.old_logprobs is not None else logp.detach()
     kl = None
-    if run.ref is not None and not cfg.kl_in_reward:
+    if learner.ref is not None and not cfg.kl_in_reward:
         kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl_estimator, mask=mask)
               if cfg.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl_estimator, mask=mask))
     weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (nanorl/stages.py), detached
@@ -255,7 +261,7 @@ def finish(stats: dict) -> dict:
     return out
 
 
-def sync_and_step(run: Learner, params) -> float:
+def sync_and_step(learner: Learner, params) -> float:
     """Clip and step — unless the loss or a gradient is not finite. Gradients arrive summed over
     ranks (DDP, in the last backward), so every rank clips the same norm and takes the same step.
     fp16: the gradients are unscaled first; an overflow skips the step and lowers the loss scale.
@@ -263,22 +269,24 @@ def sync_and_step(run: Learner, params) -> float:
     checks only its own gradient shards, and a rank that skipped alone, or lowered its loss scale
     alone, would leave the ranks with different weights or scales from then on."""
     overflow = False
-    if run.scaler:
-        run.scaler.unscale_(run.optimizer)
-        overflow = precision.agree_found_inf(run.scaler, run.optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
+    if learner.scaler:
+        learner.scaler.unscale_(learner.optimizer)
+        overflow = precision.agree_found_inf(learner.scaler, learner.optimizer)
+    clip = learner.cfg.grad_clip if learner.cfg.grad_clip else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
     if overflow and torch.isfinite(norm):  # another rank's shard overflowed: the same skip here
         norm = torch.full_like(norm, float("inf"))
-    if torch.isfinite(norm) and run.scaler:
-        run.scaler.step(run.optimizer)
+    if torch.isfinite(norm) and learner.scaler:
+        learner.scaler.step(learner.optimizer)
     elif torch.isfinite(norm):
-        run.optimizer.step()
+        learner.optimizer.step()
     else:  # one bad batch must not poison the weights: skip, count, go on
-        run.counters["skipped_updates"] += 1
-        run.logger.print(f"step {run.step}: non-finite gradient norm ({float(norm)}); update skipped")
-    if run.scaler:
-        run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    run.scheduler.step()
+        learner.counters["skipped_updates"] += 1
+        learner.logger.print(f"step {learner.step}: non-finite gradient norm ({float(norm)}); "
+                             "update skipped")
+    if learner.scaler:
+        learner.scaler.update()
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.scheduler.step()
     return float(norm)

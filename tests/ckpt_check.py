@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import train  # noqa: E402
-from nanorl import checkpoint, distributed, stages  # noqa: E402
+from nanorl import checkpoint, distributed, rounds  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
 
 MiB = 2**20
@@ -30,7 +30,7 @@ cfg = parse_args(["--algo", "grpo", "--kl-coef", "0", "--model", model, "--train
                   "--threads", "1",
                   "--quiet", "--eval-every", "0", *(["--fsdp"] if mode == "save" else [])])
 run = train.setup(cfg)
-stages.score = lambda run, prompts, batch: [float(i % 2) for i in range(len(batch))]  # a real gradient
+rounds.score = lambda run, prompts, batch: [float(i % 2) for i in range(len(batch))]  # a real gradient
 
 
 def status_mib(key: str) -> float:

@@ -18,10 +18,10 @@ sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import functools  # noqa: E402
 
 import train  # noqa: E402
-from nanorl import distributed, lora, moe_replay, scoring, stages, update  # noqa: E402
+from nanorl import distributed, lora, moe_replay, scoring, update  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
 from nanorl.policy import ValueModel, load_model  # noqa: E402
-from nanorl.rollout import SamplingConfig  # noqa: E402
+from nanorl.rollout import SamplingConfig, stop_token_ids  # noqa: E402
 from nanorl.trajectory import collate  # noqa: E402
 
 model, train_data, test_data, out, *extra = sys.argv[1:]
@@ -31,7 +31,7 @@ run = train.setup(cfg)
 rank, world = run.rank, run.world
 prompts = run.loader.prompts[:4]  # the same 4 prompts on every rank
 samples = run.engine.generate([p.ids for p in prompts], 4, SamplingConfig(
-    max_new_tokens=6, stop_token_ids=stages.stop_tokens(run), seed=123))
+    max_new_tokens=6, stop_token_ids=stop_token_ids(run.model, run.tokenizer), seed=123))
 for i, s in enumerate(samples):
     s.reward = float(i % 3 == 0)
 batch = collate(samples, run.tokenizer.pad_token_id)

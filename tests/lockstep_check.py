@@ -21,9 +21,9 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/tests/", 1)[0])
 import train  # noqa: E402
-from nanorl import distributed, stages, update  # noqa: E402
+from nanorl import distributed, rounds, update  # noqa: E402
 from nanorl.config import parse_args  # noqa: E402
-from nanorl.rollout import SamplingConfig  # noqa: E402
+from nanorl.rollout import SamplingConfig, stop_token_ids  # noqa: E402
 
 CASES = {  # name: (groups with signal, flags)
     "budget": ({0, 1, 2, 4}, ["--max-tokens-per-micro-batch", "24"]),  # 1 sample per micro-batch: 12 vs 4
@@ -52,7 +52,7 @@ for case in cases:
     rank, world = run.rank, run.world
     prompts = run.loader.prompts[:8]  # the same 8 prompts in every process
     samples = run.engine.generate([p.ids for p in prompts], 4, SamplingConfig(
-        max_new_tokens=6, stop_token_ids=stages.stop_tokens(run), seed=123))
+        max_new_tokens=6, stop_token_ids=stop_token_ids(run.model, run.tokenizer), seed=123))
     mine = range(8) if world == 1 else range(4 * rank, 4 * rank + 4)
     my_prompts = [prompts[g] for g in mine]
     my_samples = [s for s in samples if s.group_id in mine]
@@ -60,7 +60,7 @@ for case in cases:
         s.metadata["reward"] = float(s.group_id in signal and i % 2 == 0)
     run.loader.next_batch = lambda: my_prompts
     run.engine.generate = lambda ids, n, sampling: [copy.deepcopy(s) for s in my_samples]
-    stages.score = lambda run, prompts, batch: [s.metadata["reward"] for s in batch]
+    rounds.score = lambda run, prompts, batch: [s.metadata["reward"] for s in batch]
     reductions, steps, real_step = [0], [0], update.sync_and_step
 
     def stepped(*a, **k):

@@ -282,7 +282,7 @@ def test_turn_rewards_land_on_each_turns_last_token(tok):
     run = SimpleNamespace(cfg=cfg, kl_ctl=FixedKLController(0.001),
                           plan=make_plan(cfg, cfg.advantage, cfg.policy_loss))
     from nanorl import stages
-    inputs = stages.advantage_inputs(run, batch, torch.zeros_like(batch.response_mask), None)
+    inputs = stages.advantage_inputs(run, run.plan, batch, torch.zeros_like(batch.response_mask), None)
     assert torch.equal(inputs["token_rewards"], batch.tensors.turn_rewards) and "scores" not in inputs
 
 

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 import train
-from nanorl import stages
+from nanorl import rounds
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -54,7 +54,7 @@ def test_failed_samples_train_no_token_and_are_counted(task, tmp_path, monkeypat
     """Planted: sample 0 of every group aborted, sample 1 an environment error (statuses the engine and
     the episode driver set), and a reward that raises on answers ending in 7. Only the rest reach the
     update: the batch holds exactly them, and the counts say what left."""
-    real_generate, seen, planted = stages.generate, [], {}
+    real_generate, seen, planted = rounds.generate, [], {}
 
     def generate(run, prompts, n, sampling):
         samples = real_generate(run, prompts, n, sampling)
@@ -63,7 +63,7 @@ def test_failed_samples_train_no_token_and_are_counted(task, tmp_path, monkeypat
         planted["samples"] = samples
         return samples
 
-    monkeypatch.setattr(stages, "generate", generate)
+    monkeypatch.setattr(rounds, "generate", generate)
     real_train_on = train.train_on
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real_train_on(run, batch))
     run = train.setup(train.parse_args(args(task, tmp_path, "--steps", "1", "--reward", task["faulty"],

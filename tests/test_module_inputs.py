@@ -14,6 +14,7 @@ and no Run.
 
 Run: python -m pytest tests/test_module_inputs.py -q
 """
+import dataclasses
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -227,8 +228,8 @@ def test_dump_rollouts_of_a_batch_with_objects_and_no_run(tmp_path):
 
 
 def test_train_on_with_a_learner_and_no_run(tmp_path):
-    """update.train_on given only the attributes update.Learner documents (a SimpleNamespace, not
-    train.py's Run) takes the very step the trainer takes: the same weights, bit for bit."""
+    """update.train_on given an update.Learner record built by hand from the run's parts (not train.py's
+    Run, nor its learner_of) takes the very step the trainer takes: the same weights, bit for bit."""
     import train
     from nanorl import update
     from nanorl.config import parse_args
@@ -246,8 +247,8 @@ def test_train_on_with_a_learner_and_no_run(tmp_path):
         g = torch.Generator().manual_seed(0)
         batch.tensors.advantages = torch.randn(batch.response_mask.shape, generator=g) * batch.response_mask
         batch.tensors.ref_logprobs = run.ref(batch, None)[0].detach()
-        fields = update.Learner.__annotations__
-        learner = SimpleNamespace(**{k: getattr(run, k) for k in fields}) if lift else run
+        fields = [f.name for f in dataclasses.fields(update.Learner)]
+        learner = update.Learner(**{k: getattr(run, k) for k in fields}) if lift else train.learner_of(run)
         metrics = update.train_on(learner, batch)
         assert metrics["grad_norm"] > 0 and metrics["kl_loss"] != 0  # a real step, the KL term in it
         weights.append([p.detach().clone() for p in run.model.parameters()])

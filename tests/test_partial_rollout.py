@@ -20,9 +20,10 @@ from test_pipeline import (
 )
 
 import train
-from nanorl import pipeline, rollout_worker, shared_weights, stages
+from nanorl import pipeline, rollout_worker, shared_weights
 from nanorl.config import Config
 from nanorl.offpolicy import is_weights
+from nanorl.rollout import stop_token_ids
 from nanorl.trajectory import collate
 
 ABORT = ("--async-steps", "1", "--partial-rollout", "abort", "--over-sample", "2")
@@ -46,7 +47,7 @@ def make_worker(run, max_new_tokens: int, engine: str = "hf"):
     loader = copy.copy(run.loader)
     loader.load_state_dict(run.loader.state_dict())
     sampling = rollout_worker.SamplingConfig(max_new_tokens=max_new_tokens,
-                                             stop_token_ids=stages.stop_tokens(run))
+                                             stop_token_ids=stop_token_ids(run.model, run.tokenizer))
     cfg = run.cfg if engine == "hf" else dataclasses.replace(run.cfg, engine=engine)
     spec = rollout_worker.WorkerSpec(cfg, "cpu", sampling, 0, loader=loader,
                                      longest_prompt=max(len(p.ids) for p in run.loader.prompts))

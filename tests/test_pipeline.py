@@ -157,7 +157,8 @@ def test_remax_baselines_are_the_greedy_rewards_of_the_batchs_version(task, tmp_
             assert got == greedy_rewards(v)
             # the trainer's own version t would give other baselines (the test is not vacuous)
             seen_differ |= t > v and greedy_rewards(t) != got
-            assert stages.greedy_baselines(run, prompts, samples, None).tolist() == got
+            baselines = stages.greedy_baselines(train.sampler_of(run), prompts, samples, None, None)
+            assert baselines.tolist() == got
             next_version(run, pipe, versions, t, g, scale=0.5)  # far enough to change greedy answers
     finally:
         pipe.close()

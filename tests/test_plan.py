@@ -92,12 +92,13 @@ def test_a_name_registers_once():
 
 
 def test_the_trainer_names_no_algorithm():
-    """train.py, the stages, the plan, the update and the teacher read the estimators' and losses'
+    """train.py, the stages, the rounds, the plan, the update and the teacher read the estimators' and losses'
     declarations, never their names."""
     import ast
     import pathlib
     names = set(ADVANTAGE_ESTIMATORS) | set(POLICY_LOSSES)
-    for path in ("train.py", "nanorl/stages.py", "nanorl/plan.py", "nanorl/update.py", "nanorl/teacher.py"):
+    for path in ("train.py", "nanorl/stages.py", "nanorl/rounds.py", "nanorl/plan.py", "nanorl/update.py",
+                 "nanorl/teacher.py"):
         tree = ast.parse(pathlib.Path(train.__file__).parent.joinpath(path).read_text())
         found = [node.value for node in ast.walk(tree)
                  if isinstance(node, ast.Constant) and node.value in names]

@@ -1,4 +1,4 @@
-"""Reward components beside --reward (nanorl/stages.py score, with_components; nanorl/build.py
+"""Reward components beside --reward (nanorl/rounds.py score, with_components; nanorl/build.py
 make_scorers): a judge's and a reward model's scores join the rule reward as named components,
 weighed by --reward-weights in Sample.total_reward, each logged as it was scored; a failed judge
 call makes its sample a reward_fault, which leaves the step, and the run goes on.
@@ -13,7 +13,7 @@ import pytest
 from test_judges import JudgeServer
 
 import train
-from nanorl.stages import with_components
+from nanorl.rounds import with_components
 from nanorl.trajectory import Sample
 
 

@@ -73,7 +73,7 @@ def test_mask_think_reaches_the_update(smollm2, tmp_path, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import train
-    from nanorl import stages
+    from nanorl import rounds
     from nanorl.config import Config
     from nanorl.gguf_model import load_tokenizer
     tok = load_tokenizer(smollm2)
@@ -91,14 +91,14 @@ def test_mask_think_reaches_the_update(smollm2, tmp_path, monkeypatch):
                              skip_zero_advantage=False))  # every row trains: its mask is the update's
     think = tok("<think>x is 1</think>", add_special_tokens=False)["input_ids"]
     answer = tok(" 42", add_special_tokens=False)["input_ids"]
-    real = stages.generate
+    real = rounds.generate
 
     def thinking(run, prompts, n, sampling):
         out = real(run, prompts, n, sampling)
         for s in out:
             s.response_ids, s.rollout_logprobs, s.status = think + answer, None, "completed"
         return out
-    monkeypatch.setattr(stages, "generate", thinking)
+    monkeypatch.setattr(rounds, "generate", thinking)
     seen, update = [], train.train_on
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch.response_mask.clone())
                         or update(run, batch))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import train
-from nanorl import build, scoring, stages, update
+from nanorl import build, scoring, update
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.losses import AGG_MODES
-from nanorl.rollout import HFEngine, SamplingConfig
+from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
 from nanorl.trajectory import collate
 
 TINY = ["--steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0",
@@ -113,7 +113,7 @@ def test_gradient_accumulation_invariance(mode, task_dir, tmp_path):
                           "--max-new-tokens", "6"))
     run = train.setup(cfg)
     samples = run.engine.generate([p.ids for p in run.loader.next_batch()], 4, SamplingConfig(
-        max_new_tokens=6, stop_token_ids=stages.stop_tokens(run)))
+        max_new_tokens=6, stop_token_ids=stop_token_ids(run.model, run.tokenizer)))
     for i, s in enumerate(samples):
         s.reward = float(i % 3 == 0)
     batch = collate(samples, run.tokenizer.pad_token_id)
