@@ -307,7 +307,7 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     if logfile is not None:
         logfile.flush()
     _write_json(os.path.join(tmp, "trainer_state.json"), {
-        "format": FORMAT, "step": state.step, "config": dataclasses.asdict(cfg),
+        "format": FORMAT, "step": state.step, "config": cfg.as_flags(),
         "layout": "lora" if adapters else "full" if sharded is None else "sharded", "sharded": sharded,
         "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
@@ -479,8 +479,10 @@ def _ptr(t: torch.Tensor) -> int:
 def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, weights: list[dict]) -> None:
     log = logger.print if logger is not None else print
     # FREE_FIELDS: harmless to change
-    changed = {k: (v, getattr(cfg, k, None)) for k, v in saved["config"].items()
-               if k not in FREE_FIELDS and getattr(cfg, k, None) != v}
+    # saved by flag name (older checkpoints too: Config was flat), compared by flag name
+    now = cfg.as_flags()
+    changed = {k: (v, now.get(k)) for k, v in saved["config"].items()
+               if k not in FREE_FIELDS and now.get(k) != v}
     if changed:
         log(f"note: config differs from the checkpoint's (saved, now): {changed}")
     try:
