@@ -20,7 +20,6 @@ loads them) and the model's config instead of the full weights (the base is `--m
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -190,7 +189,7 @@ def save(state: State, cfg, logger=None) -> str:
         if err is None:
             try:
                 # collective: State carries the model, trained, critic, optimizer and rank it reads
-                sharded = ckpt_sharded.save(state, tmp) if cfg.fsdp else None
+                sharded = ckpt_sharded.save(state, tmp) if cfg.memory.fsdp else None
                 if rank == 0:
                     _write_rank0(state, cfg, logger, tmp, ranks, sharded)
             except (OSError, CheckpointException) as e:
@@ -237,7 +236,7 @@ def save(state: State, cfg, logger=None) -> str:
     if rank == 0:
         shutil.rmtree(trash, ignore_errors=True)
         complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
-        keep = cfg.keep_checkpoints
+        keep = cfg.saving.keep_checkpoints
         # keep the newest `keep` complete ones, delete everything older
         for s, p in list_checkpoints(root):
             if len(complete) >= keep and s < complete[keep - 1][0]:
@@ -499,7 +498,8 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
     if saved["config"].get("lr", cfg.lr) != cfg.lr:
         _apply_lr(state, cfg.lr)
     for group in state.optimizer.param_groups:  # the restored groups carry the saved run's settings
-        group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        group.update(betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps,
+                     weight_decay=cfg.optim.weight_decay)
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
     state.loader.load_state_dict(saved["loader"])
     state.counters.update(saved["counters"])

@@ -95,7 +95,7 @@ def stop_tokens(run) -> tuple[int, ...]:
 
 def support_of(run, batch):
     """The kept sampling support [B, T, K] the trainer's forwards restrict to (--keep-sampling-mask)."""
-    return batch.sampling_support if run.cfg.keep_sampling_mask else None
+    return batch.sampling_support if run.cfg.sampling.keep_sampling_mask else None
 
 
 def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | None]:
@@ -103,13 +103,15 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
     rollout metrics, the filters (failed samples, --sample-filter, DAPO, overlong, post-processing)."""
     cfg = run.cfg
     with timer("generate"):
-        sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+        sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                                  top_p=cfg.sampling.top_p,
                                   max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_tokens(run),
-                                  keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
+                                  keep_support=cfg.sampling.keep_sampling_mask,
+                                  support_cap=cfg.sampling.support_cap)
         # DAPO over-sampling: groups scored as they stop, the rest aborted (async: the worker's)
-        oversampled = cfg.over_sample > 1 and run.source.local
+        oversampled = cfg.dapo.over_sample > 1 and run.source.local
         # DAPO with --async-steps: the worker ran the rounds, post-processed and filtered each
-        refilled = cfg.filter_groups and not run.source.local
+        refilled = cfg.dapo.filter_groups and not run.source.local
         if oversampled:
             samples = oversampled_round(run, prompts, sampling, metrics)
         else:
@@ -126,18 +128,19 @@ def rollout(run, prompts, timer, metrics: dict) -> tuple[list, torch.Tensor | No
     if samples:  # what trains was sampled and scored like this (a rank may have none left)
         metrics.update(reward_metrics(samples))
     baselines = greedy_baselines(run, prompts, samples, timer) if run.plan.greedy_baselines else None
-    if cfg.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
+    if cfg.sampling.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
         stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
         metrics["ksm/support_bytes_per_token"] = stored / max(1, sum(s.response_length for s in samples))
     metrics.update({f"reward_faults/{k}": v for k, v in run.rewards.faults.items()})  # run totals
     for name, scorer in run.scorers.items():  # a judge's failed calls, by kind, run totals
         metrics.update({f"reward_faults/{name}/{k}": v for k, v in scorer.faults.items()})
-    if cfg.filter_groups and not refilled:  # DAPO: drop zero-variance groups, refill the step
+    if cfg.dapo.filter_groups and not refilled:  # DAPO: drop zero-variance groups, refill the step
         samples = refill_groups(run, prompts, samples, sampling, timer, metrics)
-    if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
+    # DAPO's soft overlong punishment, after the filter (which reads correctness)
+    if cfg.dapo.overlong_buffer:
         metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
-            samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-    if cfg.mask_think:  # the reasoning conditions the answer and takes no loss (nanorl/spans.py)
+            samples, cfg.max_new_tokens, cfg.dapo.overlong_buffer, cfg.dapo.overlong_penalty)
+    if cfg.prompts.mask_think:  # the reasoning conditions the answer and takes no loss (nanorl/spans.py)
         metrics["think_masked_frac"] = spans.mask_think(samples, run.tokenizer)
     return samples, baselines
 
@@ -162,8 +165,8 @@ def to_batch(run, samples) -> tuple[list, object]:
     """Samples → (samples, the padded batch on the training device), the engine's memory freed first."""
     if not samples:  # none left here, some elsewhere: join the step with rows that weigh nothing
         samples = zero_weight_samples(run.tokenizer.pad_token_id, run.cfg.samples_per_prompt)
-    if run.cfg.sleep_level:  # vLLM: free its GPU memory until the sync (the HF engine: nothing to free)
-        run.engine.sleep(run.cfg.sleep_level)
+    if run.cfg.vllm.sleep_level:  # vLLM: free its GPU memory until the sync (the HF engine: nothing to free)
+        run.engine.sleep(run.cfg.vllm.sleep_level)
     device = next(run.model.parameters()).device
     precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
     batch = collate(samples, run.tokenizer.pad_token_id).to(device)
@@ -180,9 +183,10 @@ def recompute(run, samples, batch, metrics: dict) -> None:
     teacher's — each only when the plan needs it — in one no-gradient pass of the policy (FSDP gathers
     its weights inside `trained`; micro-batched as training), one of the reference, one of the teacher."""
     plan, t, support = run.plan, batch.tensors, support_of(run, batch)
-    if run.cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
+    # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
+    if run.cfg.memory.routing_replay:
         t.old_logprobs = routing_forward(run, batch, support, metrics)
-    elif run.cfg.old_logprobs == "rollout":
+    elif run.cfg.offpolicy.old_logprobs == "rollout":
         t.old_logprobs = batch.rollout_logprobs
     again = plan.old_logprobs and t.old_logprobs is None
     # a dump step scores every row too: the dumps show π before the update (nanorl/dump.py)
@@ -218,16 +222,17 @@ def advantages(run, batch, baselines, metrics: dict) -> None:
         metrics.update(is_metrics(w, changed, rho, mask))
     kl = None
     if run.plan.kl_in_reward:  # KL as a per-token penalty in the reward (InstructGPT, REINFORCE++)
-        kl = kl_estimator(t.old_logprobs, t.ref_logprobs, cfg.kl_estimator, mask=mask)  # [B, T]
+        kl = kl_estimator(t.old_logprobs, t.ref_logprobs, cfg.kl.kl_estimator, mask=mask)  # [B, T]
         metrics["kl_ref"] = float(masked_mean(kl, mask))  # logged, and what --kl-target steers by
     t.advantages, t.returns = compute_advantages(run.plan.estimator,
                                                  **advantage_inputs(run, batch, kl, baselines))
     if run.plan.teacher:  # KL(π_old ‖ π_teacher) per token, k1 on the sampled tokens: distillation lowers it
         metrics["teacher_kl"] = float(masked_mean(t.old_logprobs - t.teacher_logprobs, mask))
-    if cfg.distill_coef:  # a task reward + distillation: A_t + λ·(log π_teacher − log π_old) (slime's OPD)
-        t.advantages = t.advantages + cfg.distill_coef * reverse_kl_advantage(
+    # a task reward + distillation: A_t + λ·(log π_teacher − log π_old) (slime's OPD)
+    if cfg.distill.distill_coef:
+        t.advantages = t.advantages + cfg.distill.distill_coef * reverse_kl_advantage(
             t.old_logprobs, t.teacher_logprobs, mask)  # [B, T]
-    if cfg.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
+    if cfg.dapo.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
         batch.response_mask = dapo.truncated_loss_mask(batch.response_mask, batch.truncated)
 
 
@@ -242,7 +247,7 @@ def sync(run, metrics: dict) -> None:
                            f"({type(e).__name__}: {e}); resume from the last checkpoint with "
                            "--resume latest") from e
     run.source.publish(run.model, run.step + 1)  # async: the worker samples batch step + 1 + K from it
-    due = cfg.sync_check_every and (run.step + 1) % cfg.sync_check_every == 0
+    due = cfg.vllm.sync_check_every and (run.step + 1) % cfg.vllm.sync_check_every == 0
     if due and run.engine.holds_own_weights:
         # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
         with distributed.root_gathered(run.trained):
@@ -261,7 +266,7 @@ def step_metrics(run, samples, batch, mask, timer, metrics: dict) -> dict:
     if run.plan.is_weights == "first forward":  # the update weighed each token with these (micro_step)
         metrics.update(is_metrics(*step_is_weights(run.cfg, trainer_logp, batch.rollout_logprobs,
                                                    mask * scored), mask * scored))
-    if run.cfg.kl_target:  # the per-token KL to the reference, in either placement
+    if run.cfg.kl.kl_target:  # the per-token KL to the reference, in either placement
         n_tok = float(mask.sum()) if "kl_ref" in metrics else 0.0  # a rank of pads only has none
         kl_sum, n = distributed.all_reduce(torch.tensor([metrics.get("kl_ref", 0.0) * n_tok, n_tok])).tolist()
         if n > 0 and math.isfinite(kl_sum / n):
@@ -277,14 +282,14 @@ def step_metrics(run, samples, batch, mask, timer, metrics: dict) -> dict:
 
 
 def dump_due(run) -> bool:
-    return dump.due(run.cfg.dump_rollouts, run.step + 1)
+    return dump.due(run.cfg.saving.dump_rollouts, run.step + 1)
 
 
 def dump_step(run, samples, batch) -> None:
     """Every --dump-rollouts steps: this step's samples and per-token tensors (nanorl/dump.py)."""
     cfg = run.cfg
-    dump.rollouts(samples, batch, run.tokenizer, run.step + 1, cfg.dump_rollouts, cfg.out_dir,
-                  cfg.dump_rollouts_mb, rank=run.rank, log=run.logger.print)
+    dump.rollouts(samples, batch, run.tokenizer, run.step + 1, cfg.saving.dump_rollouts, cfg.out_dir,
+                  cfg.saving.dump_rollouts_mb, rank=run.rank, log=run.logger.print)
 
 
 def enough_to_train(run, n: int) -> bool:
@@ -319,7 +324,7 @@ def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
     def any_short(short: bool) -> bool:  # all ranks draw the same rounds
         return short if run.world == 1 else int(distributed.all_reduce(torch.tensor([int(short)]))) > 0
 
-    kept, rounds, generated, gave_up = dapo.dynamic_sampling(draw, len(prompts), cfg.max_gen_batches,
+    kept, rounds, generated, gave_up = dapo.dynamic_sampling(draw, len(prompts), cfg.dapo.max_gen_batches,
                                                              any_short)
     found = len({s.group_id for s in kept})
     metrics.update({"groups_kept_frac": found / max(generated, 1), "dapo/gen_rounds": rounds})
@@ -327,7 +332,7 @@ def refill_groups(run, prompts, samples, sampling, timer, metrics) -> list:
         run.counters["dapo_gave_up"] = run.counters.get("dapo_gave_up", 0) + 1
         run.logger.print(f"step {run.step}: dynamic sampling found {found} of {len(prompts)} groups with "
                          f"reward variance in {rounds} generation rounds (--max-gen-batches "
-                         f"{cfg.max_gen_batches}); training on those. Raise --max-gen-batches, or use "
+                         f"{cfg.dapo.max_gen_batches}); training on those. Raise --max-gen-batches, or use "
                          "easier data / a stronger start.")
     return kept
 
@@ -341,7 +346,7 @@ def oversampled_round(run, prompts, sampling, metrics: dict) -> list:
     aborts between its decode steps, vLLM through its request loop (VLLMEngine._until). Logged:
     dapo/aborted_tokens (sampled, then thrown away), dapo/aborted_groups, dapo/oversampled_groups."""
     n, wanted = run.cfg.samples_per_prompt, len(prompts)
-    pool = list(prompts) + [p for _ in range(run.cfg.over_sample - 1) for p in run.loader.next_batch()]
+    pool = list(prompts) + [p for _ in range(run.cfg.dapo.over_sample - 1) for p in run.loader.next_batch()]
     found = [0]
 
     def scored(groups: list) -> None:  # whole groups, consecutive: prompt i's n samples
@@ -391,7 +396,7 @@ def advantage_inputs(run, batch, kl, baselines) -> dict:
     comps = torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None
     have = dict(mask=mask, index=batch.group_ids, values=t.old_values, components=comps,
                 old_logprobs=t.old_logprobs, sum_sq_probs=t.sum_sq_probs, teacher_logprobs=t.teacher_logprobs,
-                rollout_is_weights=t.is_weights, gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k,
+                rollout_is_weights=t.is_weights, gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.evaluation.pass_k,
                 metadata=batch.metadata)  # per-row Sample.metadata: for a user estimator
     inputs = {k: v for k, v in have.items() if k in uses and v is not None}
     # an environment rewarded turns (nanorl/env.py):

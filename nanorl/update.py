@@ -60,11 +60,13 @@ def loss_config(run: Learner) -> LossConfig:
     c = run.cfg
     # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
     return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
-                      dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg),
-                      dro_beta=c.dro_beta,
-                      cov_ratio=c.cov_ratio, cov_kl_coef=c.cov_kl_coef, agg_mode=c.loss_agg,
+                      dual_clip=c.dual_clip or None, sapo_tau=(c.loss_knobs.sapo_tau_pos,
+                                                               c.loss_knobs.sapo_tau_neg),
+                      dro_beta=c.loss_knobs.dro_beta,
+                      cov_ratio=c.loss_knobs.cov_ratio, cov_kl_coef=c.loss_knobs.cov_kl_coef,
+                      agg_mode=c.loss_agg,
                       norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
-                      kl_coef=0.0 if c.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
+                      kl_coef=0.0 if c.kl.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
 
 
 def select_tokens(run: Learner, mini, step_index: int, lcfg: LossConfig) -> None:
@@ -89,9 +91,9 @@ def train_on(run: Learner, batch) -> dict:
     lcfg, sums, counts, steps = loss_config(run), {}, {}, 0
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + run.step)
     first = {k: torch.zeros_like(batch.response_mask, dtype=torch.float) for k in FIRST_PASS}  # [B, T] each
-    for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.tensor_split(cfg.mini_batches):  # at most mini_batches optimizer steps
+    for epoch in range(cfg.optim.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if cfg.optim.mini_batches > 1 else torch.arange(B)
+        for rows in order.tensor_split(cfg.optim.mini_batches):  # at most mini_batches optimizer steps
             mini = batch.select(rows.tolist()) if len(rows) else None  # None: no row of this step here
             groups = micro_batches(run, mini)  # agreed over ranks: pads where this rank has fewer
             if not groups:  # no rank holds a row of this step (fewer samples than mini-batches): no step
@@ -100,7 +102,8 @@ def train_on(run: Learner, batch) -> dict:
                 select_tokens(run, mini, steps, lcfg)
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
-            if cfg.skip_zero_advantage:  # after the denominators: skipped rows keep their share of them
+            # after the denominators: skipped rows keep their share of them
+            if cfg.memory.skip_zero_advantage:
                 mini, rows, skipped = skip_zero_advantage(mini, rows)
                 groups = micro_batches(run, mini)  # re-planned (and agreed again) over the rows that train
                 sums["rows_skipped_frac"] = sums.get("rows_skipped_frac", 0.0) + skipped
@@ -135,7 +138,7 @@ def train_on(run: Learner, batch) -> dict:
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
-            if cfg.ppo_epochs * cfg.mini_batches > 1:  # several per rollout: each on its own axis
+            if cfg.optim.ppo_epochs * cfg.optim.mini_batches > 1:  # several per rollout: each on its own axis
                 run.logger.optimizer_step(run.step + 1, {"opt_step": run.scheduler.last_epoch, "epoch": epoch,
                                                          **stats})
     batch.tensors.update(**first)
@@ -160,7 +163,7 @@ def skip_zero_advantage(mini, rows):
     gradient (ratio · 0, clipped or not), so its forward and backward can go, provided the loss keeps
     the whole step's denominators (train_on computes them first). What the row would still add: its
     KL-to-reference and entropy-bonus gradients (and its value loss), which skipping drops — see
-    Config.skip_zero_advantage."""
+    Config.flag_default('skip_zero_advantage')."""
     if mini is None:
         return None, rows, 0.0
     keep = trains(mini).nonzero().flatten()  # [k]
@@ -188,14 +191,14 @@ def old_policy_view(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def step_is_weights(cfg, old_logp, rollout_logp, mask):
     """--tis-cap / --mis-high's weights ρ = π_old/π_rollout [B, T] (with `changed` and the raw `rho`,
     for is_metrics), at --is-level (nanorl/offpolicy.py is_weights)."""
-    return is_weights(old_logp, rollout_logp, mask, level=cfg.is_level,
-                      tis=(cfg.tis_low, cfg.tis_cap) if cfg.tis_cap else None,
-                      mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
+    return is_weights(old_logp, rollout_logp, mask, level=cfg.offpolicy.is_level,
+                      tis=(cfg.offpolicy.tis_low, cfg.offpolicy.tis_cap) if cfg.offpolicy.tis_cap else None,
+                      mis=(cfg.offpolicy.mis_low, cfg.offpolicy.mis_high) if cfg.offpolicy.mis_high else None)
 
 
 def micro_step(run: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = run.cfg
-    support = mb.sampling_support if cfg.keep_sampling_mask else None
+    support = mb.sampling_support if cfg.sampling.keep_sampling_mask else None
     logp, ent, values = run.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
     t, mask = mb.tensors, mb.response_mask
     # train_on keeps epoch 0's (old_policy_view)
@@ -203,15 +206,15 @@ def micro_step(run: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     # on-policy: π_old is the current policy, detached
     old = t.old_logprobs if t.old_logprobs is not None else logp.detach()
     kl = None
-    if run.ref is not None and not cfg.kl_in_reward:
-        kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl_estimator, mask=mask)
-              if cfg.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl_estimator, mask=mask))
+    if run.ref is not None and not cfg.kl.kl_in_reward:
+        kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl.kl_estimator, mask=mask)
+              if cfg.kl.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl.kl_estimator, mask=mask))
     weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (nanorl/stages.py), detached
-    if weights is None and (cfg.tis_cap or cfg.mis_high):
+    if weights is None and (cfg.offpolicy.tis_cap or cfg.offpolicy.mis_high):
         # the plan left them to this forward: on-policy, its detached logprobs are π_old (nanorl/plan.py)
         weights = step_is_weights(cfg, old, mb.rollout_logprobs, mask)[0]
-    if cfg.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
-        keep, masked = opsm_mask(logp, mb.rollout_logprobs, t.advantages, mask, cfg.opsm_delta)
+    if cfg.offpolicy.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
+        keep, masked = opsm_mask(logp, mb.rollout_logprobs, t.advantages, mask, cfg.offpolicy.opsm_delta)
         weights = keep if weights is None else weights * keep
         extra["opsm_maskfrac"] = masked.sum() / (mask > 0).sum().clamp(min=1)
     loss, m = total_loss(lcfg, logp, old, t.advantages, mask, entropy=ent, kl=kl,
@@ -266,7 +269,7 @@ def sync_and_step(run: Learner, params) -> float:
     if run.scaler:
         run.scaler.unscale_(run.optimizer)
         overflow = precision.agree_found_inf(run.scaler, run.optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip if run.cfg.grad_clip else float("inf"))
+    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.optim.grad_clip or float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
     if overflow and torch.isfinite(norm):  # another rank's shard overflowed: the same skip here
         norm = torch.full_like(norm, float("inf"))

@@ -102,7 +102,7 @@ def test_every_flag_keeps_its_name_default_and_type():
     assert parser_flags == want | {"-h", "--help"}
     # defaults: Config's, then the grpo preset's
     from nanorl.presets import PRESETS
-    assert cfg == Config(**PRESETS["grpo"][1])
+    assert cfg == Config.from_flags(**PRESETS["grpo"][1])
     typed = parse_args(["--algo", "ppo", "--steps", "3", "--lr", "0.5", "--no-whiten-advantages", "--engine",
                         "hf", "--sleep-level", "1"])
     got = (typed.steps, typed.lr, typed.whiten_advantages, typed.engine, typed.sleep_level)
@@ -115,7 +115,7 @@ def test_choices_are_checked_by_argparse_and_by_config(capsys):
     assert e.value.code == 2 and "--engine" in capsys.readouterr().err
     for name, choices in CHOICES.items():
         with pytest.raises(ValueError, match=f"config: {name} must be one of"):
-            Config(**{name: "nope"})
+            Config.from_flags(**{name: "nope"})
 
 
 def test_building_a_config_imports_no_higher_level_module_and_loads_no_user_file(tmp_path):
@@ -131,12 +131,12 @@ def test_building_a_config_imports_no_higher_level_module_and_loads_no_user_file
         from nanorl.config import Config, parse_args
         Config()
         parse_args(["--algo", "ppo"])
-        Config(env="calc", max_new_tokens=12)
-        Config(async_steps=1, rollout_device="cpu", partial_rollout="switch")
-        c = Config(plugin={str(user)!r}, reward={str(user)!r} + ":reward",
+        Config.from_flags(env="calc", max_new_tokens=12)
+        Config.from_flags(async_steps=1, rollout_device="cpu", partial_rollout="switch")
+        c = Config.from_flags(plugin={str(user)!r}, reward={str(user)!r} + ":reward",
                    reward_postprocess={str(user)!r} + ":reward_postprocess", log_metadata="a,b/")
-        assert c.temperature == 1.0, c.temperature
-        Config(reward="math")
+        assert c.sampling.temperature == 1.0, c.sampling.temperature
+        Config.from_flags(reward="math")
         print(sorted(m for m in sys.modules if m.startswith("nanorl")))
         """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -173,7 +173,7 @@ def test_a_plugin_is_resolved_at_setup_not_while_the_config_is_built(tmp_path):
     got = (parsed.reward, parsed.advantage, parsed.temperature, parsed.log_metadata)
     assert got == ("exact", "grpo", 1.0, "")
     cfg = plugins.apply(parsed)
-    assert (cfg.reward, cfg.advantage, cfg.temperature, cfg.log_metadata) == (
+    assert (cfg.reward, cfg.advantage, cfg.sampling.temperature, cfg.log_metadata) == (
         f"{f}:reward", f"{f}:advantage", 0.9, "toy/")
     assert cfg.advantage_fn is plugins.load_object(f"{f}:advantage", "advantage")
     # idempotent; a config without plug-ins comes back as is
@@ -185,24 +185,24 @@ def test_a_plugin_is_resolved_at_setup_not_while_the_config_is_built(tmp_path):
         plugins.apply(parse_args(["--plugin", f, "--temperature", "0.7"]))
     # the filled config is validated again: --env makes the plug-in's reward a flag that does nothing
     with pytest.raises(ValueError, match="--reward does nothing with --env"):
-        plugins.apply(Config(plugin=f, env="calc", max_new_tokens=12))
+        plugins.apply(Config.from_flags(plugin=f, env="calc", max_new_tokens=12))
 
 
 def test_reward_timeout_default_is_resolved_for_the_plugins_reward(tmp_path):
-    assert Config(reward="math").reward_timeout == BOUNDED_REWARDS["math"] > 0
+    assert Config.from_flags(reward="math").reward_timeout == BOUNDED_REWARDS["math"] > 0
     from nanorl import rewards
     assert rewards.BOUNDED is BOUNDED_REWARDS
     math_plugin = write(tmp_path, "m.py", "CONFIG = {'reward': 'math'}\n")
-    assert Config(plugin=math_plugin).reward_timeout == 0.0
+    assert Config.from_flags(plugin=math_plugin).reward_timeout == 0.0
     # -1 resolved again once the plug-in chose the math reward
-    assert plugins.apply(Config(plugin=math_plugin)).reward_timeout == BOUNDED_REWARDS["math"]
+    assert plugins.apply(Config.from_flags(plugin=math_plugin)).reward_timeout == BOUNDED_REWARDS["math"]
     # a plug-in's own timeout is no conflict with the resolved default, but is with a flag
     timed = write(tmp_path, "t.py", "CONFIG = {'reward_timeout': 5.0}\n")
-    assert plugins.apply(Config(plugin=timed)).reward_timeout == 5.0
+    assert plugins.apply(Config.from_flags(plugin=timed)).reward_timeout == 5.0
     with pytest.raises(ValueError, match="reward_timeout is already 3.0"):
-        plugins.apply(Config(plugin=timed, reward_timeout=3.0))
+        plugins.apply(Config.from_flags(plugin=timed, reward_timeout=3.0))
     # the user's explicit 0 survives a plug-in that changes the reward
-    assert plugins.apply(Config(plugin=math_plugin, reward_timeout=0.0)).reward_timeout == 0.0
+    assert plugins.apply(Config.from_flags(plugin=math_plugin, reward_timeout=0.0)).reward_timeout == 0.0
 
 
 def test_builtin_env_names_are_the_environments_of_tool_envs():
@@ -252,15 +252,15 @@ MOVED_CHECKS = [
 @pytest.mark.parametrize("kw,message", MOVED_CHECKS, ids=[m[:40] for _, m in MOVED_CHECKS])
 def test_each_moved_check_still_raises_with_its_message(kw, message):
     with pytest.raises(ValueError, match="^config: .*" + message):
-        Config(**kw)
+        Config.from_flags(**kw)
 
 
 def test_the_moved_checks_pass_what_is_allowed():
-    assert Config(env="calc", max_new_tokens=12, env_max_turns=3).episode_tokens == 36
+    assert Config.from_flags(env="calc", max_new_tokens=12, env_max_turns=3).episode_tokens == 36
     # a reward_timeout of 0 with --env is fine (the environment scores; rewards run in-process)
-    assert Config(env="calc", max_new_tokens=12, reward_timeout=0.0).env == "calc"
-    assert Config(env="my_env.py:MyEnv").env == "my_env.py:MyEnv"
-    cfg = Config(async_steps=2, partial_rollout="switch", mask_offpolicy_in_partial_rollout=True,
+    assert Config.from_flags(env="calc", max_new_tokens=12, reward_timeout=0.0).env == "calc"
+    assert Config.from_flags(env="my_env.py:MyEnv").env == "my_env.py:MyEnv"
+    cfg = Config.from_flags(async_steps=2, partial_rollout="switch", mask_offpolicy_in_partial_rollout=True,
                  rollout_device="cpu")
-    assert cfg.async_steps == 2
-    assert Config(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"
+    assert cfg.pipeline.async_steps == 2
+    assert Config.from_flags(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"

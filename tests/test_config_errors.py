@@ -3,7 +3,7 @@
 Every `need(...)` rule of nanorl/config_checks.py is tripped by one case below (the cases are checked
 to reach every rule, found in the file's source: a new rule needs a new case), and each case goes
 through train.py's command-line entry (`train.cli`) in-process; one real `python train.py` run checks
-the process itself. Programmatic callers (Config(...), train.main) still get the exception.
+the process itself. Programmatic callers (Config.from_flags(...), train.main) still get the exception.
 
     python -m pytest tests/test_config_errors.py -q
 """
@@ -158,7 +158,7 @@ def case_id(case) -> str:
 def trip(kw: dict, fn) -> ConfigError:
     """The ConfigError the case raises: building the Config, or checking the user estimator on it."""
     with pytest.raises(ConfigError) as e:
-        cfg = Config(**kw)
+        cfg = Config.from_flags(**kw)
         if fn is not None:
             config_checks.check_estimator(cfg, fn)
     return e.value
@@ -261,25 +261,25 @@ FLOAT_FIELDS = [f.name for f in dataclasses.fields(Config) if isinstance(f.defau
 def test_every_float_flag_must_be_finite(name):
     for bad in (NAN, INF, -INF):
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite number"):
-            Config(**{name: bad})
+            Config.from_flags(**{name: bad})
 
 
 def test_weights_in_strings_must_be_finite_too():
     with pytest.raises(ConfigError, match="reward_weights must be name=number pairs"):
-        Config(reward_model="rm", reward_weights="correct=nan")
+        Config.from_flags(reward_model="rm", reward_weights="correct=nan")
     with pytest.raises(ConfigError, match="gdpo_weights must be comma-separated numbers"):
-        Config(advantage="gdpo", gdpo_weights="1,inf")
+        Config.from_flags(advantage="gdpo", gdpo_weights="1,inf")
 
 
 def test_routing_replay_refuses_rollout_logprobs():
     with pytest.raises(ConfigError, match="--routing-replay computes π_old .* --old-logprobs rollout"):
-        Config(routing_replay=True, old_logprobs="rollout")
+        Config.from_flags(routing_replay=True, old_logprobs="rollout")
     for mode in ("auto", "recompute"):
-        assert Config(routing_replay=True, old_logprobs=mode).routing_replay
+        assert Config.from_flags(routing_replay=True, old_logprobs=mode).routing_replay
 
 
 def test_reward_weights_need_a_reward_model_or_judge():
     with pytest.raises(ConfigError, match="--reward-weights weighs --reward against"):
-        Config(reward_weights="correct=0,other=0")
-    assert Config(reward_model="rm", reward_weights="correct=0,rm=1").reward_weights
-    assert Config(reward_weights="correct=0", **JUDGE).reward_weights
+        Config.from_flags(reward_weights="correct=0,other=0")
+    assert Config.from_flags(reward_model="rm", reward_weights="correct=0,rm=1").reward_weights
+    assert Config.from_flags(reward_weights="correct=0", **JUDGE).reward_weights

@@ -5,7 +5,6 @@ masks; an async run resumes to the uninterrupted run; a worker's error surfaces 
 (The learning test is in tests/test_learning.py.)   python -m pytest tests/test_pipeline.py -q
 """
 import copy
-import dataclasses
 import json
 import os
 
@@ -49,7 +48,8 @@ def weights(out, step):
 
 
 def setup_run(task, out, **kw):
-    return train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
+    return train.setup(Config.from_flags(model=task["model"], train_data=task["train"],
+                                         test_data=task["test"],
                               quiet=True,
                               **{"out_dir": str(out), "eval_every": 0, "threads": 1, "prompts_per_step": 4,
                                  "samples_per_prompt": 2, **kw}))
@@ -233,7 +233,7 @@ def test_partial_rollout_forced_update_mid_generation(task, tmp_path):
     weights_ = rollout_worker.SharedWeights(run.model, 1, mp.get_context("fork"))
     weights_.publish(run.model, 0)
     stop = stages.stop_tokens(run)
-    spec = rollout_worker.WorkerSpec(dataclasses.replace(run.cfg, samples_per_prompt=8), "cpu",
+    spec = rollout_worker.WorkerSpec(run.cfg.replace(samples_per_prompt=8), "cpu",
                                rollout_worker.SamplingConfig(max_new_tokens=4, stop_token_ids=stop), 0)
     worker = rollout_worker.Worker(spec, weights_)
     old = {k: v.clone() for k, v in run.model.state_dict().items()}
@@ -342,7 +342,7 @@ def test_config_rejects_what_async_cannot_do():
                     (dict(async_steps=1, partial_rollout="switch", engine="vllm"), "engine vllm"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
-            Config(**kw)
+            Config.from_flags(**kw)
 
 
 def _pool_in_a_fork(own_server: bool, out) -> None:
