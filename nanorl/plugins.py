@@ -14,7 +14,6 @@ functions again by name.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import inspect
