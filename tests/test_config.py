@@ -6,7 +6,6 @@ the checks moved in from tool_envs / pipeline / plugins still raise, each naming
     python -m pytest tests/test_config.py -q
 """
 import argparse
-import dataclasses
 import os
 import re
 import subprocess
@@ -16,10 +15,10 @@ import textwrap
 import pytest
 
 from nanorl import plugins
-from nanorl.config import BOUNDED_REWARDS, BUILTIN_ENV_NAMES, CHOICES, Config, help_layout, parse_args
+from nanorl.config import BOUNDED_REWARDS, BUILTIN_ENV_NAMES, CHOICES, GROUP_CLASSES, Config, help_layout, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIELDS = [f.name for f in dataclasses.fields(Config)]
+FIELDS = list(Config().as_flags())  # every flag: the top-level fields and the groups' (by flag name)
 
 
 def flag(name: str) -> str:
@@ -73,7 +72,9 @@ def test_every_field_appears_exactly_once_in_help(help_lines):
 
 def test_help_groups_are_the_sections_of_config_in_order(help_lines):
     source = open(os.path.join(ROOT, "nanorl", "config.py"), encoding="utf-8").read()
-    sections = re.findall(r"^    # --- (.+)$", source, re.M)
+    # a `# --- title` comment, or a feature group's field (its class's TITLE), in the source's order
+    found = re.findall(r"^    # --- (.+)$|^    (\w+): \w+ = field\(default_factory=", source, re.M)
+    sections = [title or GROUP_CLASSES[group].TITLE for title, group in found]
     layout = help_layout()
     assert [title for title, _ in layout] == sections
     # each field in exactly one group, in the class's order
@@ -97,7 +98,7 @@ def test_every_flag_keeps_its_name_default_and_type():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("argparse.ArgumentParser.parse_args", grab)
         cfg = parse_args([])
-    bools = [n for n in FIELDS if isinstance(getattr(Config, n), bool)]
+    bools = [n for n in FIELDS if isinstance(Config.flag_default(n), bool)]
     want = {flag(n) for n in FIELDS} | {"--no-" + flag(n)[2:] for n in bools}
     assert parser_flags == want | {"-h", "--help"}
     # defaults: Config's, then the grpo preset's
@@ -105,7 +106,7 @@ def test_every_flag_keeps_its_name_default_and_type():
     assert cfg == Config.from_flags(**PRESETS["grpo"][1])
     typed = parse_args(["--algo", "ppo", "--steps", "3", "--lr", "0.5", "--no-whiten-advantages", "--engine",
                         "hf", "--sleep-level", "1"])
-    got = (typed.steps, typed.lr, typed.whiten_advantages, typed.engine, typed.sleep_level)
+    got = (typed.steps, typed.lr, typed.whiten_advantages, typed.engine, typed.vllm.sleep_level)
     assert got == (3, 0.5, False, "hf", 1)
 
 
@@ -170,7 +171,7 @@ def test_a_plugin_is_resolved_at_setup_not_while_the_config_is_built(tmp_path):
     f = write(tmp_path, "toy.py", PLUGIN)
     parsed = parse_args(["--plugin", f])
     # the parsed config holds the flags as given
-    got = (parsed.reward, parsed.advantage, parsed.temperature, parsed.log_metadata)
+    got = (parsed.reward, parsed.advantage, parsed.sampling.temperature, parsed.log_metadata)
     assert got == ("exact", "grpo", 1.0, "")
     cfg = plugins.apply(parsed)
     assert (cfg.reward, cfg.advantage, cfg.sampling.temperature, cfg.log_metadata) == (

@@ -104,8 +104,8 @@ def test_adapter_sync_runs_sleep_level_1_resolved_at_config_time(capsys):
     cfg = parse_args([*lora, "--lora-sync", "adapter"])
     assert cfg.vllm.sleep_level == 1
     assert "--lora-sync adapter runs with --sleep-level 1" in capsys.readouterr().err
-    assert parse_args([*lora, "--lora-sync", "adapter", "--sleep-level", "0"]).sleep_level == 0
-    assert parse_args(lora).sleep_level == 2
+    assert parse_args([*lora, "--lora-sync", "adapter", "--sleep-level", "0"]).vllm.sleep_level == 0
+    assert parse_args(lora).vllm.sleep_level == 2
     assert "sleep-level" not in capsys.readouterr().err
 
 
@@ -141,7 +141,7 @@ def test_vllm_lora_ranks_are_vllms_own_and_checked_at_config_time():
     assert [vllm_max_lora_rank(r) for r in (1, 2, 4, 8, 9, 300, 512)] == [1, 8, 8, 8, 16, 320, 512]
     with pytest.raises(ValueError, match="--lora-sync adapter: vLLM 0.32 serves LoRA ranks up to 512"):
         parse_args(["--lora-rank", "1024", "--engine", "vllm", "--lora-sync", "adapter"])
-    assert parse_args(["--lora-rank", "1024"]).lora_rank == 1024  # merged: the trainer's own PEFT
+    assert parse_args(["--lora-rank", "1024"]).lora.rank == 1024  # merged: the trainer's own PEFT
 
 
 # ----------------------------------------------------------------------------- TF32 vs the fp32 bound

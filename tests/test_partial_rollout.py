@@ -160,6 +160,6 @@ def test_config_refuses_abort_without_over_sampling():
                     (dict(partial_rollout="maybe"), "partial_rollout must be one of")):
         with pytest.raises(ValueError, match=msg):
             Config.from_flags(**kw)
-    assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2).over_sample == 2
+    assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2).dapo.over_sample == 2
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2,
                              engine="vllm").engine == "vllm"
