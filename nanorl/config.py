@@ -196,6 +196,11 @@ class Config:
         for name, group_class in GROUP_CLASSES.items():
             if getattr(self, name) != group_class():
                 getattr(self, name).validate(self)
+        # what an environment's or an agent's episodes make useless (after the groups' own rules)
+        if self.env:
+            config_checks.check_env(self)
+        if self.agent:
+            config_checks.check_agent(self)
 
     @classmethod
     def from_flags(cls, **flat) -> Config:

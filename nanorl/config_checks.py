@@ -94,10 +94,6 @@ def check(cfg) -> None:
          f"gdpo_weights must be comma-separated numbers, got {cfg.gdpo_weights!r}")
     if ":" not in cfg.advantage:  # a user estimator is checked when it is loaded (plugins.apply)
         check_estimator(cfg, ADVANTAGE_ESTIMATORS[cfg.advantage])
-    if cfg.env:
-        check_env(cfg)
-    if cfg.agent:
-        check_agent(cfg)
 
 
 def check_env(cfg) -> None:
