@@ -34,7 +34,7 @@ from nanorl.config_groups import (
     Evaluation,
     Group,
     LoRA,
-    LossKnobs,
+    LossParams,
     Memory,
     OffPolicy,
     Optimisation,
@@ -164,8 +164,8 @@ class Config:
     """Entropy bonus coefficient."""
     top_entropy_quantile: float = 0.0
     """> 0: train only on the top q of the step's tokens by entropy (Wang et al. 2025, "80/20": 0.2)."""
-    loss_knobs: LossKnobs = field(default_factory=LossKnobs)
-    """SAPO's, DRO's and KL-Cov / Clip-Cov's own knobs."""
+    loss_params: LossParams = field(default_factory=LossParams)
+    """Each policy loss's own settings (SAPO's, DRO's, KL-Cov / Clip-Cov's), declared with the loss."""
     kl: KL = field(default_factory=KL)
     """The KL term's estimator and placement (its β: kl_coef)."""
     distill: Distillation = field(default_factory=Distillation)
@@ -305,8 +305,8 @@ def help_layout() -> list[tuple[str, list[tuple[str, str]]]]:
     for node, doc in _documented_fields(Config):
         if node.target.id in GROUP_CLASSES:
             cls = GROUP_CLASSES[node.target.id]
-            items = [(cls.PREFIX + n.target.id, d) for n, d in _documented_fields(cls)]
-            sections.append((cls.TITLE, items))
+            sections += [(shown.TITLE, [(cls.PREFIX + n.target.id, d) for n, d in _documented_fields(shown)])
+                         for shown in cls.help_classes()]
             continue
         title = [t for line, t in titles if line < node.lineno][-1]
         if not sections or sections[-1][0] != title:

@@ -4,23 +4,30 @@ and the rules its flags obey (`check`, run only when the group is in use: moved 
 Each group's field is the flag PREFIX + its name (`LoRA.rank` is --lora-rank; PREFIX "" keeps the flag's
 name): `Config.from_flags` routes a flat flag-name value to its group by these declarations, and --help
 shows one argument group per class, titled TITLE. A group's check may read the whole config (a rule
-between two features lives with the one that, moved, makes it matter). Imports the standard library only.
+between two features lives with the one that, moved, makes it matter). A loss's own settings are
+declared where the loss is registered (nanorl/losses.py): LossParams gathers them.
 Test: python -m pytest tests/test_config.py -q
 """
 from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import ClassVar
 
 from nanorl.config_checks import CHOICES, VLLM_LORA_RANKS, is_float, need
+from nanorl.losses import POLICY_LOSSES, params_owners
 
 
 class Group:
     """A feature's settings. TITLE: its --help group; PREFIX: what its fields' flags start with."""
     TITLE: ClassVar[str] = ""
     PREFIX: ClassVar[str] = ""
+
+    @classmethod
+    def help_classes(cls) -> list[type]:
+        """The classes whose documented fields --help lists, one argument group each (TITLE)."""
+        return [cls]
 
     def flags(self) -> dict:
         """{flag name: value} of every field (the flat form presets, plug-ins and checkpoints use)."""
@@ -260,31 +267,35 @@ class AsyncRollout(Group):
             need(not (on and bad), f"--async-steps with {what} is not supported")
 
 
-@dataclass
-class LossKnobs(Group):
-    TITLE = "one loss's own knobs: SAPO, DRO, KL-Cov / Clip-Cov (each needs its policy_loss)"
+class _LossParamsGroup(Group):
+    """Every registered loss's own settings (nanorl/losses.py register_policy_loss `params`), by flag
+    name: a field per field of each settings class, built from the registry below (LossParams)."""
+    TITLE = "a loss's own settings (declared where it is registered: nanorl/losses.py)"
 
-    sapo_tau_pos: float = 1.0
-    """SAPO: gate temperature τ for A > 0 (Gao et al. 2025: 1.0)."""
-    sapo_tau_neg: float = 1.05
-    """SAPO: gate temperature τ for A ≤ 0 (Gao et al. 2025: 1.05; larger damps negative updates faster)."""
-    dro_beta: float = 1.0
-    """DRO: β of the quadratic penalty ½β(log π_θ − log π_old)² (verl requires it set; no paper default)."""
-    cov_ratio: float = 2e-4
-    """KL-Cov / Clip-Cov: share of the step's tokens selected by covariance (verl's default 2e-4)."""
-    cov_kl_coef: float = 1.0
-    """KL-Cov: κ of κ·|log r| on the selected tokens (verl's kl_cov fallback 1.0)."""
+    @classmethod
+    def help_classes(cls) -> list[type]:
+        """Each settings class: --help shows its fields under its loss (its TITLE)."""
+        return list(params_owners())
+
+    def params_for(self, policy_loss: str):
+        """The settings of `policy_loss` (its registered class, filled from these fields), or None."""
+        cls = POLICY_LOSSES[policy_loss].params if policy_loss in POLICY_LOSSES else None
+        return None if cls is None else cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
 
     def check(self, cfg) -> None:
-        from nanorl.losses import COV_LOSSES
         moved = self.moved()
-        for name, loss in (("sapo_tau_pos", "sapo"), ("sapo_tau_neg", "sapo"), ("dro_beta", "dro")):
-            need(getattr(self, name) > 0, f"{name} must be > 0")
-            need(name not in moved or cfg.policy_loss == loss, f"{name} needs policy_loss {loss}")
-        for name in ("cov_ratio", "cov_kl_coef"):
-            need(name not in moved or cfg.policy_loss in COV_LOSSES,
-                 f"{name} needs a policy loss with a token selection: {' or '.join(COV_LOSSES)}")
-        need(0 < self.cov_ratio <= 1, f"cov_ratio must be in (0, 1], got {self.cov_ratio}")
+        for cls, losses in params_owners().items():
+            for problem in cls(**{f.name: getattr(self, f.name) for f in fields(cls)}).problems():
+                need(False, problem)
+            mine = [f.name for f in fields(cls) if f.name in moved]
+            need(not mine or cfg.policy_loss in losses, f"{', '.join(mine)} needs policy_loss "
+                 f"{' or '.join(losses)} (its own setting)")
+
+
+# one field per field of the registered settings classes (their defaults; docstrings stay with them)
+LossParams = dataclass(make_dataclass(
+    "LossParams", [(f.name, f.type, field(default=f.default))
+                   for cls in params_owners() for f in fields(cls)], bases=(_LossParamsGroup,)))
 
 
 @dataclass

@@ -15,6 +15,7 @@ The forwards it runs and the no-gradient scoring over the same micro-batches (`m
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Protocol
 
@@ -58,15 +59,16 @@ def pad_loss(outputs) -> torch.Tensor:
 
 def loss_config(run: Learner) -> LossConfig:
     c = run.cfg
-    # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
-    return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
-                      dual_clip=c.dual_clip or None, sapo_tau=(c.loss_knobs.sapo_tau_pos,
-                                                               c.loss_knobs.sapo_tau_neg),
-                      dro_beta=c.loss_knobs.dro_beta,
-                      cov_ratio=c.loss_knobs.cov_ratio, cov_kl_coef=c.loss_knobs.cov_kl_coef,
-                      agg_mode=c.loss_agg,
-                      norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
-                      kl_coef=0.0 if c.kl.kl_in_reward else run.kl_ctl.beta, vf_coef=c.vf_coef)
+    # LossConfig's fields named as flags (clip_low, clip_high, entropy_coef, vf_coef) are read by name;
+    # the rest is what the run decides: the loss itself (a registry name, or the user function
+    # --policy-loss names), its own settings (declared with it: nanorl/losses.py), dual-clip 0 = off,
+    # the length of seq-mean-token-sum-norm, and β (the KL controller's; 0 when the KL is in the reward)
+    flags = c.as_flags()
+    named = {f.name: flags[f.name] for f in dataclasses.fields(LossConfig) if f.name in flags}
+    decided = dict(policy=c.policy_loss_fn, params=c.loss_params.params_for(c.policy_loss),
+                   dual_clip=c.dual_clip or None, agg_mode=c.loss_agg, norm_len=c.max_new_tokens,
+                   kl_coef=0.0 if c.kl.kl_in_reward else run.kl_ctl.beta)
+    return LossConfig(**{**named, **decided})
 
 
 def select_tokens(run: Learner, mini, step_index: int, lcfg: LossConfig) -> None:
