@@ -296,6 +296,8 @@ class _LossParamsGroup(Group):
 LossParams = dataclass(make_dataclass(
     "LossParams", [(f.name, f.type, field(default=f.default))
                    for cls in params_owners() for f in fields(cls)], bases=(_LossParamsGroup,)))
+# importable by name (a spawned rollout worker unpickles the config)
+LossParams.__module__ = __name__
 
 
 @dataclass
