@@ -1,16 +1,20 @@
-"""Configuration: one dataclass, a docstring per field; every flag of train.py is a field of `Config`.
+"""Configuration: one dataclass, a docstring per field; every flag of train.py is a field of `Config` or of
+one of its feature groups.
 
-Read the class top to bottom. Its first section holds the flags a GRPO run sets first; then one section per
-concern (data, reward, sampling, engine, environments, async, advantage, loss and each loss's own
-knobs, KL, distillation, DAPO, off-policy, optimisation, memory, evaluation). `--help` shows the same
-sections in the same order: each `# --- title` comment line is an argument group (`help_layout` reads
-them from the source). An `--algo` preset (nanorl/presets.py) is a named set of field values; flags
-given override it.
+Read the class top to bottom. Its first section holds the flags a GRPO run sets first; the most-used
+flags (advantage, policy loss, ...) are top-level fields under `# --- title` comments, and each feature
+(data format, reward model and judge, sampling, the vLLM engine, episodes, async rollout, KL, DAPO, ...)
+is a small dataclass of its own (nanorl/config_groups.py; a loss's own settings are declared with the
+loss, nanorl/losses.py). Flag names stay flat: `--lora-rank` is `cfg.lora.rank` (a group maps its fields
+to flags by its PREFIX), and `Config.from_flags(lora_rank=8)` routes flat names to their groups (FLAGS).
+`--help` shows one argument group per section and per group, in the class's order (`help_layout`). An
+`--algo` preset (nanorl/presets.py) is a named set of flag values; flags given override it.
 
 `__post_init__` rejects out-of-range values and flags that would do nothing, with a message naming the
-field (the rules: nanorl/config_checks.py). It reads fields only: user code (--plugin, file.py:fn) is
-loaded and checked at set-up, by nanorl/plugins.py `apply`, which returns the config with the plug-in's
-values filled in.
+flag: the top-level rules in nanorl/config_checks.py, and each group's own `check`, run only when the
+group is moved from its defaults. It reads fields only: user code (--plugin, file.py:fn) is loaded and
+checked at set-up, by nanorl/plugins.py `apply`, which returns the config with the plug-in's values
+filled in.
 
     python train.py --help        # the flags by section, then every preset
 """
