@@ -52,7 +52,8 @@ def plain_generate(model, samples, n: int, cfg, stop: list[int], pad: int, dtype
     ids = torch.tensor([[pad] * (P - len(p)) + p for p in prompts])  # [N, P]
     attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts])  # [N, P]
     with torch.no_grad(), precision.autocast(ids.device, dtype):
-        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True, temperature=cfg.temperature,
+        out = model.generate(input_ids=ids, attention_mask=attn, do_sample=True,
+                             temperature=cfg.sampling.temperature,
                              top_k=0, top_p=1.0, max_new_tokens=cfg.max_new_tokens, num_return_sequences=n,
                              eos_token_id=stop, pad_token_id=pad)  # [N * n, P + R]
     # tokens sampled up to and including each row's stop token (the rest is padding)
@@ -87,7 +88,7 @@ class RealModelEntries:
         run = setup(parse_args(RECIPE + shape + [
             "--model", path, "--quiet", "--eval-every", "0", "--threads", str(self.threads or 2),
             "--out-dir", os.path.join(self.workdir, "real_model")]))
-        cfg, dtype = run.cfg, precision.compute_dtype(run.cfg.dtype)
+        cfg, dtype = run.cfg, precision.compute_dtype(run.cfg.memory.dtype)
         stop = list(stop_token_ids(run.model, run.tokenizer))
         plain = copy.deepcopy(run.model).train()
         opt = torch.optim.AdamW(plain.parameters(), lr=cfg.lr)
@@ -120,7 +121,7 @@ class RealModelEntries:
             run.rewards.close()
             run.logger.close()
         med = {k: statistics.median(v) for k, v in rows.items()}
-        case = (f"SmolLM2-135M {cfg.dtype}, {cfg.prompts_per_step}x{cfg.samples_per_prompt}, "
+        case = (f"SmolLM2-135M {cfg.memory.dtype}, {cfg.prompts_per_step}x{cfg.samples_per_prompt}, "
                 f"<={cfg.max_new_tokens} tokens")
         # on-policy with nothing reading π_old first (this recipe), the plan takes it from the update's
         # own forward, detached (nanorl/plan.py): the logprob phase then runs no forward at all

@@ -190,7 +190,8 @@ class RunEntries:
     def default_threads(self):
         """The built-in run's median step at 1 thread vs 2, on the machine as it is and with one core kept
         busy by another process (a Python spin loop, as a second run or a pip install would): why the
-        built-in task defaults to 1 thread (Config.threads). 15 steps each after one warm-up."""
+        built-in task defaults to 1 thread (Config.flag_default('threads')). 15 steps each after one
+        warm-up."""
         n, burn, restore = self.pick(15, 2), [sys.executable, "-c",
                                               "while True: pass"], torch.get_num_threads()
         for busy in (False, True):

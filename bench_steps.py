@@ -53,7 +53,8 @@ class StepEntries:
         2-step warm start (its figures mean nothing)."""
         task = make_default(os.path.join(self.workdir, "task"), seed=0, **self.pick({}, dict(sft_steps=2)))
         overrides = {**self.pick({}, dict(prompts_per_step=4, samples_per_prompt=4)), **overrides}
-        return setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"], quiet=True,
+        return setup(Config.from_flags(model=task["model"], train_data=task["train"], test_data=task["test"],
+                                       quiet=True,
                             out_dir=self.workdir, eval_every=0, threads=self.threads, **overrides))
 
     def timed_steps(self, runs: dict) -> dict:
@@ -288,7 +289,7 @@ class StepEntries:
             with open(os.path.join(out, "metrics.jsonl")) as f:
                 # step 0: the evaluation before training
                 got[ranks] = json.loads(f.readline())
-        case = f"{what}, greedy + pass@{Config.pass_k}, 1 thread per rank"
+        case = f"{what}, greedy + pass@{Config.flag_default('pass_k')}, 1 thread per rank"
         for ranks, m in got.items():
             self.add("eval_sharded", case, f"{ranks} rank{'s' * (ranks > 1)}",
                      dict(median=m["perf/time/eval"]),

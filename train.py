@@ -97,40 +97,46 @@ def seed_everything(seed: int) -> None:
 
 def setup(cfg: Config) -> Run:
     """Everything one run holds, built in chain order: task, policy, engine, trained modules, optimizer."""
-    cfg = apply_plugins(cfg)  # a no-op when main already did (setup(Config(...)) callers)
+    cfg = apply_plugins(cfg)  # a no-op when main already did (setup(Config.from_flags(...)) callers)
     rank, world, device = distributed.init()  # `accelerate launch` / `torchrun` env, or one process
     # FSDP shards over a process group, which a plain `python train.py` has not joined (torchrun or
     # accelerate launch with one process has: that runs)
-    if cfg.fsdp and not torch.distributed.is_initialized():
+    if cfg.memory.fsdp and not torch.distributed.is_initialized():
         raise ConfigError("--fsdp shards the model over a process group and this run joined none: launch "
                           "it with `torchrun --nproc-per-node N train.py ...` (or accelerate launch), or "
                           "drop --fsdp")
-    if cfg.threads or not cfg.model:  # the built-in task: 1 thread unless told (Config.threads)
-        torch.set_num_threads(cfg.threads or 1)
+    # the built-in task: 1 thread unless told (Config.flag_default('threads'))
+    if cfg.memory.threads or not cfg.model:
+        torch.set_num_threads(cfg.memory.threads or 1)
     seed_everything(cfg.seed + rank)
     # several nodes: out_dir must be one shared directory (rank 0 writes task, logs, checkpoints once)
     distributed.check_shared_dir(cfg.out_dir, rank, world)
     cfg = build.with_task_files(cfg, rank, world)  # the built-in task without --model / --train-data
     precision.setup_device(device)  # TF32 on CUDA
-    dtype = precision.compute_dtype(cfg.dtype)  # compute dtype; `model` holds the fp32 master weights
+    dtype = precision.compute_dtype(cfg.memory.dtype)  # compute dtype; `model` holds the fp32 master weights
     model, tokenizer = build.load_policy(cfg, device, dtype)
     teacher = load_teacher(cfg, model, tokenizer, device, dtype)  # first: a wrong vocabulary fails at start
-    fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
-    train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.input_key, cfg.label_key,
-                                   cfg.max_prompt_len, source=cfg.train_data, fmt=fmt,
+    fmt = PromptFormat(cfg.prompts.system_prompt, cfg.prompts.prompt_template, cfg.prompts.chat_template,
+                       cfg.chat_template_dict)
+    train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.prompts.input_key,
+                                   cfg.prompts.label_key,
+                                   cfg.prompts.max_prompt_len, source=cfg.train_data, fmt=fmt,
                                    log=print if rank == 0 else None)
-    eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.input_key, cfg.label_key, cfg.max_prompt_len,
-                               fmt, limit=cfg.eval_limit, seen={p.text for p in train})
+    eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.prompts.input_key, cfg.prompts.label_key,
+                               cfg.prompts.max_prompt_len,
+                               fmt, limit=cfg.evaluation.eval_limit, seen={p.text for p in train})
     if cfg.engine == "auto":  # vLLM on a GPU when installed, never for a GGUF file (build.engine_of)
-        cfg = dataclasses.replace(cfg, engine=build.engine_of(cfg, device))
+        cfg = cfg.replace(engine=build.engine_of(cfg, device))
     everything = train + [p for s in eval_sets for p in s.prompts]  # vLLM: sized for the longest request
     engine = build.make_engine(cfg, model, tokenizer, everything, device, dtype, rank)
     critic, ref, trained = build.make_trained(cfg, model, device, dtype)
     optimizer, scheduler = build.make_optimizer(cfg, model, critic)
-    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl_target, horizon=10_000) if cfg.kl_target
+    kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl.kl_target, horizon=10_000) if cfg.kl.kl_target
               else FixedKLController(cfg.kl_coef))
-    logger = Logger(cfg.out_dir, cfg.steps, enabled=rank == 0, quiet=cfg.quiet, tensorboard=cfg.tensorboard,
-                    wandb_project=cfg.wandb_project, config=dataclasses.asdict(cfg), resume=bool(cfg.resume))
+    logger = Logger(cfg.out_dir, cfg.steps, enabled=rank == 0, quiet=cfg.saving.quiet,
+                    tensorboard=cfg.saving.tensorboard,
+                    wandb_project=cfg.saving.wandb_project, config=cfg.as_flags(),
+                    resume=bool(cfg.saving.resume))
     # reward workers: half of this node's cores, shared by the ranks on this node (not by every node's)
     workers = max(1, min(8, (os.cpu_count() or 2) // (2 * distributed.local_world_size(world))))
     rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print,
@@ -151,15 +157,17 @@ def setup(cfg: Config) -> Run:
     run.source = sources.Agents(run.episodes) if cfg.agent else sources.local(engine, run.episodes)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
-    run.sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+    run.sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                                  top_p=cfg.sampling.top_p,
                                   max_new_tokens=cfg.max_new_tokens,
                                   stop_token_ids=stop_token_ids(model, tokenizer),
-                                  keep_support=cfg.keep_sampling_mask, support_cap=cfg.support_cap)
+                                  keep_support=cfg.sampling.keep_sampling_mask,
+                                  support_cap=cfg.sampling.support_cap)
     run.rounds = rounds.OneRound()
-    if cfg.filter_groups:  # DAPO's dynamic sampling: its rounds run here, or in the async worker
-        run.rounds = rounds.FromWorker() if cfg.async_steps else rounds.DynamicSampling()
+    if cfg.dapo.filter_groups:  # DAPO's dynamic sampling: its rounds run here, or in the async worker
+        run.rounds = rounds.FromWorker() if cfg.pipeline.async_steps else rounds.DynamicSampling()
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
-    run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.async_steps else \
+    run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.pipeline.async_steps else \
         {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}  # async: the worker scores
     run.reward_weights = build.reward_weights(cfg)
     engine.update_weights(model, version=0)
@@ -202,7 +210,7 @@ def rl_step(run: Run) -> dict:
     sampler, learner, plan = sampler_of(run), learner_of(run), run.plan
     prompts = run.loader.next_batch()
     samples, baselines = stages.rollout(sampler, plan, run.sampling, prompts, timer, metrics)  # 1-2.
-    if run.cfg.debug_rollout_only or not stages.enough_to_train(run.world, len(samples)):
+    if run.cfg.saving.debug_rollout_only or not stages.enough_to_train(run.world, len(samples)):
         # only checking rollouts, or DAPO's filter left no rank a sample: no update
         stages.dump_step(learner, samples, None)
         run.source.publish(run.model, run.step + 1)  # async: batch step + 1 + K waits for version step + 1
@@ -266,7 +274,7 @@ def claim_out_dir(cfg: Config, rank: int, world: int) -> RunDirLock:
     lock, err = RunDirLock(None), None
     if rank == 0:
         try:
-            lock = claim_run_dir(cfg.out_dir, cfg.resume, cfg.overwrite)
+            lock = claim_run_dir(cfg.out_dir, cfg.saving.resume, cfg.saving.overwrite)
         except RunDirError as e:
             err = str(e)
     if world > 1:  # rank 0's verdict on every rank
@@ -300,8 +308,9 @@ def cli(argv: list[str] | None = None) -> None:
 
 def run_training(cfg: Config) -> dict:
     run = setup(cfg)
-    resumed = resume_run(run, cfg.resume) if cfg.resume else None
-    if cfg.async_steps:  # the rollout worker starts from the (resumed) weights, during the first eval
+    resumed = resume_run(run, cfg.saving.resume) if cfg.saving.resume else None
+    # the rollout worker starts from the (resumed) weights, during the first eval
+    if cfg.pipeline.async_steps:
         run.pipeline = pipeline.start(run, resumed)
         run.source = sources.Worker(run.pipeline, run.episodes)
     stop = {"now": False}
@@ -319,10 +328,10 @@ def run_training(cfg: Config) -> dict:
     while run.step < cfg.steps and not stop["now"]:
         metrics = distributed.reduce_metrics(rl_step(run), run.world)
         run.step += 1
-        if cfg.eval_every and run.step % cfg.eval_every == 0 and run.step < cfg.steps:
+        if cfg.evaluation.eval_every and run.step % cfg.evaluation.eval_every == 0 and run.step < cfg.steps:
             metrics.update(evaluate_run(run))
         run.logger.log(run.step, metrics)
-        if cfg.save_every and run.step % cfg.save_every == 0:
+        if cfg.saving.save_every and run.step % cfg.saving.save_every == 0:
             checkpoint.save(checkpoint_state(run), run.cfg, run.logger)
     if run.world > 1:  # every rank must hold (and have synced into its engine) the same weights
         # the HF engine's copy: what it samples from

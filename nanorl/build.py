@@ -14,7 +14,6 @@ checked before anything loads (nanorl/weight_broadcast.py `check_devices`).
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import math
@@ -44,7 +43,7 @@ def with_task_files(cfg: Config, rank: int, world: int) -> Config:
         box = [default]
         torch.distributed.broadcast_object_list(box, src=0)
         default = box[0]
-    return dataclasses.replace(cfg, model=cfg.model or default["model"],
+    return cfg.replace(model=cfg.model or default["model"],
                                train_data=cfg.train_data or default["train"],
                                test_data=cfg.test_data or default["test"])
 
@@ -53,25 +52,25 @@ def load_policy(cfg: Config, device, dtype):
     """The policy (fp32 master weights, train mode) and its tokenizer, with the flags that patch it
     (--lora-rank last: PEFT's adapters in place, the base frozen); on CUDA, checked against the GPU's
     memory (`check_memory`) before anything else is built."""
-    if cfg.async_steps:  # a rollout device that cannot work fails here, before minutes of loading
-        weight_broadcast.check_devices(device, cfg.rollout_device,
+    if cfg.pipeline.async_steps:  # a rollout device that cannot work fails here, before minutes of loading
+        weight_broadcast.check_devices(device, cfg.pipeline.rollout_device,
                                        broadcast=engine_class(cfg, device).holds_own_weights)
-    if distributed.rank0_reads(cfg.fsdp):
+    if distributed.rank0_reads(cfg.memory.fsdp):
         model, tokenizer = load_on_rank0(cfg, dtype)
     else:
         # --fsdp on one rank: loaded (and copied) in host memory, fully_shard moves it to the device;
         # else (DDP, one process) loaded on the device
-        model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.fsdp, device), dtype)
-    if cfg.routing_replay:
+        model, tokenizer = load_model(cfg.model, distributed.load_device(cfg.memory.fsdp, device), dtype)
+    if cfg.memory.routing_replay:
         if not moe_replay.is_moe(model):
             raise ValueError("--routing-replay needs a mixture-of-experts model")
         moe_replay.patch(model)
-    if cfg.fp32_lm_head:
+    if cfg.memory.fp32_lm_head:
         precision.keep_lm_head_fp32(model)
-    if cfg.gradient_checkpointing:
-        precision.enable_gradient_checkpointing(model, routing_replay=cfg.routing_replay)
-    if cfg.lora_rank:
-        lora.apply(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    if cfg.memory.gradient_checkpointing:
+        precision.enable_gradient_checkpointing(model, routing_replay=cfg.memory.routing_replay)
+    if cfg.lora.rank:
+        lora.apply(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     model.train()  # Hugging Face checkpoints only in train mode; dropout is off (policy.dropout_off)
     if torch.device(device).type == "cuda":
         check_memory(cfg, model, torch.device(device))
@@ -136,8 +135,9 @@ def check_memory(cfg: Config, model, device: torch.device) -> memory_plan.Plan:
     joined = torch.distributed.is_initialized()
     rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if joined else (0, 1)
     # the async worker runs beside rank 0, on its GPU unless --rollout-device names another
-    here = cfg.async_steps > 0 and rank == 0 and \
-        weight_broadcast.physical_id(cfg.rollout_device or device) == weight_broadcast.physical_id(device)
+    here = cfg.pipeline.async_steps > 0 and rank == 0 and \
+        weight_broadcast.physical_id(cfg.pipeline.rollout_device or device) \
+        == weight_broadcast.physical_id(device)
     plan = memory_plan.estimate(model_shape(model), cfg, vllm=engine_of(cfg, device) == "vllm", world=world,
                                 device_bytes=torch.cuda.get_device_properties(device).total_memory,
                                 worker_here=here)
@@ -171,18 +171,18 @@ def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int
     every step), or the HF engine sampling from the policy module itself (--fsdp: from a full copy)."""
     # --async-steps: vLLM runs in the rollout worker (nanorl/pipeline.py); the trainer's own engine, for
     # evaluation, is the HF engine on its module
-    if cfg.engine == "vllm" and not cfg.async_steps:
-        return vllm_engine(cfg, max(len(p.ids) for p in prompts), rank, sleep=cfg.sleep_level > 0)
+    if cfg.engine == "vllm" and not cfg.pipeline.async_steps:
+        return vllm_engine(cfg, max(len(p.ids) for p in prompts), rank, sleep=cfg.vllm.sleep_level > 0)
     sampler = model
-    if cfg.fsdp:
+    if cfg.memory.fsdp:
         sampler = frozen_copy(model, dtype)
-        if not distributed.rank0_reads(cfg.fsdp):
+        if not distributed.rank0_reads(cfg.memory.fsdp):
             sampler = sampler.to(device)
         else:
             # rank > 0 holds the policy on the meta device (load_policy), and so this copy: it gets
             # memory on the device and rank 0's values there
             sampler = distributed.receive_from_rank0(sampler.to(device) if rank == 0 else sampler, device)
-    engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.routing_replay,
+    engine = HFEngine(sampler, pad_id=tokenizer.pad_token_id, record_routing=cfg.memory.routing_replay,
                       compute_dtype=dtype)
     engine.generator.manual_seed(cfg.seed * 1000 + rank)
     return engine
@@ -196,16 +196,18 @@ def vllm_engine(cfg: Config, longest_prompt: int, rank: int, sleep: bool):
     from nanorl.engine_weights import AdapterSync
     from nanorl.vllm_engine import VLLMEngine
     # the run's longest request, not the model's context (an episode: its prompt + every turn)
-    longest = longest_prompt + max(cfg.max_new_tokens, cfg.eval_max_new_tokens, cfg.episode_tokens)
-    if cfg.partial_rollout == "abort":  # a resume: prompt + tokens so far + the batch's longest budget left
+    longest = longest_prompt + max(cfg.max_new_tokens, cfg.evaluation.eval_max_new_tokens, cfg.episode_tokens)
+    # a resume: prompt + tokens so far + the batch's longest budget left
+    if cfg.pipeline.partial_rollout == "abort":
         longest += cfg.max_new_tokens
     # kv_cache_bytes None: vLLM's share of the GPU, or its CPU default
-    return VLLMEngine(cfg.model, dtype=cfg.dtype, seed=cfg.seed * 1000 + rank,
-                      max_model_len=cfg.max_model_len or longest,
-                      kv_cache_bytes=int(cfg.kv_cache_gb * 2**30) or None,
-                      gpu_memory_utilization=cfg.gpu_memory_utilization, enforce_eager=cfg.enforce_eager,
-                      record_routing=cfg.routing_replay, sleep_mode=sleep,
-                      adapters=AdapterSync(cfg.lora_rank) if cfg.lora_sync == "adapter" else None)
+    return VLLMEngine(cfg.model, dtype=cfg.memory.dtype, seed=cfg.seed * 1000 + rank,
+                      max_model_len=cfg.vllm.max_model_len or longest,
+                      kv_cache_bytes=int(cfg.vllm.kv_cache_gb * 2**30) or None,
+                      gpu_memory_utilization=cfg.vllm.gpu_memory_utilization,
+                      enforce_eager=cfg.vllm.enforce_eager,
+                      record_routing=cfg.memory.routing_replay, sleep_mode=sleep,
+                      adapters=AdapterSync(cfg.lora.rank) if cfg.lora.sync == "adapter" else None)
 
 
 def make_trained(cfg: Config, model, device, dtype):
@@ -222,11 +224,12 @@ def make_trained(cfg: Config, model, device, dtype):
         ref = Trained(frozen_copy(model, dtype), None, score, dtype)
     # --fsdp over several ranks: rank > 0 built the policy, and so these copies, on the meta device
     # (load_policy); each rank's shards are filled with rank 0's values
-    once = distributed.rank0_reads(cfg.fsdp)
-    if ref is not None and cfg.fsdp:
+    once = distributed.rank0_reads(cfg.memory.fsdp)
+    if ref is not None and cfg.memory.fsdp:
         ref = distributed.shard(ref, device, from_rank0=once)
     accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
-    return critic, ref, distributed.wrap(accelerator, Trained(model, critic, score, dtype), fsdp=cfg.fsdp,
+    return critic, ref, distributed.wrap(accelerator, Trained(model, critic, score, dtype),
+                                         fsdp=cfg.memory.fsdp,
                                          from_rank0=once)
 
 
@@ -237,8 +240,9 @@ def make_optimizer(cfg: Config, model, critic):
     params = [{"params": [p for p in model.parameters() if p.requires_grad]}]
     if critic is not None:
         params.append({"params": [p for p in critic.parameters() if p.requires_grad]})
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                  weight_decay=cfg.weight_decay, fused=not cfg.fsdp)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+                                  eps=cfg.optim.adam_eps,
+                                  weight_decay=cfg.optim.weight_decay, fused=not cfg.memory.fsdp)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(cfg, s))
 
 
@@ -248,17 +252,17 @@ def vllm_importable() -> bool:
 
 def lr_factor(cfg: Config, step: int) -> float:
     """Linear warm-up, then constant or cosine decay to 10%."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / (cfg.warmup_steps + 1)
-    if cfg.schedule == "constant":
+    if step < cfg.optim.warmup_steps:
+        return (step + 1) / (cfg.optim.warmup_steps + 1)
+    if cfg.optim.schedule == "constant":
         return 1.0
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    progress = (step - cfg.optim.warmup_steps) / max(1, cfg.steps - cfg.optim.warmup_steps)
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
 def scorer_names(cfg: Config) -> list[str]:
     """The reward components --reward-model and --judge add beside --reward (`make_scorers`' keys)."""
-    return [name for name, on in (("rm", cfg.reward_model), ("judge", cfg.judge)) if on]
+    return [name for name, on in (("rm", cfg.scorers.reward_model), ("judge", cfg.scorers.judge)) if on]
 
 
 def make_scorers(cfg: Config, device, dtype, log=print) -> dict:
@@ -268,22 +272,26 @@ def make_scorers(cfg: Config, device, dtype, log=print) -> dict:
     (--reward-model), and `judge`,
     an LLM judge behind an OpenAI-compatible endpoint (--judge-url) or in-process (--judge-model)."""
     scorers = {}
-    if cfg.reward_model:
+    if cfg.scorers.reward_model:
         from nanorl.reward_models import RewardModel
-        rm = RewardModel(cfg.reward_model, device, dtype=dtype,
-                         max_tokens_per_batch=cfg.max_tokens_per_micro_batch or 8192, shard=cfg.fsdp)
+        rm = RewardModel(cfg.scorers.reward_model, device, dtype=dtype,
+                         max_tokens_per_batch=cfg.memory.max_tokens_per_micro_batch or 8192,
+                         shard=cfg.memory.fsdp)
         scorers["rm"] = _Unlabelled(rm)
-    if cfg.judge:
+    if cfg.scorers.judge:
         from nanorl.judges import Judge, read_template
-        template = read_template(cfg.judge)
-        if cfg.judge_url:
-            scorers["judge"] = Judge(template, cfg.judge_url, cfg.judge_model, parse=cfg.judge_parse, log=log,
-                                     concurrency=cfg.judge_concurrency, timeout_s=cfg.judge_timeout,
-                                     retries=cfg.judge_retries)
+        template = read_template(cfg.scorers.judge)
+        if cfg.scorers.judge_url:
+            scorers["judge"] = Judge(template, cfg.scorers.judge_url, cfg.scorers.judge_model,
+                                     parse=cfg.scorers.judge_parse, log=log,
+                                     concurrency=cfg.scorers.judge_concurrency,
+                                     timeout_s=cfg.scorers.judge_timeout,
+                                     retries=cfg.scorers.judge_retries)
         else:
-            model, tokenizer = load_model(cfg.judge_model, device, dtype)
+            model, tokenizer = load_model(cfg.scorers.judge_model, device, dtype)
             engine = HFEngine(model.eval(), pad_id=tokenizer.pad_token_id, compute_dtype=dtype)
-            scorers["judge"] = Judge.local(engine, tokenizer, template, parse=cfg.judge_parse, log=log)
+            scorers["judge"] = Judge.local(engine, tokenizer, template, parse=cfg.scorers.judge_parse,
+                                           log=log)
     return scorers
 
 
@@ -302,5 +310,6 @@ class _Unlabelled:
 
 def reward_weights(cfg: Config) -> dict[str, float] | None:
     """--reward-weights as {component: weight} (None when not given: every component weighs 1)."""
-    pairs = [x.split("=") for x in cfg.reward_weights.split(",")] if cfg.reward_weights else []
+    text = cfg.scorers.reward_weights
+    pairs = [x.split("=") for x in text.split(",")] if text else []
     return {k.strip(): float(v) for k, v in pairs} or None

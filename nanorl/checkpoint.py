@@ -21,7 +21,6 @@ loads them) and the model's config instead of the full weights (the base is `--m
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -151,11 +150,12 @@ def save(state: State, cfg, logger=None) -> str:
 
     def write(tmp: str) -> None:
         # collective: State carries the model, trained, critic, optimizer and rank it reads
-        sharded = ckpt_sharded.save(state, tmp) if cfg.fsdp else None
+        sharded = ckpt_sharded.save(state, tmp) if cfg.memory.fsdp else None
         if state.rank == 0:
             _write_rank0(state, cfg, logger, tmp, ranks, sharded)
     root = os.path.join(cfg.out_dir, "checkpoints")
-    return ckpt_atomic.write_step_dir(root, state.step, state.rank, state.world, write, cfg.keep_checkpoints)
+    return ckpt_atomic.write_step_dir(root, state.step, state.rank, state.world, write,
+                                      cfg.saving.keep_checkpoints)
 
 
 def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
@@ -193,7 +193,7 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     if logfile is not None:
         logfile.flush()
     ckpt_atomic.write_json(os.path.join(tmp, "trainer_state.json"), {
-        "format": ckpt_atomic.FORMAT, "step": state.step, "config": dataclasses.asdict(cfg),
+        "format": ckpt_atomic.FORMAT, "step": state.step, "config": cfg.as_flags(),
         "layout": "lora" if adapters else "full" if sharded is None else "sharded", "sharded": sharded,
         "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
@@ -313,8 +313,10 @@ def _ptr(t: torch.Tensor) -> int:
 def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, weights: list[dict]) -> None:
     log = logger.print if logger is not None else print
     # FREE_FIELDS: harmless to change
-    changed = {k: (v, getattr(cfg, k, None)) for k, v in saved["config"].items()
-               if k not in FREE_FIELDS and getattr(cfg, k, None) != v}
+    # saved by flag name (older checkpoints too: Config was flat), compared by flag name
+    now = cfg.as_flags()
+    changed = {k: (v, now.get(k)) for k, v in saved["config"].items()
+               if k not in FREE_FIELDS and now.get(k) != v}
     if changed:
         log(f"note: config differs from the checkpoint's (saved, now): {changed}")
     try:
@@ -331,7 +333,8 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
     if saved["config"].get("lr", cfg.lr) != cfg.lr:
         _apply_lr(state, cfg.lr)
     for group in state.optimizer.param_groups:  # the restored groups carry the saved run's settings
-        group.update(betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        group.update(betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps,
+                     weight_decay=cfg.optim.weight_decay)
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
     state.loader.load_state_dict(saved["loader"])
     state.counters.update(saved["counters"])

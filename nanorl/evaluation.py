@@ -82,9 +82,10 @@ class EvalSampling:
     def from_config(cls, cfg, stop_token_ids: tuple[int, ...]) -> EvalSampling:
         """A run's eval sampling: --eval-max-new-tokens and --eval-temperature, 0 meaning training's
         value; training's top_k and top_p. stop_token_ids: nanorl/rollout.py stop_token_ids(model, tok)."""
-        return cls(max_new_tokens=cfg.eval_max_new_tokens or cfg.max_new_tokens,
-                   stop_token_ids=tuple(stop_token_ids), pass_k=cfg.pass_k,
-                   temperature=cfg.eval_temperature or cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        return cls(max_new_tokens=cfg.evaluation.eval_max_new_tokens or cfg.max_new_tokens,
+                   stop_token_ids=tuple(stop_token_ids), pass_k=cfg.evaluation.pass_k,
+                   temperature=cfg.evaluation.eval_temperature or cfg.sampling.temperature,
+                   top_k=cfg.sampling.top_k, top_p=cfg.sampling.top_p)
 
 
 def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rewards=None, tokenizer=None,

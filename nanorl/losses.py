@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -304,10 +304,7 @@ class LossConfig:
     clip_high: float = 0.2             # ε_high ...; DAPO clip-higher uses 0.28
     dual_clip: float | None = 3.0      # ppo only: c > 1 bounds the loss for A < 0 (None = off)
     ratio_cap: float = 10.0            # dppo: truncation C of the detached IS weight
-    sapo_tau: tuple[float, float] = (1.0, 1.05)  # sapo: (τ_pos, τ_neg)
-    dro_beta: float = 1.0              # dro: β of the quadratic log-ratio penalty
-    cov_ratio: float = 2e-4            # kl_cov / clip_cov: share of tokens selected
-    cov_kl_coef: float = 1.0           # kl_cov: κ of κ·|log r| on the selected tokens
+    params: object = None              # the loss's own settings (its PolicyLoss.params; None = defaults)
     agg_mode: str = "token-mean"       # one of AGG_MODES
     norm_len: int | None = None        # L for seq-mean-token-sum-norm
     entropy_coef: float = 0.0          # loss −= entropy_coef · aggregated entropy
@@ -321,6 +318,51 @@ def _by_name(fn: Callable, low: str, high: str, **extra: str) -> Callable:
                                               **{k: getattr(c, v) for k, v in extra.items()})
 
 
+# ----------------------------------------------------------------------------- a loss's own settings
+# Declared here, with the loss they belong to (register_policy_loss's `params`): each field is a flag of
+# train.py by its own name, shown by --help under TITLE, and refused unless --policy-loss is one of the
+# losses registered with the class (nanorl/config_groups.py LossParams). `problems` lists what is out of
+# range, each message naming the field.
+@dataclass
+class SapoParams:
+    TITLE: ClassVar[str] = "SAPO's gate (--policy-loss sapo)"
+    sapo_tau_pos: float = 1.0
+    """SAPO: gate temperature τ for A > 0 (Gao et al. 2025: 1.0)."""
+    sapo_tau_neg: float = 1.05
+    """SAPO: gate temperature τ for A ≤ 0 (Gao et al. 2025: 1.05; larger damps negative updates faster)."""
+
+    def problems(self) -> list[str]:
+        return [f"{name} must be > 0" for name in ("sapo_tau_pos", "sapo_tau_neg")
+                if not getattr(self, name) > 0]
+
+
+@dataclass
+class DroParams:
+    TITLE: ClassVar[str] = "DRO's penalty (--policy-loss dro)"
+    dro_beta: float = 1.0
+    """DRO: β of the quadratic penalty ½β(log π_θ − log π_old)² (verl requires it set; no paper default)."""
+
+    def problems(self) -> list[str]:
+        return [] if self.dro_beta > 0 else ["dro_beta must be > 0"]
+
+
+@dataclass
+class CovParams:
+    TITLE: ClassVar[str] = "KL-Cov / Clip-Cov's token selection (--policy-loss kl_cov or clip_cov)"
+    cov_ratio: float = 2e-4
+    """KL-Cov / Clip-Cov: share of the step's tokens selected by covariance (verl's default 2e-4)."""
+    cov_kl_coef: float = 1.0
+    """KL-Cov: κ of κ·|log r| on the selected tokens (verl's kl_cov fallback 1.0)."""
+
+    def problems(self) -> list[str]:
+        return [] if 0 < self.cov_ratio <= 1 else [f"cov_ratio must be in (0, 1], got {self.cov_ratio}"]
+
+
+def _own(c: LossConfig, cls: type):
+    """The loss's own settings in `c` (its class's defaults when none were given)."""
+    return cls() if c.params is None else c.params
+
+
 # ----------------------------------------------------------------------------- the registry
 @dataclass(frozen=True)
 class PolicyLoss:
@@ -328,28 +370,30 @@ class PolicyLoss:
     needs: the step quantities it reads that are computed before the update ("old_logprobs": π_old
     recompute even on-policy, because `select` reads it); the plan (nanorl/plan.py) computes exactly
     those. select(logp, adv, mask, cfg, generator) -> [B, T] bool: the tokens it acts on, chosen once
-    per optimizer step over the whole step, so micro-batching changes nothing (None: no selection)."""
+    per optimizer step over the whole step, so micro-batching changes nothing (None: no selection).
+    params: the dataclass of its own settings (LossConfig.params; SapoParams above), or None."""
     fn: Callable
     needs: frozenset = frozenset()
     select: Callable | None = None
+    params: type | None = None
 
 
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 
 
-def register_policy_loss(name: str, needs=(), select: Callable | None = None):
+def register_policy_loss(name: str, needs=(), select: Callable | None = None, params: type | None = None):
     """Decorator: add a policy loss (the fn signature of PolicyLoss) under `name`, registered once."""
     def add(fn: Callable) -> Callable:
         if name in POLICY_LOSSES and POLICY_LOSSES[name].fn is not fn:
             raise ValueError(f"policy loss {name!r} is already registered")
-        POLICY_LOSSES[name] = PolicyLoss(fn, frozenset(needs), select)
+        POLICY_LOSSES[name] = PolicyLoss(fn, frozenset(needs), select, params)
         return fn
     return add
 
 
 def _cov_select(mode: str) -> Callable:
-    return lambda logp, adv, mask, c, generator: cov_selection(logp, adv, mask, c.cov_ratio, mode,
-                                                               generator=generator)
+    return lambda logp, adv, mask, c, generator: cov_selection(logp, adv, mask, _own(c, CovParams).cov_ratio,
+                                                               mode, generator=generator)
 
 
 register_policy_loss("ppo")(_by_name(ppo_clip_loss, "clip_low", "clip_high", dual_clip="dual_clip"))
@@ -358,22 +402,33 @@ register_policy_loss("cispo")(_by_name(cispo_loss, "clip_low", "clip_high"))
 register_policy_loss("gmpo")(_by_name(gmpo_loss, "clip_low", "clip_high"))
 register_policy_loss("dppo_tv")(_by_name(dppo_tv_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"))
 register_policy_loss("dppo_kl")(_by_name(dppo_kl_loss, "delta_low", "delta_high", ratio_cap="ratio_cap"))
-register_policy_loss("sapo")(lambda lp, old, adv, m, c, sel: sapo_loss(lp, old, adv, m, *c.sapo_tau))
+register_policy_loss("sapo", params=SapoParams)(lambda lp, old, adv, m, c, sel: sapo_loss(
+    lp, old, adv, m, _own(c, SapoParams).sapo_tau_pos, _own(c, SapoParams).sapo_tau_neg))
 register_policy_loss("reinforce")(lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m))
 register_policy_loss("gpg")(lambda lp, old, adv, m, c, sel: reinforce_loss(lp, old, adv, m))
-register_policy_loss("dro")(lambda lp, old, adv, m, c, sel: dro_loss(lp, old, adv, m, c.dro_beta))
+register_policy_loss("dro", params=DroParams)(
+    lambda lp, old, adv, m, c, sel: dro_loss(lp, old, adv, m, _own(c, DroParams).dro_beta))
 # KL-Cov / Clip-Cov select their tokens from π_old before the update: they need the recompute
-register_policy_loss("kl_cov", needs={"old_logprobs"}, select=_cov_select("kl_cov"))(
-    lambda lp, old, adv, m, c, sel: kl_cov_loss(lp, old, adv, m, sel, c.cov_kl_coef))
-register_policy_loss("clip_cov", needs={"old_logprobs"}, select=_cov_select("clip_cov"))(
+register_policy_loss("kl_cov", needs={"old_logprobs"}, select=_cov_select("kl_cov"), params=CovParams)(
+    lambda lp, old, adv, m, c, sel: kl_cov_loss(lp, old, adv, m, sel, _own(c, CovParams).cov_kl_coef))
+register_policy_loss("clip_cov", needs={"old_logprobs"}, select=_cov_select("clip_cov"), params=CovParams)(
     lambda lp, old, adv, m, c, sel: clip_cov_loss(lp, old, adv, m, sel, c.clip_low, c.clip_high))
-# the losses that take a token selection (their knobs cov_ratio / cov_kl_coef: nanorl/config.py)
+# the losses that take a token selection (their own settings: CovParams)
 COV_LOSSES = tuple(name for name, loss in POLICY_LOSSES.items() if loss.select is not None)
+
+
+def params_owners() -> dict[type, tuple[str, ...]]:
+    """Each registered settings class with the losses it belongs to, in registration order."""
+    owners: dict[type, tuple[str, ...]] = {}
+    for name, loss in POLICY_LOSSES.items():
+        if loss.params is not None:
+            owners[loss.params] = owners.get(loss.params, ()) + (name,)
+    return owners
 
 # A user policy loss (--policy-loss file.py:fn, nanorl/plugins.py) is called as
 # fn(logp, old_logp, advantages, mask, **named) with, by name from its signature, any LossConfig field
 # and `metadata` (the micro-batch's Sample.metadata dicts, one per row).
-PLUGIN_LOSS_INPUTS = frozenset(LossConfig.__dataclass_fields__) - {"policy"} | {"metadata"}
+PLUGIN_LOSS_INPUTS = frozenset(LossConfig.__dataclass_fields__) - {"policy", "params"} | {"metadata"}
 
 
 def user_policy_loss(fn: Callable, logp, old_logp, adv, mask, cfg: LossConfig, metadata=None):

@@ -69,11 +69,11 @@ class Plan:
 def micro_batch_tokens(cfg, world: int) -> int:
     """Tokens of one training forward: the --max-tokens-per-micro-batch budget, else the micro-batch's
     rows at the longest prompt + response (prompts are not read yet: the bound, not the mean)."""
-    if cfg.max_tokens_per_micro_batch:
-        return cfg.max_tokens_per_micro_batch
-    rows = cfg.micro_batch_size or math.ceil(cfg.prompts_per_step * cfg.samples_per_prompt / world
-                                             / cfg.mini_batches)
-    return rows * (cfg.max_prompt_len + cfg.max_new_tokens)
+    if cfg.memory.max_tokens_per_micro_batch:
+        return cfg.memory.max_tokens_per_micro_batch
+    rows = cfg.memory.micro_batch_size or math.ceil(cfg.prompts_per_step * cfg.samples_per_prompt / world
+                                             / cfg.optim.mini_batches)
+    return rows * (cfg.prompts.max_prompt_len + cfg.max_new_tokens)
 
 
 def activation_bytes(shape: Shape, cfg, tokens: int) -> tuple[float, float]:
@@ -85,9 +85,9 @@ def activation_bytes(shape: Shape, cfg, tokens: int) -> tuple[float, float]:
     fp32 input (4·H). The LM head: fused chunks, or (naive) [tokens, V] bf16 logits, fp32 logprobs and
     their gradient."""
     H, W = shape.hidden, shape.intermediate
-    block = tokens * (36 * H + 8 * W if DTYPE_BYTES[cfg.dtype] < 4 else 32 * H + 16 * W)
-    head = FUSED_HEAD_BYTES if cfg.logprob_impl == "fused" else 10 * tokens * shape.vocab
-    if cfg.gradient_checkpointing:
+    block = tokens * (36 * H + 8 * W if DTYPE_BYTES[cfg.memory.dtype] < 4 else 32 * H + 16 * W)
+    head = FUSED_HEAD_BYTES if cfg.memory.logprob_impl == "fused" else 10 * tokens * shape.vocab
+    if cfg.memory.gradient_checkpointing:
         return tokens * 4 * H * shape.layers + head, block + tokens * 8 * H  # + its input's gradients
     return block * shape.layers + head, 0
 
@@ -95,9 +95,9 @@ def activation_bytes(shape: Shape, cfg, tokens: int) -> tuple[float, float]:
 def engine_share(shape: Shape, cfg, device_bytes: int | None) -> float:
     """vLLM's memory while awake: --kv-cache-gb plus its weights when fixed, else its share of the GPU
     (--gpu-memory-utilization × the card: vLLM 0.32 budgets weights, KV cache and its activations in it)."""
-    if cfg.kv_cache_gb > 0:
-        return cfg.kv_cache_gb * GiB + DTYPE_BYTES[cfg.dtype] * shape.params
-    return cfg.gpu_memory_utilization * (device_bytes or 0)
+    if cfg.vllm.kv_cache_gb > 0:
+        return cfg.vllm.kv_cache_gb * GiB + DTYPE_BYTES[cfg.memory.dtype] * shape.params
+    return cfg.vllm.gpu_memory_utilization * (device_bytes or 0)
 
 
 def estimate(shape: Shape, cfg, *, vllm: bool, world: int = 1, device_bytes: int | None = None,
@@ -105,34 +105,34 @@ def estimate(shape: Shape, cfg, *, vllm: bool, world: int = 1, device_bytes: int
     """The plan of one GPU. cfg: the run's Config (read only); vllm: the engine is vLLM (resolved
     from --engine auto); world: ranks; device_bytes: the GPU's memory (None off CUDA); worker_here:
     --async-steps with the rollout worker on this same GPU."""
-    b, P, N = DTYPE_BYTES[cfg.dtype], shape.params, shape.trainable
-    shards = world if cfg.fsdp else 1
-    lora = cfg.lora_rank > 0
-    K = cfg.async_steps
+    b, P, N = DTYPE_BYTES[cfg.memory.dtype], shape.params, shape.trainable
+    shards = world if cfg.memory.fsdp else 1
+    lora = cfg.lora.rank > 0
+    K = cfg.pipeline.async_steps
     # vLLM on this GPU: the synchronous engine, or the async worker's when it runs here
     share = engine_share(shape, cfg, device_bytes) if vllm and (not K or worker_here) else 0.0
     # it frees its share between rollouts only where it sleeps in this process (the synchronous engine
     # with --sleep-level > 0); the async worker's never sleeps
-    held = bool(K) or cfg.sleep_level == 0
+    held = bool(K) or cfg.vllm.sleep_level == 0
     rows = math.ceil(cfg.prompts_per_step * cfg.samples_per_prompt / world)
     # the HF engine's KV cache: every row of the batch at its longest, K and V per layer
-    longest = cfg.max_prompt_len + cfg.max_new_tokens
+    longest = cfg.prompts.max_prompt_len + cfg.max_new_tokens
     kv = 0 if vllm else rows * longest * shape.layers * 2 * shape.kv_width * b
     resident = {
         "fp32 masters": 4 * P / shards,
         "Adam": 8 * N / shards,
         # LoRA's reference is the policy with its adapters off: no copy
-        f"reference ({cfg.dtype})": b * P / shards if cfg.uses_reference and not lora else 0,
+        f"reference ({cfg.memory.dtype})": b * P / shards if cfg.uses_reference and not lora else 0,
         # PPO's critic: a trained copy of the body (its masters and moments; the head's few aside)
         "critic": (4 * P + 8 * N) / shards if cfg.vf_coef > 0 else 0,
         # --fsdp with the HF engine: it samples from a full compute-dtype copy on every rank
-        "HF engine copy": b * P if cfg.fsdp and not vllm else 0,
+        "HF engine copy": b * P if cfg.memory.fsdp and not vllm else 0,
         # the async worker on this GPU, sampling while the trainer trains: its model copy (with vLLM only
         # for the sync check: rollout_worker.Worker), its reference, and with vLLM the one slot versions
         # cross in (weight_broadcast: ipc on one GPU; the K+2 it may hold wait in host memory), else the
         # HF engine's KV cache
-        "async worker": ((bool(cfg.sync_check_every or not vllm) + cfg.uses_reference + vllm) * b * P + kv
-                         if K and worker_here else 0),
+        "async worker": ((bool(cfg.vllm.sync_check_every or not vllm) + cfg.uses_reference + vllm) * b * P
+                         + kv if K and worker_here else 0),
         "vLLM (awake all run)": share if held else 0,
     }
     tokens = micro_batch_tokens(cfg, world)
@@ -140,7 +140,8 @@ def estimate(shape: Shape, cfg, *, vllm: bool, world: int = 1, device_bytes: int
     # autocast caches the compute-dtype copy of every trainable weight for a whole forward, while the
     # earlier micro-batches' gradients are held; frozen ones (LoRA's base) are cast per use and kept for
     # backward only without checkpointing. FSDP gathers its own compute-dtype copies per layer.
-    copies = b * N + (0 if cfg.gradient_checkpointing else b * (P - N)) if b < 4 and not cfg.fsdp else 0
+    mem = cfg.memory
+    copies = b * N + (0 if mem.gradient_checkpointing else b * (P - N)) if b < 4 and not mem.fsdp else 0
     train = {
         "gradients": 4 * N * (1 + (cfg.vf_coef > 0)) / shards,
         f"activations ({tokens} tokens)": held_acts,
@@ -162,15 +163,15 @@ def levers(plan: Plan, cfg, world: int) -> list[str]:
         out.append(f"--kl-coef 0 (no reference copy: −{g(ref)})")
     share = plan.resident["vLLM (awake all run)"] or plan.sample["vLLM"]
     if share:
-        out.append(f"a lower --gpu-memory-utilization (now {cfg.gpu_memory_utilization}: vLLM's share "
+        out.append(f"a lower --gpu-memory-utilization (now {cfg.vllm.gpu_memory_utilization}: vLLM's share "
                    f"{g(share)})")
     act = next(v for k, v in plan.train.items() if k.startswith("activations"))
     out.append(f"a smaller --max-tokens-per-micro-batch (activations: {g(act)}"
-               + ("" if cfg.gradient_checkpointing else "; or --gradient-checkpointing") + ")")
-    if not cfg.lora_rank:
+               + ("" if cfg.memory.gradient_checkpointing else "; or --gradient-checkpointing") + ")")
+    if not cfg.lora.rank:
         full = plan.resident["Adam"] + plan.train["gradients"]
         out.append(f"--lora-rank 16 (gradients and AdamW moments of the adapters only: ~−{g(full)})")
     sharded = plan.resident["fp32 masters"] + plan.resident["Adam"] + plan.train["gradients"]
     out.append(f"--fsdp over more GPUs (divides masters, gradients and moments: {g(sharded)} here"
-               + (f" over {world} ranks" if cfg.fsdp else "") + ")")
+               + (f" over {world} ranks" if cfg.memory.fsdp else "") + ")")
     return out

@@ -110,13 +110,14 @@ class Pipeline:
     is taken: the worker then always holds its next request, so its idle time is waiting for weights."""
 
     def __init__(self, run: Trainer, restored: dict[int, dict]):
-        cfg, self.run, self.K = run.cfg, run, run.cfg.async_steps
-        device = cfg.rollout_device or str(next(run.model.parameters()).device)  # as the trainer names it
+        cfg, self.run, self.K = run.cfg, run, run.cfg.pipeline.async_steps
+        # as the trainer names it
+        device = cfg.pipeline.rollout_device or str(next(run.model.parameters()).device)
         ctx = mp.get_context(start_method(device))
         # a bare "cuda" is the current device (0 before CUDA initialises)
         current = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
         inside, env = worker_device(device, os.environ, torch.cuda.device_count(), current)
-        dtype, trainer_device = precision.compute_dtype(cfg.dtype), next(run.model.parameters()).device
+        dtype, trainer_device = precision.compute_dtype(cfg.memory.dtype), next(run.model.parameters()).device
         # an engine with weights of its own (vLLM) takes each version over a process group
         # (nanorl/weight_broadcast.py); the HF engine samples from the worker's module, loaded from
         # shared memory
@@ -131,10 +132,12 @@ class Pipeline:
             self.weights = to_worker = SharedWeights(run.model, self.K, ctx, dtype)
             self.weights.publish(run.model, run.step)
         self.v0 = run.step
-        sampling = SamplingConfig(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                                  max_new_tokens=cfg.max_new_tokens, keep_support=cfg.keep_sampling_mask,
+        sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                                  top_p=cfg.sampling.top_p,
+                                  max_new_tokens=cfg.max_new_tokens,
+                                  keep_support=cfg.sampling.keep_sampling_mask,
                                   stop_token_ids=stop_token_ids(run.model, run.tokenizer),
-                                  support_cap=cfg.support_cap)
+                                  support_cap=cfg.sampling.support_cap)
         # The worker draws nothing: this loader, a copy of the trainer's, draws batch b's prompts ahead;
         # rl_step draws the same ones from run.loader and `take` checks they agree (unless the worker
         # draws its own: `own_prompts`).
@@ -292,13 +295,13 @@ def own_prompts(cfg) -> bool:
     """Whether the worker draws its own prompts from a copy of the loader, the trainer's going unused:
     how many a batch takes depends on its buffer (--partial-rollout abort) or its rewards (DAPO's
     refill rounds, --filter-groups)."""
-    return cfg.partial_rollout == "abort" or cfg.filter_groups
+    return cfg.pipeline.partial_rollout == "abort" or cfg.dapo.filter_groups
 
 
 def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     """Check a scored batch (or shard) before it trains, add the worker's faults to the run totals;
     returns the step's async metrics."""
-    K, abort = run.cfg.async_steps, run.cfg.partial_rollout == "abort"
+    K, abort = run.cfg.pipeline.async_steps, run.cfg.pipeline.partial_rollout == "abort"
     if not own_prompts(run.cfg) and got["prompt_ids"] != [p.ids for p in prompts]:
         raise RuntimeError(f"async rollout: batch {step} was sampled for other prompts than the trainer's")
     # the bound this module promises, never trusted silently; a resumed sample's oldest tokens are
@@ -404,16 +407,17 @@ def staleness_metrics(samples: list[Sample], step: int) -> dict:
 
 
 def start(run: Trainer, resumed: str | None = None) -> Pipeline | Follower:
-    """The pipeline of `run` (cfg.async_steps > 0), with the batches a checkpoint at `resumed` holds."""
+    """The pipeline of `run` (cfg.pipeline.async_steps > 0), with the batches a checkpoint at `resumed`
+    holds."""
     if run.rank > 0:  # rank 0's worker samples this rank's prompts too
         return Follower(run)
     restored, file = {}, os.path.join(resumed, FILE) if resumed else ""
     if file and os.path.isfile(file):
         saved = torch.load(file, weights_only=True)  # verified by the checkpoint's manifest
-        if saved["K"] == run.cfg.async_steps:
+        if saved["K"] == run.cfg.pipeline.async_steps:
             restored = {x["batch"]: {**x, "samples": [Sample(**s) for s in x["samples"]]}
                         for x in saved["batches"]}
         else:  # their staleness was another K's: sample them again from the checkpoint's version
             run.logger.print(f"async: checkpoint saved with --async-steps {saved['K']}, now "
-                             f"{run.cfg.async_steps}: its in-flight batches are dropped")
+                             f"{run.cfg.pipeline.async_steps}: its in-flight batches are dropped")
     return Pipeline(run, restored)

@@ -80,20 +80,22 @@ def make_plan(cfg, estimator: Callable, policy_loss) -> Plan:
     (nanorl/update.py), and TIS / MIS weights come from it too.
     --old-logprobs rollout takes the engine's logprobs instead (no recompute)."""
     named = explicit_inputs(ADVANTAGE_ESTIMATORS[estimator] if isinstance(estimator, str) else estimator)
-    on_policy = cfg.ppo_epochs == 1 and cfg.mini_batches == 1
+    on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.mini_batches == 1
     # distillation: log π_teacher − log π_old, both before the update (nanorl/advantage.py opd)
-    teacher = "teacher_logprobs" in named or cfg.distill_coef > 0
-    reads_old = (cfg.kl_in_reward or bool(cfg.top_entropy_quantile) or teacher
+    teacher = "teacher_logprobs" in named or cfg.distill.distill_coef > 0
+    reads_old = (cfg.kl.kl_in_reward or bool(cfg.top_entropy_quantile) or teacher
                  or "old_logprobs" in named or "old_logprobs" in loss_needs(policy_loss))
     # TIS / MIS need π_old before the update only when something reads them (or it) first
-    is_early = cfg.old_logprobs != "auto" or not on_policy or reads_old or "rollout_is_weights" in named
-    is_weights = "" if not (cfg.tis_cap or cfg.mis_high) else "recompute" if is_early else "first forward"
-    old = cfg.old_logprobs == "recompute" or (cfg.old_logprobs == "auto" and (not on_policy or reads_old
+    off = cfg.offpolicy
+    is_early = off.old_logprobs != "auto" or not on_policy or reads_old or "rollout_is_weights" in named
+    is_weights = "" if not (off.tis_cap or off.mis_high) else "recompute" if is_early else "first forward"
+    old = off.old_logprobs == "recompute" or (off.old_logprobs == "auto" and (not on_policy or reads_old
                                                                               or is_weights == "recompute"))
     # --log-kl scores it like a KL loss whose coefficient is 0: logged, never in the loss
-    reference = ("" if not (cfg.kl_coef > 0 or cfg.log_kl) else "from the worker" if cfg.async_steps
-                 else "every row" if cfg.kl_in_reward or not cfg.skip_zero_advantage else "trained rows")
+    reference = ("" if not cfg.uses_reference else "from the worker" if cfg.pipeline.async_steps
+                 else "every row" if cfg.kl.kl_in_reward or not cfg.memory.skip_zero_advantage
+                 else "trained rows")
     return Plan(estimator=estimator, estimator_inputs=estimator_inputs(estimator), old_logprobs=old,
                 sum_sq_probs="sum_sq_probs" in named, old_entropy=bool(cfg.top_entropy_quantile),
                 values=cfg.vf_coef > 0, greedy_baselines="baselines" in named, is_weights=is_weights,
-                reference=reference, kl_in_reward=cfg.kl_in_reward, teacher=teacher)
+                reference=reference, kl_in_reward=cfg.kl.kl_in_reward, teacher=teacher)

@@ -14,7 +14,6 @@ functions again by name.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -171,14 +170,14 @@ def apply(cfg):
     else `cfg` itself; applying it twice changes nothing."""
     values = {}
     if cfg.plugin:
-        defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+        defaults, mine_all = type(cfg)().as_flags(), cfg.as_flags()
         # -1 (the default) was resolved for the reward before the plug-in's: resolve it again
         auto_timeout = getattr(cfg, "_auto_reward_timeout", False)
         for name, value in plugin_values(cfg.plugin).items():
             if name not in defaults:
                 raise ValueError(f"config: --plugin {cfg.plugin}: CONFIG names {name!r}, which is not a "
                                  "Config field")
-            mine = getattr(cfg, name)
+            mine = mine_all[name]
             if mine not in (defaults[name], value) and not (name == "reward_timeout" and auto_timeout):
                 raise ValueError(f"config: --plugin {cfg.plugin} sets {name}={value!r}, but {name} is "
                                  f"already {mine!r} (a flag or the --algo preset): drop one of the two")
@@ -186,7 +185,7 @@ def apply(cfg):
         if auto_timeout:
             values.setdefault("reward_timeout", -1.0)
         plugin_task(cfg.plugin)
-    cfg = dataclasses.replace(cfg, **values) if values else cfg
+    cfg = cfg.replace(**values) if values else cfg
     for name in USER_FUNCTIONS:
         if ":" in getattr(cfg, name):
             fn = load_checked(getattr(cfg, name), name)

@@ -76,13 +76,13 @@ class Worker:
     whatever --async-steps. Otherwise the HF engine samples from the model copy itself."""
 
     def __init__(self, spec: WorkerSpec, weights):
-        cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.dtype)
+        cfg, dtype = spec.cfg, precision.compute_dtype(spec.cfg.memory.dtype)
         self.spec, self.cfg, self.weights = spec, cfg, weights
         # The starting --model in fp32 on the host, never on the trainer's GPU: the engine samples in
         # the compute dtype (autocast), so with bf16/fp16 it holds a frozen copy in that dtype (the
         # slots' dtype); with fp32 it is the loaded model itself, as before.
         base, self.tokenizer = load_model(cfg.model, "cpu", dtype)
-        if cfg.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
+        if cfg.memory.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
             precision.keep_lm_head_fp32(base)
         base.requires_grad_(False)
         # The reference is the starting --model, frozen, as the trainer's (train.py setup): scoring it
@@ -94,7 +94,7 @@ class Worker:
         # only when a check runs (--sync-check-every > 0); else in host memory, vLLM copying each tensor
         # over as it loads, and the worker's GPU holds no copy of its own
         kind = build.engine_class(cfg, spec.device)
-        home = spec.device if not kind.holds_own_weights or cfg.sync_check_every else "cpu"
+        home = spec.device if not kind.holds_own_weights or cfg.vllm.sync_check_every else "cpu"
         model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(home)
         del base
         self.scoring = Scoring(cfg, model, self.tokenizer)
@@ -114,17 +114,18 @@ class Worker:
         self.scorers = build.make_scorers(cfg, spec.device, dtype, log=print)
         self.reward_weights, self.hooks = build.reward_weights(cfg), Hooks(cfg)
         # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
-        fmt = PromptFormat(cfg.system_prompt, cfg.prompt_template, cfg.chat_template, cfg.chat_template_dict)
+        fmt = PromptFormat(cfg.prompts.system_prompt, cfg.prompts.prompt_template, cfg.prompts.chat_template,
+                           cfg.chat_template_dict)
         self.episodes = episode_runner(cfg, self.engine, self.tokenizer, fmt) if cfg.env else None
         self.engine.version = -1  # nothing loaded yet
         self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
-        if cfg.partial_rollout == "abort":
+        if cfg.pipeline.partial_rollout == "abort":
             self.partial = AbortingRollout(self.engine, self.rewards, self.tokenizer, spec.loader,
-                                           cfg.prompts_per_step, cfg.samples_per_prompt, cfg.over_sample)
+                                           cfg.prompts_per_step, cfg.samples_per_prompt, cfg.dapo.over_sample)
             if spec.carry is not None:
                 self.partial.load_state_dict(spec.carry)
         self.loader = None  # --filter-groups: how many prompts a batch takes depends on its rewards
-        if cfg.filter_groups:
+        if cfg.dapo.filter_groups:
             self.loader = spec.loader
             if spec.carry is not None:
                 self.loader.load_state_dict(spec.carry["loader"])
@@ -147,13 +148,13 @@ class Worker:
         # HF engine samples from the copy itself (nothing to load, nothing to compare)
         model = self.scoring.model
         self.engine.update_weights(model, version)
-        every = self.cfg.sync_check_every
+        every = self.cfg.vllm.sync_check_every
         if every and version % every == 0:
             self.sync_metrics = {f"sync/{k}": v for k, v in self.engine.check_sync(model).items()}
 
     def rollout(self, b: int, prompts: list) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
-        need = sampled_from(b, cfg.async_steps, self.spec.start_version)
+        need = sampled_from(b, cfg.pipeline.async_steps, self.spec.start_version)
         while not self.weights.wait_for(need, timeout=5.0):
             _exit_if_orphaned()
         t1 = time.perf_counter()
@@ -172,7 +173,7 @@ class Worker:
         else:
             samples = self.scored(b, prompts, cfg.samples_per_prompt, sampling)
         t2 = time.perf_counter()
-        if cfg.mask_offpolicy_in_partial_rollout:
+        if cfg.pipeline.mask_offpolicy_in_partial_rollout:
             for s in samples:
                 mask_older_tokens(s)
         if self.spec.greedy_baselines:
@@ -238,7 +239,7 @@ class Worker:
         """Reference logprobs of every response token, as train.py's recompute would score them (the
         same collated batch and micro-batches): Sample.ref_logprobs, read by `ref_logprobs`."""
         batch = collate(samples, self.tokenizer.pad_token_id).to(self.spec.device)
-        support = batch.sampling_support if self.cfg.keep_sampling_mask else None
+        support = batch.sampling_support if self.cfg.sampling.keep_sampling_mask else None
         lp = score_batch(self.scoring, self.ref, batch, support)[0].cpu()  # [B, T]
         for s, row in zip(samples, lp):
             s.ref_logprobs = row[:s.response_length].tolist()
@@ -301,7 +302,7 @@ def _worker_main(spec: WorkerSpec, weights, requests, results) -> None:
     # Not daemonic (a daemonic process cannot start the reward runner's worker pool), so it ends
     # itself: on SIGTERM (close(), the trainer's exit: `_stop_at_exit`) and when orphaned.
     signal.signal(signal.SIGTERM, _leave)
-    torch.set_num_threads(spec.cfg.threads or 1)
+    torch.set_num_threads(spec.cfg.memory.threads or 1)
     _own_forkserver()
     # The one GPU the trainer left visible (pipeline.worker_device), current before anything allocates:
     # a kernel launched on the current device (Triton's, nanorl/entropy.py) must find its tensors there

@@ -137,7 +137,7 @@ class DynamicSampling(OneRound):
     len(prompts) groups whose rewards differ, at most --max-gen-batches rounds."""
 
     def round(self, sampler: Sampler, prompts, sampling: SamplingConfig, timer, metrics: dict) -> list:
-        if sampler.cfg.over_sample == 1:
+        if sampler.cfg.dapo.over_sample == 1:
             return super().round(sampler, prompts, sampling, timer, metrics)
         with timer("generate"):  # scored (and post-processed) group by group while sampling
             return oversampled_round(sampler, prompts, sampling, metrics)
@@ -190,7 +190,7 @@ def refill_groups(sampler: Sampler, prompts, samples, sampling, timer, metrics) 
     def any_short(short: bool) -> bool:  # all ranks draw the same rounds
         return short if sampler.world == 1 else int(distributed.all_reduce(torch.tensor([int(short)]))) > 0
 
-    kept, rounds, generated, gave_up = dapo.dynamic_sampling(draw, len(prompts), cfg.max_gen_batches,
+    kept, rounds, generated, gave_up = dapo.dynamic_sampling(draw, len(prompts), cfg.dapo.max_gen_batches,
                                                              any_short)
     found = len({s.group_id for s in kept})
     metrics.update({"groups_kept_frac": found / max(generated, 1), "dapo/gen_rounds": rounds})
@@ -198,8 +198,8 @@ def refill_groups(sampler: Sampler, prompts, samples, sampling, timer, metrics) 
         sampler.counters["dapo_gave_up"] = sampler.counters.get("dapo_gave_up", 0) + 1
         sampler.logger.print(f"step {sampler.step}: dynamic sampling found {found} of {len(prompts)} groups "
                              f"with reward variance in {rounds} generation rounds (--max-gen-batches "
-                             f"{cfg.max_gen_batches}); training on those. Raise --max-gen-batches, or use "
-                             "easier data / a stronger start.")
+                             f"{cfg.dapo.max_gen_batches}); training on those. Raise --max-gen-batches, or "
+                             "use easier data / a stronger start.")
     return kept
 
 
@@ -213,7 +213,7 @@ def oversampled_round(sampler: Sampler, prompts, sampling, metrics: dict) -> lis
     dapo/aborted_tokens (sampled, then thrown away), dapo/aborted_groups, dapo/oversampled_groups."""
     cfg, wanted = sampler.cfg, len(prompts)
     n = cfg.samples_per_prompt
-    pool = list(prompts) + [p for _ in range(cfg.over_sample - 1) for p in sampler.loader.next_batch()]
+    pool = list(prompts) + [p for _ in range(cfg.dapo.over_sample - 1) for p in sampler.loader.next_batch()]
     found = [0]
 
     def scored_groups(groups: list) -> None:  # whole groups, consecutive: prompt i's n samples

@@ -47,15 +47,15 @@ def forward(cfg, model, batch, support):
 
     With a token budget (--max-tokens-per-micro-batch) the rows are packed into one sequence, so the
     budget bounds the real tokens of a forward and no compute goes to padding (nanorl/batching.py)."""
-    replay_on = cfg.routing_replay and batch.routed_experts is not None
-    if cfg.max_tokens_per_micro_batch and batching.packs_varlen(model):
-        return batching.packed_response_logprobs(model, batch, cfg.temperature, support=support,
-                                                 impl=cfg.logprob_impl, replay=replay_on)
+    replay_on = cfg.memory.routing_replay and batch.routed_experts is not None
+    if cfg.memory.max_tokens_per_micro_batch and batching.packs_varlen(model):
+        return batching.packed_response_logprobs(model, batch, cfg.sampling.temperature, support=support,
+                                                 impl=cfg.memory.logprob_impl, replay=replay_on)
     replay = None
     if replay_on:
         replay = moe_replay.replay(model, batch.routed_experts, batch.routed_mask)
-    return response_logprobs(model, batch, cfg.temperature, support=support,
-                             impl=cfg.logprob_impl, replay=replay)
+    return response_logprobs(model, batch, cfg.sampling.temperature, support=support,
+                             impl=cfg.memory.logprob_impl, replay=replay)
 
 
 @torch.no_grad()
@@ -74,8 +74,8 @@ def routing_forward(run: Forwards, batch, support, metrics: dict) -> torch.Tenso
     refused: no collective runs here), so a lockstep pad (`[]`) has nothing to run."""
     cfg, model = run.cfg, run.model
     r3 = batch.routed_experts is not None
-    device, dtype = batch.input_ids.device, precision.compute_dtype(cfg.dtype)
-    packed = bool(cfg.max_tokens_per_micro_batch) and batching.packs_varlen(model)
+    device, dtype = batch.input_ids.device, precision.compute_dtype(cfg.memory.dtype)
+    packed = bool(cfg.memory.max_tokens_per_micro_batch) and batching.packs_varlen(model)
     (B, T), P = batch.response_ids.shape, batch.prompt_width
     logp = torch.zeros(B, T, device=device)  # [B, T]
     experts = None  # [B, P+T, L, k]: R3 the trainer's own (natural) choice, R2 the recording
@@ -90,10 +90,11 @@ def routing_forward(run: Forwards, batch, support, metrics: dict) -> torch.Tenso
                else moe_replay.record(model))
         with ctx as rr, precision.autocast(device, dtype):
             if packed:
-                lp = batching.packed_response_logprobs(model, mb, cfg.temperature, support=sup,
-                                                       impl=cfg.logprob_impl)[0]
+                lp = batching.packed_response_logprobs(model, mb, cfg.sampling.temperature, support=sup,
+                                                       impl=cfg.memory.logprob_impl)[0]
             else:
-                lp = response_logprobs(model, mb, cfg.temperature, support=sup, impl=cfg.logprob_impl)[0]
+                lp = response_logprobs(model, mb, cfg.sampling.temperature, support=sup,
+                                       impl=cfg.memory.logprob_impl)[0]
         ids = rr.natural_experts if r3 else rr.experts  # [b, p+t, L, k], or [1, N, L, k] packed
         if packed:  # a packed row holds each sample's real tokens in row-major order (trajectory.pack)
             keep = mb.attention_mask.bool().cpu()  # [b, p+t]
@@ -132,8 +133,8 @@ def micro_batches(run: Forwards, batch: PaddedBatch | None) -> list[list[int]]:
     on a rank that would otherwise wait for the busiest, and leaves every real row where it was. One
     rank agrees with itself: no pad, the 1-rank result is unchanged. [] when no rank has a row."""
     cfg, n = run.cfg, 0 if batch is None else batch.input_ids.shape[0]
-    if cfg.max_tokens_per_micro_batch:  # the planners emit the empty groups themselves
-        budget, P = cfg.max_tokens_per_micro_batch, 0 if batch is None else batch.prompt_width
+    if cfg.memory.max_tokens_per_micro_batch:  # the planners emit the empty groups themselves
+        budget, P = cfg.memory.max_tokens_per_micro_batch, 0 if batch is None else batch.prompt_width
         am = batch.attention_mask.tolist() if batch is not None else []  # [B, P+T]
         if batching.packs_varlen(run.model):
             plan = functools.partial(batching.make_micro_batches, [sum(r) for r in am], budget)
@@ -142,7 +143,7 @@ def micro_batches(run: Forwards, batch: PaddedBatch | None) -> list[list[int]]:
                                      [sum(r[P:]) for r in am], budget)
     else:
         whole = [list(range(n))] if n else []
-        own = batching.split_fixed(n, cfg.micro_batch_size) if cfg.micro_batch_size else whole
+        own = batching.split_fixed(n, cfg.memory.micro_batch_size) if cfg.memory.micro_batch_size else whole
 
         def plan(count=None):
             return own + [[] for _ in range((count or 0) - len(own))]

@@ -31,7 +31,7 @@ from nanorl.update import Learner, old_policy_view, step_is_weights, trains
 
 def support_of(cfg, batch):
     """The kept sampling support [B, T, K] the trainer's forwards restrict to (--keep-sampling-mask)."""
-    return batch.sampling_support if cfg.keep_sampling_mask else None
+    return batch.sampling_support if cfg.sampling.keep_sampling_mask else None
 
 
 def rollout(sampler: Sampler, plan, sampling: SamplingConfig, prompts, timer,
@@ -49,17 +49,18 @@ def rollout(sampler: Sampler, plan, sampling: SamplingConfig, prompts, timer,
     baselines = None
     if plan.greedy_baselines:  # ReMax: the reward of a greedy response is its prompt's baseline
         baselines = greedy_baselines(sampler, prompts, samples, sampling, timer)
-    if cfg.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
+    if cfg.sampling.keep_sampling_mask:  # what keeping the sampling support costs (bounded by --support-cap)
         stored = sum(4 * s.sampling_support.numel() for s in samples if s.sampling_support is not None)
         metrics["ksm/support_bytes_per_token"] = stored / max(1, sum(s.response_length for s in samples))
     metrics.update({f"reward_faults/{k}": v for k, v in sampler.rewards.faults.items()})  # run totals
     for name, scorer in sampler.scorers.items():  # a judge's failed calls, by kind, run totals
         metrics.update({f"reward_faults/{name}/{k}": v for k, v in scorer.faults.items()})
     samples = rounds.refill(sampler, prompts, samples, sampling, timer, metrics)  # DAPO's refill rounds
-    if cfg.overlong_buffer:  # DAPO's soft overlong punishment, after the filter (which reads correctness)
+    # DAPO's soft overlong punishment, after the filter (which reads correctness)
+    if cfg.dapo.overlong_buffer:
         metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
-            samples, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
-    if cfg.mask_think:  # the reasoning conditions the answer and takes no loss (nanorl/spans.py)
+            samples, cfg.max_new_tokens, cfg.dapo.overlong_buffer, cfg.dapo.overlong_penalty)
+    if cfg.prompts.mask_think:  # the reasoning conditions the answer and takes no loss (nanorl/spans.py)
         metrics["think_masked_frac"] = spans.mask_think(samples, sampler.tokenizer)
     return samples, baselines
 
@@ -83,8 +84,9 @@ def to_batch(learner: Learner, engine, samples) -> tuple[list, object]:
     pad = learner.tokenizer.pad_token_id
     if not samples:  # none left here, some elsewhere: join the step with rows that weigh nothing
         samples = zero_weight_samples(pad, learner.cfg.samples_per_prompt)
-    if learner.cfg.sleep_level:  # vLLM: free its GPU memory until the sync (the HF engine: nothing to free)
-        engine.sleep(learner.cfg.sleep_level)
+    # vLLM: free its GPU memory until the sync (the HF engine: nothing to free)
+    if learner.cfg.vllm.sleep_level:
+        engine.sleep(learner.cfg.vllm.sleep_level)
     device = next(learner.model.parameters()).device
     precision.free_cached_memory(device)  # the rollout's KV cache goes back before training allocates
     batch = collate(samples, pad).to(device)
@@ -102,9 +104,9 @@ def recompute(learner: Learner, plan, source, samples, batch, metrics: dict) -> 
     its weights inside `trained`; micro-batched as training), one of the reference, one of the teacher.
     `source` brings the reference logprobs when the async worker scored them."""
     cfg, t, support = learner.cfg, batch.tensors, support_of(learner.cfg, batch)
-    if cfg.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
+    if cfg.memory.routing_replay:  # MoE: this forward also fixes (R2) or checks (R3) the routing to replay
         t.old_logprobs = routing_forward(learner, batch, support, metrics)
-    elif cfg.old_logprobs == "rollout":
+    elif cfg.offpolicy.old_logprobs == "rollout":
         t.old_logprobs = batch.rollout_logprobs
     again = plan.old_logprobs and t.old_logprobs is None
     # a dump step scores every row too: the dumps show π before the update (nanorl/dump.py)
@@ -142,16 +144,17 @@ def advantages(learner: Learner, plan, batch, baselines, metrics: dict) -> None:
         metrics.update(is_metrics(w, changed, rho, mask))
     kl = None
     if plan.kl_in_reward:  # KL as a per-token penalty in the reward (InstructGPT, REINFORCE++)
-        kl = kl_estimator(t.old_logprobs, t.ref_logprobs, cfg.kl_estimator, mask=mask)  # [B, T]
+        kl = kl_estimator(t.old_logprobs, t.ref_logprobs, cfg.kl.kl_estimator, mask=mask)  # [B, T]
         metrics["kl_ref"] = float(masked_mean(kl, mask))  # logged, and what --kl-target steers by
     t.advantages, t.returns = compute_advantages(plan.estimator,
                                                  **advantage_inputs(learner, plan, batch, kl, baselines))
     if plan.teacher:  # KL(π_old ‖ π_teacher) per token, k1 on the sampled tokens: distillation lowers it
         metrics["teacher_kl"] = float(masked_mean(t.old_logprobs - t.teacher_logprobs, mask))
-    if cfg.distill_coef:  # a task reward + distillation: A_t + λ·(log π_teacher − log π_old) (slime's OPD)
-        t.advantages = t.advantages + cfg.distill_coef * reverse_kl_advantage(
+    # a task reward + distillation: A_t + λ·(log π_teacher − log π_old) (slime's OPD)
+    if cfg.distill.distill_coef:
+        t.advantages = t.advantages + cfg.distill.distill_coef * reverse_kl_advantage(
             t.old_logprobs, t.teacher_logprobs, mask)  # [B, T]
-    if cfg.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
+    if cfg.dapo.drop_truncated:  # DAPO overlong filtering: truncated rows leave the loss, not the baselines
         batch.response_mask = dapo.truncated_loss_mask(batch.response_mask, batch.truncated)
 
 
@@ -166,7 +169,7 @@ def sync(learner: Learner, engine, source, metrics: dict) -> None:
                            f"({type(e).__name__}: {e}); resume from the last checkpoint with "
                            "--resume latest") from e
     source.publish(learner.model, version)  # async: the worker samples batch step + 1 + K from it
-    due = cfg.sync_check_every and version % cfg.sync_check_every == 0
+    due = cfg.vllm.sync_check_every and version % cfg.vllm.sync_check_every == 0
     if due and engine.holds_own_weights:
         # Never trust a sync silently: score a probe with both and fail loudly on a mismatch.
         with distributed.root_gathered(learner.trained):
@@ -189,7 +192,7 @@ def step_metrics(learner: Learner, plan, hooks, samples, batch, mask, timer, met
     if plan.is_weights == "first forward":  # the update weighed each token with these (micro_step)
         metrics.update(is_metrics(*step_is_weights(learner.cfg, trainer_logp, batch.rollout_logprobs,
                                                    mask * scored), mask * scored))
-    if learner.cfg.kl_target:  # the per-token KL to the reference, in either placement
+    if learner.cfg.kl.kl_target:  # the per-token KL to the reference, in either placement
         n_tok = float(mask.sum()) if "kl_ref" in metrics else 0.0  # a rank of pads only has none
         kl_sum, n = distributed.all_reduce(torch.tensor([metrics.get("kl_ref", 0.0) * n_tok, n_tok])).tolist()
         if n > 0 and math.isfinite(kl_sum / n):
@@ -205,14 +208,14 @@ def step_metrics(learner: Learner, plan, hooks, samples, batch, mask, timer, met
 
 
 def dump_due(learner: Learner) -> bool:
-    return dump.due(learner.cfg.dump_rollouts, learner.step + 1)
+    return dump.due(learner.cfg.saving.dump_rollouts, learner.step + 1)
 
 
 def dump_step(learner: Learner, samples, batch) -> None:
     """Every --dump-rollouts steps: this step's samples and per-token tensors (nanorl/dump.py)."""
     cfg = learner.cfg
-    dump.rollouts(samples, batch, learner.tokenizer, learner.step + 1, cfg.dump_rollouts, cfg.out_dir,
-                  cfg.dump_rollouts_mb, rank=learner.rank, log=learner.logger.print)
+    dump.rollouts(samples, batch, learner.tokenizer, learner.step + 1, cfg.saving.dump_rollouts, cfg.out_dir,
+                  cfg.saving.dump_rollouts_mb, rank=learner.rank, log=learner.logger.print)
 
 
 def enough_to_train(world: int, n: int) -> bool:
@@ -233,7 +236,7 @@ def advantage_inputs(learner: Learner, plan, batch, kl, baselines) -> dict:
     comps = torch.stack(list(batch.reward_components.values()), -1) if batch.reward_components else None
     have = dict(mask=mask, index=batch.group_ids, values=t.old_values, components=comps,
                 old_logprobs=t.old_logprobs, sum_sq_probs=t.sum_sq_probs, teacher_logprobs=t.teacher_logprobs,
-                rollout_is_weights=t.is_weights, gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.pass_k,
+                rollout_is_weights=t.is_weights, gamma=cfg.gamma, lam=cfg.lam, pass_k=cfg.evaluation.pass_k,
                 metadata=batch.metadata)  # per-row Sample.metadata: for a user estimator
     inputs = {k: v for k, v in have.items() if k in uses and v is not None}
     # an environment rewarded turns (nanorl/env.py):

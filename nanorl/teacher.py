@@ -18,7 +18,6 @@ Test: python -m pytest tests/test_distill.py -q
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -52,20 +51,21 @@ def check_vocabulary(policy_tokenizer, teacher_tokenizer, policy: str, teacher: 
 def load_teacher(cfg, policy, policy_tokenizer, device, dtype) -> torch.nn.Module | None:
     """--teacher as a frozen module behind the scoring forward (logprobs, entropy, None), like the
     reference; None without --teacher. Its vocabulary is checked against the policy's first."""
-    if not cfg.teacher:
+    if not cfg.distill.teacher:
         return None
-    model, tokenizer = load_model(cfg.teacher, distributed.load_device(cfg.fsdp, device), dtype)
+    model, tokenizer = load_model(cfg.distill.teacher, distributed.load_device(cfg.memory.fsdp, device),
+                                  dtype)
     rows = policy.get_output_embeddings().weight.shape[0]  # the ids the student can sample
-    check_vocabulary(policy_tokenizer, tokenizer, cfg.model, cfg.teacher, rows)
+    check_vocabulary(policy_tokenizer, tokenizer, cfg.model, cfg.distill.teacher, rows)
     theirs = model.get_output_embeddings().weight.shape[0]
     if theirs < rows:
-        raise ValueError(f"--teacher {cfg.teacher}: its LM head has {theirs} rows, fewer than the policy's "
-                         f"{rows}: a sampled id would have no teacher logit")
+        raise ValueError(f"--teacher {cfg.distill.teacher}: its LM head has {theirs} rows, fewer than the "
+                         f"policy's {rows}: a sampled id would have no teacher logit")
     # the student's MoE routing is the student's: never replayed into the teacher (nanorl/moe_replay.py)
-    score = functools.partial(forward, dataclasses.replace(cfg, routing_replay=False))
+    score = functools.partial(forward, cfg.replace(routing_replay=False))
     teacher = Trained(frozen_copy(model, dtype), None, score, dtype)  # compute dtype, no master copy
     del model
-    return distributed.shard(teacher, device) if cfg.fsdp else teacher
+    return distributed.shard(teacher, device) if cfg.memory.fsdp else teacher
 
 
 @torch.no_grad()

@@ -256,9 +256,9 @@ def episode_runner(cfg, engine, tokenizer, fmt, log=print) -> EpisodeRunner:
     """train.py's driver for --env: its episode caps, tool timeout and prompt format (a text that reset
     returns is a whole user message: the run's format without --prompt-template)."""
     reset_fmt = replace(fmt, template="")
-    return EpisodeRunner(engine, load_env(cfg.env), tokenizer, max_turns=cfg.env_max_turns,
+    return EpisodeRunner(engine, load_env(cfg.env), tokenizer, max_turns=cfg.episode.env_max_turns,
                          max_tokens=cfg.episode_tokens,
-                         tool_timeout=None if cfg.tool_timeout < 0 else cfg.tool_timeout,
+                         tool_timeout=None if cfg.episode.tool_timeout < 0 else cfg.episode.tool_timeout,
                          render=lambda text: reset_fmt.render(text, tokenizer)[0],
                          template_kwargs=cfg.chat_template_dict, log=log)
 

@@ -62,13 +62,16 @@ def pad_loss(outputs) -> torch.Tensor:
 
 def loss_config(learner: Learner) -> LossConfig:
     c = learner.cfg
-    # policy: a registry name, or the user function --policy-loss names (nanorl/plugins.py)
-    return LossConfig(policy=c.policy_loss_fn, clip_low=c.clip_low, clip_high=c.clip_high,
-                      dual_clip=c.dual_clip or None, sapo_tau=(c.sapo_tau_pos, c.sapo_tau_neg),
-                      dro_beta=c.dro_beta,
-                      cov_ratio=c.cov_ratio, cov_kl_coef=c.cov_kl_coef, agg_mode=c.loss_agg,
-                      norm_len=c.max_new_tokens, entropy_coef=c.entropy_coef,
-                      kl_coef=0.0 if c.kl_in_reward else learner.kl_ctl.beta, vf_coef=c.vf_coef)
+    # LossConfig's fields named as flags (clip_low, clip_high, entropy_coef, vf_coef) are read by name;
+    # the rest is what the run decides: the loss itself (a registry name, or the user function
+    # --policy-loss names), its own settings (declared with it: nanorl/losses.py), dual-clip 0 = off,
+    # the length of seq-mean-token-sum-norm, and β (the KL controller's; 0 when the KL is in the reward)
+    flags = c.as_flags()
+    named = {f.name: flags[f.name] for f in dataclasses.fields(LossConfig) if f.name in flags}
+    decided = dict(policy=c.policy_loss_fn, params=c.loss_params.params_for(c.policy_loss),
+                   dual_clip=c.dual_clip or None, agg_mode=c.loss_agg, norm_len=c.max_new_tokens,
+                   kl_coef=0.0 if c.kl.kl_in_reward else learner.kl_ctl.beta)
+    return LossConfig(**{**named, **decided})
 
 
 def select_tokens(learner: Learner, mini, step_index: int, lcfg: LossConfig) -> None:
@@ -93,9 +96,9 @@ def train_on(learner: Learner, batch) -> dict:
     lcfg, sums, counts, steps = loss_config(learner), {}, {}, 0
     gen = torch.Generator().manual_seed(cfg.seed * 7919 + learner.step)
     first = {k: torch.zeros_like(batch.response_mask, dtype=torch.float) for k in FIRST_PASS}  # [B, T] each
-    for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(B, generator=gen) if cfg.mini_batches > 1 else torch.arange(B)
-        for rows in order.tensor_split(cfg.mini_batches):  # at most mini_batches optimizer steps
+    for epoch in range(cfg.optim.ppo_epochs):
+        order = torch.randperm(B, generator=gen) if cfg.optim.mini_batches > 1 else torch.arange(B)
+        for rows in order.tensor_split(cfg.optim.mini_batches):  # at most mini_batches optimizer steps
             mini = batch.select(rows.tolist()) if len(rows) else None  # None: no row of this step here
             groups = micro_batches(learner, mini)  # agreed over ranks: pads where this rank has fewer
             if not groups:  # no rank holds a row of this step (fewer samples than mini-batches): no step
@@ -104,7 +107,8 @@ def train_on(learner: Learner, batch) -> dict:
                 select_tokens(learner, mini, steps, lcfg)
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
-            if cfg.skip_zero_advantage:  # after the denominators: skipped rows keep their share of them
+            # after the denominators: skipped rows keep their share of them
+            if cfg.memory.skip_zero_advantage:
                 mini, rows, skipped = skip_zero_advantage(mini, rows)
                 groups = micro_batches(learner, mini)  # re-planned (and agreed again) over the training rows
                 sums["rows_skipped_frac"] = sums.get("rows_skipped_frac", 0.0) + skipped
@@ -140,7 +144,7 @@ def train_on(learner: Learner, batch) -> dict:
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
-            if cfg.ppo_epochs * cfg.mini_batches > 1:  # several per rollout: each on its own axis
+            if cfg.optim.ppo_epochs * cfg.optim.mini_batches > 1:  # several per rollout: each on its own axis
                 learner.logger.optimizer_step(learner.step + 1, {"opt_step": learner.scheduler.last_epoch,
                                                                  "epoch": epoch, **stats})
     batch.tensors.update(**first)
@@ -166,7 +170,7 @@ def skip_zero_advantage(mini, rows):
     gradient (ratio · 0, clipped or not), so its forward and backward can go, provided the loss keeps
     the whole step's denominators (train_on computes them first). What the row would still add: its
     KL-to-reference and entropy-bonus gradients (and its value loss), which skipping drops — see
-    Config.skip_zero_advantage."""
+    Config.flag_default('skip_zero_advantage')."""
     if mini is None:
         return None, rows, 0.0
     keep = trains(mini).nonzero().flatten()  # [k]
@@ -194,14 +198,14 @@ def old_policy_view(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def step_is_weights(cfg, old_logp, rollout_logp, mask):
     """--tis-cap / --mis-high's weights ρ = π_old/π_rollout [B, T] (with `changed` and the raw `rho`,
     for is_metrics), at --is-level (nanorl/offpolicy.py is_weights)."""
-    return is_weights(old_logp, rollout_logp, mask, level=cfg.is_level,
-                      tis=(cfg.tis_low, cfg.tis_cap) if cfg.tis_cap else None,
-                      mis=(cfg.mis_low, cfg.mis_high) if cfg.mis_high else None)
+    return is_weights(old_logp, rollout_logp, mask, level=cfg.offpolicy.is_level,
+                      tis=(cfg.offpolicy.tis_low, cfg.offpolicy.tis_cap) if cfg.offpolicy.tis_cap else None,
+                      mis=(cfg.offpolicy.mis_low, cfg.offpolicy.mis_high) if cfg.offpolicy.mis_high else None)
 
 
 def micro_step(learner: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
     cfg = learner.cfg
-    support = mb.sampling_support if cfg.keep_sampling_mask else None
+    support = mb.sampling_support if cfg.sampling.keep_sampling_mask else None
     logp, ent, values = learner.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
     t, mask = mb.tensors, mb.response_mask
     # train_on keeps epoch 0's (old_policy_view)
@@ -209,15 +213,15 @@ def micro_step(learner: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: floa
     # on-policy: π_old is the current policy, detached
     old = t.old_logprobs if t.old_logprobs is not None else logp.detach()
     kl = None
-    if learner.ref is not None and not cfg.kl_in_reward:
-        kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl_estimator, mask=mask)
-              if cfg.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl_estimator, mask=mask))
+    if learner.ref is not None and not cfg.kl.kl_in_reward:
+        kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl.kl_estimator, mask=mask)
+              if cfg.kl.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl.kl_estimator, mask=mask))
     weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (nanorl/stages.py), detached
-    if weights is None and (cfg.tis_cap or cfg.mis_high):
+    if weights is None and (cfg.offpolicy.tis_cap or cfg.offpolicy.mis_high):
         # the plan left them to this forward: on-policy, its detached logprobs are π_old (nanorl/plan.py)
         weights = step_is_weights(cfg, old, mb.rollout_logprobs, mask)[0]
-    if cfg.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
-        keep, masked = opsm_mask(logp, mb.rollout_logprobs, t.advantages, mask, cfg.opsm_delta)
+    if cfg.offpolicy.opsm_delta:  # OPSM needs π_θ, so it is computed here, per token (nanorl/offpolicy.py)
+        keep, masked = opsm_mask(logp, mb.rollout_logprobs, t.advantages, mask, cfg.offpolicy.opsm_delta)
         weights = keep if weights is None else weights * keep
         extra["opsm_maskfrac"] = masked.sum() / (mask > 0).sum().clamp(min=1)
     loss, m = total_loss(lcfg, logp, old, t.advantages, mask, entropy=ent, kl=kl,
@@ -272,7 +276,7 @@ def sync_and_step(learner: Learner, params) -> float:
     if learner.scaler:
         learner.scaler.unscale_(learner.optimizer)
         overflow = precision.agree_found_inf(learner.scaler, learner.optimizer)
-    clip = learner.cfg.grad_clip if learner.cfg.grad_clip else float("inf")
+    clip = learner.cfg.optim.grad_clip if learner.cfg.optim.grad_clip else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(params, clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
     if overflow and torch.isfinite(norm):  # another rank's shard overflowed: the same skip here

@@ -56,11 +56,11 @@ def denominators(b):
 # Reference: the whole batch on this process alone, on a plain model loaded from the same path.
 wrapped = run.trained
 policy = load_model(cfg.model)[0]
-if cfg.routing_replay:  # MoE: replay the rollout's experts in the reference forward too
+if cfg.memory.routing_replay:  # MoE: replay the rollout's experts in the reference forward too
     moe_replay.patch(policy)
-if cfg.lora_rank:  # LoRA: the same adapters (A is randomly initialised), the base frozen
+if cfg.lora.rank:  # LoRA: the same adapters (A is randomly initialised), the base frozen
     from peft import get_peft_model_state_dict
-    lora.apply(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout, cfg.lora_target_modules)
+    lora.apply(policy, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
     lora.load_adapters(policy, get_peft_model_state_dict(lora.peft_of(run.model)))
 critic = ValueModel(policy) if run.critic is not None else None
 run.trained, run.world = distributed.Trained(policy, critic, functools.partial(scoring.forward, cfg)), 1

@@ -67,7 +67,7 @@ for case in cases:
         steps[0] += 1
         return real_step(*a, **k)
     update.sync_and_step = stepped
-    if cfg.fsdp:  # count FSDP2's gradient reductions (one call per unit and reduction)
+    if cfg.memory.fsdp:  # count FSDP2's gradient reductions (one call per unit and reduction)
         from torch.distributed.fsdp._fully_shard import _fsdp_param_group as pg
         real = pg.foreach_reduce
 
@@ -79,7 +79,7 @@ for case in cases:
         train.rl_step(run)
         run.step += 1
     update.sync_and_step = real_step
-    if cfg.fsdp:
+    if cfg.memory.fsdp:
         pg.foreach_reduce = real
     from torch.distributed.fsdp import FSDPModule
     units = sum(isinstance(m, FSDPModule) for m in distributed.unwrap(run.trained).modules())

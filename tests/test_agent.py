@@ -222,13 +222,13 @@ def test_the_endpoint_needs_the_token_and_loopback():
 
 
 def test_config_refuses_what_cannot_combine():
-    assert Config(agent="a.py:run").agent == "a.py:run"
+    assert Config.from_flags(agent="a.py:run").agent == "a.py:run"
     for bad in (dict(env="calc", max_new_tokens=12), dict(async_steps=1), dict(reward="math"),
                 dict(filter_groups=True)):
         with pytest.raises(ConfigError, match="agent"):
-            Config(agent="a.py:run", **bad)
+            Config.from_flags(agent="a.py:run", **bad)
     with pytest.raises(ConfigError, match="file.py:fn"):
-        Config(agent="a.py")
+        Config.from_flags(agent="a.py")
 
 
 @pytest.mark.slow

@@ -116,8 +116,8 @@ def test_two_ranks_with_one_worker_equal_one_process_on_the_union(task, half, tm
 
 def test_config_refuses_refill_with_abort_buffers():
     with pytest.raises(ValueError, match="filter-groups and --partial-rollout abort"):
-        Config(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2)
-    assert Config(async_steps=1, filter_groups=True, over_sample=2).filter_groups
+        Config.from_flags(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2)
+    assert Config.from_flags(async_steps=1, filter_groups=True, over_sample=2).dapo.filter_groups
 
 
 def test_each_engine_call_of_a_batch_has_its_own_seed():

@@ -166,7 +166,7 @@ def test_async_math_reward_with_the_default_timeout(small, tmp_path):
     assert len(a) == 2 and a == b and any(x["rollout/reward_mean"] > 0 for x in a)
     assert not any(k.startswith("rollout/reward_faults/") and v for x in a for k, v in x.items())
     # the run above left --reward-timeout at its default: bounded, in worker processes
-    assert Config(reward="math").reward_timeout == 10.0
+    assert Config.from_flags(reward="math").reward_timeout == 10.0
 
 
 def test_a_failing_trainer_still_exits(small, tmp_path):

@@ -49,10 +49,10 @@ def hang(tmp_path, monkeypatch):
                    reason="needs nanorl/config.py to resolve --reward-timeout -1 for a user reward to "
                           "USER_REWARD_TIMEOUT (issue 47; config.py is not this change's file)")
 def test_a_hanging_reward_plugin_is_a_fault_within_the_default_timeout(hang, monkeypatch):
-    assert Config(reward=hang).reward_timeout == config.USER_REWARD_TIMEOUT > 0
-    assert Config(reward=hang, reward_timeout=0).reward_timeout == 0  # in-process when asked for
+    assert Config.from_flags(reward=hang).reward_timeout == config.USER_REWARD_TIMEOUT > 0
+    assert Config.from_flags(reward=hang, reward_timeout=0).reward_timeout == 0  # in-process when asked for
     monkeypatch.setattr(config, "USER_REWARD_TIMEOUT", 2.0)  # the default's path, at a test's length
-    timeout = Config(reward=hang).reward_timeout
+    timeout = Config.from_flags(reward=hang).reward_timeout
     runner = RewardRunner(load_reward_fn(hang), timeout=timeout, workers=1, log=lambda s: None)
     try:
         start = time.monotonic()

@@ -6,7 +6,6 @@ the checks moved in from tool_envs / pipeline / plugins still raise, each naming
     python -m pytest tests/test_config.py -q
 """
 import argparse
-import dataclasses
 import os
 import re
 import subprocess
@@ -16,10 +15,18 @@ import textwrap
 import pytest
 
 from nanorl import plugins
-from nanorl.config import BOUNDED_REWARDS, BUILTIN_ENV_NAMES, CHOICES, Config, help_layout, parse_args
+from nanorl.config import (
+    BOUNDED_REWARDS,
+    BUILTIN_ENV_NAMES,
+    CHOICES,
+    GROUP_CLASSES,
+    Config,
+    help_layout,
+    parse_args,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIELDS = [f.name for f in dataclasses.fields(Config)]
+FIELDS = list(Config().as_flags())  # every flag: the top-level fields and the groups' (by flag name)
 
 
 def flag(name: str) -> str:
@@ -73,7 +80,10 @@ def test_every_field_appears_exactly_once_in_help(help_lines):
 
 def test_help_groups_are_the_sections_of_config_in_order(help_lines):
     source = open(os.path.join(ROOT, "nanorl", "config.py"), encoding="utf-8").read()
-    sections = re.findall(r"^    # --- (.+)$", source, re.M)
+    # a `# --- title` comment, or a feature group's field (its class's TITLE), in the source's order
+    found = re.findall(r"^    # --- (.+)$|^    (\w+): \w+ = field\(default_factory=", source, re.M)
+    sections = [t for title, group in found
+                for t in ([title] if title else [c.TITLE for c in GROUP_CLASSES[group].help_classes()])]
     layout = help_layout()
     assert [title for title, _ in layout] == sections
     # each field in exactly one group, in the class's order
@@ -81,8 +91,12 @@ def test_help_groups_are_the_sections_of_config_in_order(help_lines):
     headings = [line[:-1] for line in help_lines if line and not line.startswith(" ") and line.endswith(":")]
     assert [h for h in headings if h in sections] == sections
     # each algorithm's own knobs sit in a group of their own
-    own = dict(layout)["one loss's own knobs: SAPO, DRO, KL-Cov / Clip-Cov (each needs its policy_loss)"]
-    assert [n for n, _ in own] == ["sapo_tau_pos", "sapo_tau_neg", "dro_beta", "cov_ratio", "cov_kl_coef"]
+    # (declared where the loss is registered: nanorl/losses.py), each under its loss
+    own = dict(layout)
+    assert [n for n, _ in own["SAPO's gate (--policy-loss sapo)"]] == ["sapo_tau_pos", "sapo_tau_neg"]
+    assert [n for n, _ in own["DRO's penalty (--policy-loss dro)"]] == ["dro_beta"]
+    cov = own["KL-Cov / Clip-Cov's token selection (--policy-loss kl_cov or clip_cov)"]
+    assert [n for n, _ in cov] == ["cov_ratio", "cov_kl_coef"]
 
 
 def test_every_flag_keeps_its_name_default_and_type():
@@ -97,15 +111,15 @@ def test_every_flag_keeps_its_name_default_and_type():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("argparse.ArgumentParser.parse_args", grab)
         cfg = parse_args([])
-    bools = [n for n in FIELDS if isinstance(getattr(Config, n), bool)]
+    bools = [n for n in FIELDS if isinstance(Config.flag_default(n), bool)]
     want = {flag(n) for n in FIELDS} | {"--no-" + flag(n)[2:] for n in bools}
     assert parser_flags == want | {"-h", "--help"}
     # defaults: Config's, then the grpo preset's
     from nanorl.presets import PRESETS
-    assert cfg == Config(**PRESETS["grpo"][1])
+    assert cfg == Config.from_flags(**PRESETS["grpo"][1])
     typed = parse_args(["--algo", "ppo", "--steps", "3", "--lr", "0.5", "--no-whiten-advantages", "--engine",
                         "hf", "--sleep-level", "1"])
-    got = (typed.steps, typed.lr, typed.whiten_advantages, typed.engine, typed.sleep_level)
+    got = (typed.steps, typed.lr, typed.whiten_advantages, typed.engine, typed.vllm.sleep_level)
     assert got == (3, 0.5, False, "hf", 1)
 
 
@@ -115,7 +129,7 @@ def test_choices_are_checked_by_argparse_and_by_config(capsys):
     assert e.value.code == 2 and "--engine" in capsys.readouterr().err
     for name, choices in CHOICES.items():
         with pytest.raises(ValueError, match=f"config: {name} must be one of"):
-            Config(**{name: "nope"})
+            Config.from_flags(**{name: "nope"})
 
 
 def test_building_a_config_imports_no_higher_level_module_and_loads_no_user_file(tmp_path):
@@ -131,12 +145,12 @@ def test_building_a_config_imports_no_higher_level_module_and_loads_no_user_file
         from nanorl.config import Config, parse_args
         Config()
         parse_args(["--algo", "ppo"])
-        Config(env="calc", max_new_tokens=12)
-        Config(async_steps=1, rollout_device="cpu", partial_rollout="abort", over_sample=2)
-        c = Config(plugin={str(user)!r}, reward={str(user)!r} + ":reward",
+        Config.from_flags(env="calc", max_new_tokens=12)
+        Config.from_flags(async_steps=1, rollout_device="cpu", partial_rollout="abort", over_sample=2)
+        c = Config.from_flags(plugin={str(user)!r}, reward={str(user)!r} + ":reward",
                    reward_postprocess={str(user)!r} + ":reward_postprocess", log_metadata="a,b/")
-        assert c.temperature == 1.0, c.temperature
-        Config(reward="math")
+        assert c.sampling.temperature == 1.0, c.sampling.temperature
+        Config.from_flags(reward="math")
         print(sorted(m for m in sys.modules if m.startswith("nanorl")))
         """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
@@ -170,10 +184,10 @@ def test_a_plugin_is_resolved_at_setup_not_while_the_config_is_built(tmp_path):
     f = write(tmp_path, "toy.py", PLUGIN)
     parsed = parse_args(["--plugin", f])
     # the parsed config holds the flags as given
-    got = (parsed.reward, parsed.advantage, parsed.temperature, parsed.log_metadata)
+    got = (parsed.reward, parsed.advantage, parsed.sampling.temperature, parsed.log_metadata)
     assert got == ("exact", "grpo", 1.0, "")
     cfg = plugins.apply(parsed)
-    assert (cfg.reward, cfg.advantage, cfg.temperature, cfg.log_metadata) == (
+    assert (cfg.reward, cfg.advantage, cfg.sampling.temperature, cfg.log_metadata) == (
         f"{f}:reward", f"{f}:advantage", 0.9, "toy/")
     assert cfg.advantage_fn is plugins.load_object(f"{f}:advantage", "advantage")
     # idempotent; a config without plug-ins comes back as is
@@ -185,24 +199,24 @@ def test_a_plugin_is_resolved_at_setup_not_while_the_config_is_built(tmp_path):
         plugins.apply(parse_args(["--plugin", f, "--temperature", "0.7"]))
     # the filled config is validated again: --env makes the plug-in's reward a flag that does nothing
     with pytest.raises(ValueError, match="--reward does nothing with --env"):
-        plugins.apply(Config(plugin=f, env="calc", max_new_tokens=12))
+        plugins.apply(Config.from_flags(plugin=f, env="calc", max_new_tokens=12))
 
 
 def test_reward_timeout_default_is_resolved_for_the_plugins_reward(tmp_path):
-    assert Config(reward="math").reward_timeout == BOUNDED_REWARDS["math"] > 0
+    assert Config.from_flags(reward="math").reward_timeout == BOUNDED_REWARDS["math"] > 0
     from nanorl import rewards
     assert rewards.BOUNDED is BOUNDED_REWARDS
     math_plugin = write(tmp_path, "m.py", "CONFIG = {'reward': 'math'}\n")
-    assert Config(plugin=math_plugin).reward_timeout == 0.0
+    assert Config.from_flags(plugin=math_plugin).reward_timeout == 0.0
     # -1 resolved again once the plug-in chose the math reward
-    assert plugins.apply(Config(plugin=math_plugin)).reward_timeout == BOUNDED_REWARDS["math"]
+    assert plugins.apply(Config.from_flags(plugin=math_plugin)).reward_timeout == BOUNDED_REWARDS["math"]
     # a plug-in's own timeout is no conflict with the resolved default, but is with a flag
     timed = write(tmp_path, "t.py", "CONFIG = {'reward_timeout': 5.0}\n")
-    assert plugins.apply(Config(plugin=timed)).reward_timeout == 5.0
+    assert plugins.apply(Config.from_flags(plugin=timed)).reward_timeout == 5.0
     with pytest.raises(ValueError, match="reward_timeout is already 3.0"):
-        plugins.apply(Config(plugin=timed, reward_timeout=3.0))
+        plugins.apply(Config.from_flags(plugin=timed, reward_timeout=3.0))
     # the user's explicit 0 survives a plug-in that changes the reward
-    assert plugins.apply(Config(plugin=math_plugin, reward_timeout=0.0)).reward_timeout == 0.0
+    assert plugins.apply(Config.from_flags(plugin=math_plugin, reward_timeout=0.0)).reward_timeout == 0.0
 
 
 def test_builtin_env_names_are_the_environments_of_tool_envs():
@@ -250,15 +264,15 @@ MOVED_CHECKS = [
 @pytest.mark.parametrize("kw,message", MOVED_CHECKS, ids=[m[:40] for _, m in MOVED_CHECKS])
 def test_each_moved_check_still_raises_with_its_message(kw, message):
     with pytest.raises(ValueError, match="^config: .*" + message):
-        Config(**kw)
+        Config.from_flags(**kw)
 
 
 def test_the_moved_checks_pass_what_is_allowed():
-    assert Config(env="calc", max_new_tokens=12, env_max_turns=3).episode_tokens == 36
+    assert Config.from_flags(env="calc", max_new_tokens=12, env_max_turns=3).episode_tokens == 36
     # a reward_timeout of 0 with --env is fine (the environment scores; rewards run in-process)
-    assert Config(env="calc", max_new_tokens=12, reward_timeout=0.0).env == "calc"
-    assert Config(env="my_env.py:MyEnv").env == "my_env.py:MyEnv"
-    cfg = Config(async_steps=2, partial_rollout="abort", over_sample=2,
+    assert Config.from_flags(env="calc", max_new_tokens=12, reward_timeout=0.0).env == "calc"
+    assert Config.from_flags(env="my_env.py:MyEnv").env == "my_env.py:MyEnv"
+    cfg = Config.from_flags(async_steps=2, partial_rollout="abort", over_sample=2,
                  mask_offpolicy_in_partial_rollout=True, rollout_device="cpu")
-    assert cfg.async_steps == 2
-    assert Config(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"
+    assert cfg.pipeline.async_steps == 2
+    assert Config.from_flags(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"

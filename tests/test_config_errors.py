@@ -3,12 +3,11 @@
 Every `need(...)` rule of nanorl/config_checks.py is tripped by one case below (the cases are checked
 to reach every rule, found in the file's source: a new rule needs a new case), and each case goes
 through train.py's command-line entry (`train.cli`) in-process; one real `python train.py` run checks
-the process itself. Programmatic callers (Config(...), train.main) still get the exception.
+the process itself. Programmatic callers (Config.from_flags(...), train.main) still get the exception.
 
     python -m pytest tests/test_config_errors.py -q
 """
 import ast
-import dataclasses
 import math
 import os
 import subprocess
@@ -18,7 +17,7 @@ import traceback
 import pytest
 
 import train
-from nanorl import config_checks
+from nanorl import config_checks, config_groups
 from nanorl.config import Config, parse_args, user_error_line
 from nanorl.config_checks import ConfigError
 
@@ -41,6 +40,15 @@ JUDGE = dict(judge="{response}", judge_model="m")
 # (Config fields, a user estimator to check against them or None); each trips one rule first
 CASES = [
     (dict(algo="nope"), None),
+    # the feature groups' shared rules (nanorl/config_groups.py Group): finite numbers, choices, ranges
+    (dict(tis_cap=NAN), None),
+    (dict(schedule="linear"), None),
+    (dict(ppo_epochs=0), None),
+    (dict(entropy_coef=-1.0), None),
+    (dict(sync_check_every=-1), None),
+    (dict(kl_target=-1.0), None),
+    (dict(opsm_delta=-1.0), None),
+    (dict(async_steps=1, partial_rollout="abort"), None),
     (dict(clip_low=NAN), None),
     (dict(judge="{response}"), None),
     (dict(judge_model="m"), None),
@@ -158,25 +166,29 @@ def case_id(case) -> str:
 def trip(kw: dict, fn) -> ConfigError:
     """The ConfigError the case raises: building the Config, or checking the user estimator on it."""
     with pytest.raises(ConfigError) as e:
-        cfg = Config(**kw)
+        cfg = Config.from_flags(**kw)
         if fn is not None:
             config_checks.check_estimator(cfg, fn)
     return e.value
 
 
-def need_sites() -> list[tuple[int, int]]:
-    """(first, last) source line of every need(...) call in nanorl/config_checks.py."""
-    tree = ast.parse(open(config_checks.__file__).read())
-    return sorted((n.lineno, n.end_lineno) for n in ast.walk(tree)
+# the files of the rules: the top-level ones and the feature groups' own checks
+RULE_FILES = (config_checks.__file__, config_groups.__file__)
+
+
+def need_sites() -> list[tuple[str, int, int]]:
+    """(file, first, last source line) of every need(...) call in the rule files."""
+    return sorted((path, n.lineno, n.end_lineno) for path in RULE_FILES
+                  for n in ast.walk(ast.parse(open(path).read()))
                   if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "need")
 
 
-def site_of(e: ConfigError) -> tuple[int, int]:
+def site_of(e: ConfigError) -> tuple[str, int, int]:
     """The need(...) call that raised e (the frame below need itself)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename == config_checks.__file__]
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename in RULE_FILES]
     assert frames[-1].name == "need"
-    line = frames[-2].lineno
-    return next(s for s in need_sites() if s[0] <= line <= s[1])
+    path, line = frames[-2].filename, frames[-2].lineno
+    return next(s for s in need_sites() if s[0] == path and s[1] <= line <= s[2])
 
 
 def test_the_cases_trip_every_need_rule():
@@ -254,32 +266,32 @@ def test_train_py_prints_one_line_and_exits_2():
 # ----------------------------------------------------------------------------- the rules of issue 47
 
 
-FLOAT_FIELDS = [f.name for f in dataclasses.fields(Config) if isinstance(f.default, float)]
+FLOAT_FIELDS = [name for name, value in Config().as_flags().items() if isinstance(value, float)]
 
 
 @pytest.mark.parametrize("name", FLOAT_FIELDS)
 def test_every_float_flag_must_be_finite(name):
     for bad in (NAN, INF, -INF):
         with pytest.raises(ConfigError, match=f"--{name.replace('_', '-')} must be a finite number"):
-            Config(**{name: bad})
+            Config.from_flags(**{name: bad})
 
 
 def test_weights_in_strings_must_be_finite_too():
     with pytest.raises(ConfigError, match="reward_weights must be name=number pairs"):
-        Config(reward_model="rm", reward_weights="correct=nan")
+        Config.from_flags(reward_model="rm", reward_weights="correct=nan")
     with pytest.raises(ConfigError, match="gdpo_weights must be comma-separated numbers"):
-        Config(advantage="gdpo", gdpo_weights="1,inf")
+        Config.from_flags(advantage="gdpo", gdpo_weights="1,inf")
 
 
 def test_routing_replay_refuses_rollout_logprobs():
     with pytest.raises(ConfigError, match="--routing-replay computes π_old .* --old-logprobs rollout"):
-        Config(routing_replay=True, old_logprobs="rollout")
+        Config.from_flags(routing_replay=True, old_logprobs="rollout")
     for mode in ("auto", "recompute"):
-        assert Config(routing_replay=True, old_logprobs=mode).routing_replay
+        assert Config.from_flags(routing_replay=True, old_logprobs=mode).memory.routing_replay
 
 
 def test_reward_weights_need_a_reward_model_or_judge():
     with pytest.raises(ConfigError, match="--reward-weights weighs --reward against"):
-        Config(reward_weights="correct=0,other=0")
-    assert Config(reward_model="rm", reward_weights="correct=0,rm=1").reward_weights
-    assert Config(reward_weights="correct=0", **JUDGE).reward_weights
+        Config.from_flags(reward_weights="correct=0,other=0")
+    assert Config.from_flags(reward_model="rm", reward_weights="correct=0,rm=1").scorers.reward_weights
+    assert Config.from_flags(reward_weights="correct=0", **JUDGE).scorers.reward_weights

@@ -72,8 +72,8 @@ def test_truncated_rows_leave_the_loss_mask():
 def test_dapo_preset_is_the_papers_recipe():
     cfg = parse_args(["--algo", "dapo"])
     assert (cfg.advantage, cfg.clip_low, cfg.clip_high, cfg.loss_agg) == ("grpo", 0.2, 0.28, "token-mean")
-    assert cfg.filter_groups and cfg.max_gen_batches == 10 and cfg.drop_truncated
-    assert (cfg.overlong_buffer, cfg.overlong_penalty, cfg.kl_coef) == (0.2, 1.0, 0.0)
+    assert cfg.dapo.filter_groups and cfg.dapo.max_gen_batches == 10 and cfg.dapo.drop_truncated
+    assert (cfg.dapo.overlong_buffer, cfg.dapo.overlong_penalty, cfg.kl_coef) == (0.2, 1.0, 0.0)
     with pytest.raises(ValueError, match="max_gen_batches needs filter_groups"):
         parse_args(["--max-gen-batches", "3"])
     with pytest.raises(ValueError, match="overlong_penalty needs overlong_buffer"):

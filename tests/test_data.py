@@ -221,7 +221,7 @@ def test_prompt_flags_reach_the_config():
     cfg = parse_args(["--prompt-template", "{prompt} Box it: \\boxed{}", "--system-prompt", "S",
                       "--no-chat-template",
                       "--chat-template-kwargs", '{"enable_thinking": false}'])
-    assert cfg.chat_template is False and cfg.chat_template_dict == {"enable_thinking": False}
+    assert cfg.prompts.chat_template is False and cfg.chat_template_dict == {"enable_thinking": False}
     with pytest.raises(ValueError, match=r"prompt_template must contain \{prompt\}"):
         parse_args(["--prompt-template", "Solve it."])
     with pytest.raises(ValueError, match="chat_template_kwargs must be a JSON object"):

@@ -158,7 +158,7 @@ def test_rl_step_dump_equals_the_step_tensors(task, tmp_path, monkeypatch):
         scored = valid & trained[:, None]
         with torch.no_grad():
             # [B, T] the weights before the step
-            lp, en = response_logprobs(before, batch, run.cfg.temperature)
+            lp, en = response_logprobs(before, batch, run.cfg.sampling.temperature)
         assert (logp - lp)[scored].abs().max() < 1e-5 and (ent - en)[scored].abs().max() < 1e-5
 
         before = copy.deepcopy(run.model)
@@ -183,12 +183,13 @@ def test_rl_step_dump_equals_the_step_tensors(task, tmp_path, monkeypatch):
                         ("entropy", td.trainer_entropy)):
         assert torch.equal(dump.as_tensor(back, field, T)[valid], want.float()[valid]), field
     with torch.no_grad():
-        lp, ent = response_logprobs(before, batch, run.cfg.temperature)  # [B, T] the weights before the step
+        # [B, T] the weights before the step
+        lp, ent = response_logprobs(before, batch, run.cfg.sampling.temperature)
     got = dump.as_tensor(back, "trainer_logprob", T)
     assert (got - lp)[valid].abs().max() < 1e-5 and (dump.as_tensor(back, "entropy", T) -
                                                      ent)[valid].abs().max() < 1e-5
     with torch.no_grad():
-        after, _ = response_logprobs(run.model, batch, run.cfg.temperature)
+        after, _ = response_logprobs(run.model, batch, run.cfg.sampling.temperature)
     # the update moved the policy: "before" is not trivially equal
     assert (got - after)[valid].abs().max() > 1e-4
     assert [r["reward"] for r in back] == [s.total_reward for s in seen["samples"]]
@@ -234,8 +235,8 @@ def test_routing_replay_run_logs_per_layer_disagreement(task, tmp_path):
 def test_flags_are_validated():
     from nanorl.config import Config
     with pytest.raises(ValueError, match="dump_rollouts must be >= 0"):
-        Config(dump_rollouts=-1)
+        Config.from_flags(dump_rollouts=-1)
     with pytest.raises(ValueError, match="dump_rollouts_mb must be > 0"):
-        Config(dump_rollouts_mb=0)
+        Config.from_flags(dump_rollouts_mb=0)
     with pytest.raises(ValueError, match="debug_rollout_only makes no update"):
-        Config(debug_rollout_only=True, async_steps=1)
+        Config.from_flags(debug_rollout_only=True, async_steps=1)

@@ -277,7 +277,7 @@ def test_turn_rewards_land_on_each_turns_last_token(tok):
     batch = collate(samples, PAD)
     batch.tensors.turn_rewards = turn_reward_tensor(samples, batch.response_ids.shape[1])
     from nanorl.plan import make_plan
-    cfg = Config(algo="reinforce_pp", advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True,
+    cfg = Config.from_flags(algo="reinforce_pp", advantage="reinforce_pp", kl_coef=0.001, kl_in_reward=True,
                  kl_estimator="k1")
     run = SimpleNamespace(cfg=cfg, kl_ctl=FixedKLController(0.001),
                           plan=make_plan(cfg, cfg.advantage, cfg.policy_loss))
@@ -384,12 +384,12 @@ def test_python_tool_chatml_call_answer_and_hang(qtok):
 def test_config_refuses_env_flags_that_do_nothing():
     from nanorl.config import Config
     with pytest.raises(ValueError, match="env_max_turns only shape --env episodes"):
-        Config(env_max_turns=2)
+        Config.from_flags(env_max_turns=2)
     with pytest.raises(ValueError, match="--reward does nothing with --env"):
-        Config(env="calc", max_new_tokens=12, reward="math")
+        Config.from_flags(env="calc", max_new_tokens=12, reward="math")
     with pytest.raises(ValueError, match="--env calc needs --max-new-tokens >= 12"):
-        Config(env="calc")
-    assert Config(env="calc", max_new_tokens=12, env_max_turns=3).episode_tokens == 36
+        Config.from_flags(env="calc")
+    assert Config.from_flags(env="calc", max_new_tokens=12, env_max_turns=3).episode_tokens == 36
 
 
 def test_train_step_survives_a_faulty_user_environment(tmp_path):

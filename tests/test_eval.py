@@ -53,7 +53,7 @@ class Tok:
 
 
 def fake_run(sets, rank=0, world=1, **cfg):
-    cfg = Config(**{"pass_k": 3, "max_new_tokens": 4, **cfg})
+    cfg = Config.from_flags(**{"pass_k": 3, "max_new_tokens": 4, **cfg})
     return SimpleNamespace(cfg=cfg, eval_sets=sets, engine=ScriptedEngine(), tokenizer=Tok(), rank=rank,
                            world=world,
                            rewards=RewardRunner(exact), model=torch.nn.Linear(1, 1))

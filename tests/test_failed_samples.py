@@ -106,7 +106,7 @@ def test_log_kl_logs_the_kl_and_leaves_the_loss_alone(task, tmp_path):
 def test_log_kl_is_refused_with_a_kl_term():
     from nanorl.config import Config
     with pytest.raises(ValueError, match="log_kl is for kl_coef 0"):
-        Config(kl_coef=0.1, log_kl=True)
+        Config.from_flags(kl_coef=0.1, log_kl=True)
 
 
 def test_a_filter_that_returns_no_verdict_per_sample_is_an_error(task, tmp_path):

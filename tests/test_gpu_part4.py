@@ -63,7 +63,7 @@ def test_the_spawned_worker_starts_with_only_its_gpu_visible(task, tmp_path, mon
     # two GPUs, before set-up's device check (nanorl/weight_broadcast.py check_devices)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    run = train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
+    run = train.setup(Config.from_flags(model=task["model"], train_data=task["train"], test_data=task["test"],
                              quiet=True, out_dir=str(tmp_path), eval_every=0, threads=1, prompts_per_step=4,
                              samples_per_prompt=2, async_steps=1, rollout_device="cuda:1"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -102,10 +102,10 @@ def test_adapter_sync_runs_sleep_level_1_resolved_at_config_time(capsys):
     config is built, before anything loads, with a note; level 0 and the merged sync are left alone."""
     lora = ["--lora-rank", "8", "--engine", "vllm"]
     cfg = parse_args([*lora, "--lora-sync", "adapter"])
-    assert cfg.sleep_level == 1
+    assert cfg.vllm.sleep_level == 1
     assert "--lora-sync adapter runs with --sleep-level 1" in capsys.readouterr().err
-    assert parse_args([*lora, "--lora-sync", "adapter", "--sleep-level", "0"]).sleep_level == 0
-    assert parse_args(lora).sleep_level == 2
+    assert parse_args([*lora, "--lora-sync", "adapter", "--sleep-level", "0"]).vllm.sleep_level == 0
+    assert parse_args(lora).vllm.sleep_level == 2
     assert "sleep-level" not in capsys.readouterr().err
 
 
@@ -141,7 +141,7 @@ def test_vllm_lora_ranks_are_vllms_own_and_checked_at_config_time():
     assert [vllm_max_lora_rank(r) for r in (1, 2, 4, 8, 9, 300, 512)] == [1, 8, 8, 8, 16, 320, 512]
     with pytest.raises(ValueError, match="--lora-sync adapter: vLLM 0.32 serves LoRA ranks up to 512"):
         parse_args(["--lora-rank", "1024", "--engine", "vllm", "--lora-sync", "adapter"])
-    assert parse_args(["--lora-rank", "1024"]).lora_rank == 1024  # merged: the trainer's own PEFT
+    assert parse_args(["--lora-rank", "1024"]).lora.rank == 1024  # merged: the trainer's own PEFT
 
 
 # ----------------------------------------------------------------------------- TF32 vs the fp32 bound

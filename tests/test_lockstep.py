@@ -82,8 +82,8 @@ def test_micro_batches_pad_to_the_agreed_count_and_one_rank_never_pads(mode, mon
     from nanorl.trajectory import Sample, collate
     r = _Run()
     r.cfg = _Cfg()
-    r.cfg.max_tokens_per_micro_batch = 12 if mode == "budget" else 0
-    r.cfg.micro_batch_size = 2 if mode == "mbs" else 0
+    r.cfg.memory.max_tokens_per_micro_batch = 12 if mode == "budget" else 0
+    r.cfg.memory.micro_batch_size = 2 if mode == "mbs" else 0
     batch = collate([Sample(prompt_ids=[2, 3], response_ids=[4] * k) for k in (1, 2, 3)], 0)
     own = scoring.micro_batches(r, batch)  # no process group: the count agrees with itself
     assert all(own) and sorted(i for g in own for i in g) == [0, 1, 2]

@@ -13,6 +13,7 @@ from nanorl.losses import (
     AGG_MODES,
     COV_LOSSES,
     POLICY_LOSSES,
+    DroParams,
     LossConfig,
     aggregate,
     cispo_loss,
@@ -175,7 +176,7 @@ def test_sapo_soft_gate_value_and_gradient():
 def test_reinforce_gpg_and_dro_by_hand(name):
     logp = _t([[-0.5, -1.0, -2.0]], grad=True)
     old, adv, mask = _t([[-0.7, -1.0, -1.5]]), _t([[1.0, -2.0, 0.5]]), _t([[1, 1, 0]])
-    cfg = LossConfig(policy=name, dro_beta=0.5, dual_clip=None)
+    cfg = LossConfig(policy=name, params=DroParams(dro_beta=0.5) if name == "dro" else None, dual_clip=None)
     loss, m = total_loss(cfg, logp, old, adv, mask, num_tokens=2)
     if name == "dro":  # −(A·logp − ½β·lr²), grad −A + β·lr with lr = logp − old = [0.2, 0.0]
         vals, grads = [-(1.0 * -0.5 - 0.25 * 0.04), -(-2.0 * -1.0)], [-1.0 + 0.5 * 0.2, 2.0, 0.0]

@@ -137,6 +137,6 @@ def test_a_hung_verifier_is_killed_by_the_runner_and_scores_zero(monkeypatch):
 
 def test_math_rewards_get_a_timeout_by_default():
     from nanorl.config import Config
-    assert Config(reward="math").reward_timeout == BOUNDED["math"] > 0
-    assert Config(reward="exact").reward_timeout == 0.0 and Config(reward="math",
+    assert Config.from_flags(reward="math").reward_timeout == BOUNDED["math"] > 0
+    assert Config.from_flags(reward="exact").reward_timeout == 0.0 and Config.from_flags(reward="math",
                                                                    reward_timeout=0).reward_timeout == 0

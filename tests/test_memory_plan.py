@@ -28,7 +28,7 @@ def meta_model(**config):
 def grpo(**flags) -> Config:
     """`train.py --algo grpo --model <pretrained>` on a GPU: the preset, then the pretrained defaults."""
     pretrained = {k: v for k, (v, _) in PRETRAINED_DEFAULTS.items()}
-    return Config(**{**pretrained, **PRESETS["grpo"][1], "model": "m", **flags})
+    return Config.from_flags(**{**pretrained, **PRESETS["grpo"][1], "model": "m", **flags})
 
 
 @pytest.fixture(scope="module")

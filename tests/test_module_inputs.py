@@ -77,7 +77,7 @@ def advance(state: checkpoint.State) -> None:
 
 
 def test_checkpoint_save_resume_with_a_state_and_no_run(tmp_path, capsys):
-    cfg = Config(out_dir=str(tmp_path), keep_checkpoints=2)
+    cfg = Config.from_flags(out_dir=str(tmp_path), keep_checkpoints=2)
     a = tiny_state(seed=0)
     advance(a)
     metrics = tmp_path / "metrics.jsonl"
@@ -113,7 +113,8 @@ def test_checkpoint_save_resume_with_a_state_and_no_run(tmp_path, capsys):
 
     # no logger: the notes go to stdout; a missing checkpoint named "latest" starts from scratch
     c = tiny_state(seed=2)
-    assert checkpoint.resume(c, Config(out_dir=str(tmp_path / "none")), "latest") is None and c.step == 0
+    assert checkpoint.resume(c, Config.from_flags(out_dir=str(tmp_path / "none")),
+                             "latest") is None and c.step == 0
     assert "no checkpoint" in capsys.readouterr().out
 
 
@@ -164,9 +165,9 @@ def test_evaluate_with_objects_and_no_run():
 
 
 def test_eval_sampling_from_config_zero_means_trainings():
-    cfg = Config(pass_k=2, max_new_tokens=6, temperature=0.9, top_p=0.8)
+    cfg = Config.from_flags(pass_k=2, max_new_tokens=6, temperature=0.9, top_p=0.8)
     assert EvalSampling.from_config(cfg, [1]) == EvalSampling(6, (1,), 2, 0.9, 0, 0.8)
-    cfg = Config(pass_k=2, max_new_tokens=6, eval_max_new_tokens=12, eval_temperature=0.5)
+    cfg = Config.from_flags(pass_k=2, max_new_tokens=6, eval_max_new_tokens=12, eval_temperature=0.5)
     assert EvalSampling.from_config(cfg, (1, 2)) == EvalSampling(12, (1, 2), 2, 0.5, 0, 1.0)
 
 

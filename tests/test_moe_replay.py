@@ -312,7 +312,7 @@ def _r3_run_and_batch():
         with torch.no_grad(), mr.record(model) as rec:
             model(torch.tensor([p + r]))
         samples.append(traj.Sample(prompt_ids=p, response_ids=r, routed_experts=rec.experts[0]))
-    run = SimpleNamespace(cfg=Config(routing_replay=True), model=model, world=1)
+    run = SimpleNamespace(cfg=Config.from_flags(routing_replay=True), model=model, world=1)
     return run, traj.collate(samples, pad_id=0)
 
 

@@ -4,7 +4,6 @@ weights, with per-token versions, logprobs, masks and IS weights right; the buff
 checkpoint and the resumed run is the uninterrupted one.   python -m pytest tests/test_partial_rollout.py -q
 """
 import copy
-import dataclasses
 import json
 import os
 
@@ -48,7 +47,7 @@ def make_worker(run, max_new_tokens: int, engine: str = "hf"):
     loader.load_state_dict(run.loader.state_dict())
     sampling = rollout_worker.SamplingConfig(max_new_tokens=max_new_tokens,
                                              stop_token_ids=stop_token_ids(run.model, run.tokenizer))
-    cfg = run.cfg if engine == "hf" else dataclasses.replace(run.cfg, engine=engine)
+    cfg = run.cfg if engine == "hf" else run.cfg.replace(engine=engine)
     spec = rollout_worker.WorkerSpec(cfg, "cpu", sampling, 0, loader=loader,
                                      longest_prompt=max(len(p.ids) for p in run.loader.prompts))
     return rollout_worker.Worker(spec, weights_), weights_
@@ -163,6 +162,7 @@ def test_config_refuses_abort_without_over_sampling():
                     # the HF-only "switch" kind is gone: abort is the one kind
                     (dict(async_steps=1, partial_rollout="switch"), "partial_rollout must be one of")):
         with pytest.raises(ValueError, match=msg):
-            Config(**kw)
-    assert Config(async_steps=1, partial_rollout="abort", over_sample=2).over_sample == 2
-    assert Config(async_steps=1, partial_rollout="abort", over_sample=2, engine="vllm").engine == "vllm"
+            Config.from_flags(**kw)
+    assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2).dapo.over_sample == 2
+    assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2,
+                             engine="vllm").engine == "vllm"

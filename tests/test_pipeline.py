@@ -47,7 +47,8 @@ def weights(out, step):
 
 
 def setup_run(task, out, **kw):
-    return train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
+    return train.setup(Config.from_flags(model=task["model"], train_data=task["train"],
+                                         test_data=task["test"],
                               quiet=True,
                               **{"out_dir": str(out), "eval_every": 0, "threads": 1, "prompts_per_step": 4,
                                  "samples_per_prompt": 2, **kw}))
@@ -277,7 +278,7 @@ def test_config_rejects_what_async_cannot_do():
                      "filter-groups and --partial-rollout abort"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
-            Config(**kw)
+            Config.from_flags(**kw)
 
 
 def _pool_in_a_fork(own_server: bool, out) -> None:

@@ -92,11 +92,11 @@ def test_signature_errors_name_the_expected_signature(tmp_path):
              ("policy_loss", "loss_extra", r"asks for bar")]
     for field, fn, message in cases:
         with pytest.raises(TypeError, match=message):
-            plugins.apply(Config(**{field: f"{f}:{fn}"}))
+            plugins.apply(Config.from_flags(**{field: f"{f}:{fn}"}))
     with pytest.raises(ValueError, match="reward_postprocess must be module:function"):
-        Config(reward_postprocess="nope")
+        Config.from_flags(reward_postprocess="nope")
     with pytest.raises(ValueError, match="remax is not supported"):
-        Config(reward_postprocess="tests.test_plugins:_post", advantage="remax")
+        Config.from_flags(reward_postprocess="tests.test_plugins:_post", advantage="remax")
 
 
 # ----------------------------------------------------------------------------- --reward-postprocess
@@ -106,7 +106,7 @@ def _post(samples):
 
 
 def test_reward_postprocess_runs_on_the_batch_and_must_return_none():
-    hooks = Hooks(Config(reward_postprocess="tests.test_plugins:_post", log_metadata="toy/"))
+    hooks = Hooks(Config.from_flags(reward_postprocess="tests.test_plugins:_post", log_metadata="toy/"))
     samples = [sample(0), sample(0), sample(1)]
     hooks.postprocess(samples)
     assert [s.metadata["toy/group_size"] for s in samples] == [2, 2, 1]
@@ -170,7 +170,7 @@ def test_metadata_metrics_names_prefixes_and_nonfinite():
                sample(a=3.0, **{"x/p": 0.0, "y/r": 5.0})]
     assert metadata_metrics(samples, ["a", "x/"]) == {"a": 2.0, "x/p": 0.5, "x/q/nonfinite": 1}
     assert metadata_metrics(samples, ["b", "c", "d"]) == {"b": 2.0}  # only numbers are averaged
-    hooks = Hooks(Config(log_metadata="a"))
+    hooks = Hooks(Config.from_flags(log_metadata="a"))
     with pytest.raises(ValueError, match="also metric names of the step"):
         hooks.with_metadata({"a": 0.0}, samples)
 
@@ -180,7 +180,7 @@ def _rank_metrics(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:  # rank 0 has x/a = 1 only; rank 1 has x/a = 3, 5 and x/b (which rank 0 never saw)
         rows = [{"x/a": 1.0}] if rank == 0 else [{"x/a": 3.0}, {"x/a": 5.0, "x/b": 2.0}]
-        m = Hooks(Config(log_metadata="x/")).with_metadata({}, [sample(**r) for r in rows])
+        m = Hooks(Config.from_flags(log_metadata="x/")).with_metadata({}, [sample(**r) for r in rows])
         (out_dir / f"{rank}.json").write_text(json.dumps(m))
     finally:
         dist.destroy_process_group()
@@ -229,16 +229,16 @@ PLUGIN = """
 
 def test_plugin_fills_flags_left_at_defaults(tmp_path):
     f = write(tmp_path, "toy.py", PLUGIN)
-    cfg = plugins.apply(Config(plugin=f))
+    cfg = plugins.apply(Config.from_flags(plugin=f))
     assert (cfg.reward, cfg.advantage, cfg.policy_loss, cfg.log_metadata) == (
         f"{f}:reward", f"{f}:advantage", f"{f}:policy_loss", "toy/")
-    assert cfg.temperature == 0.9  # CONFIG: any other field
+    assert cfg.sampling.temperature == 0.9  # CONFIG: any other field
     assert cfg.advantage_fn is plugins.load_object(f"{f}:advantage", "advantage")  # imported once
     with pytest.raises(ValueError, match="already 'rloo'"):  # a preset's value and the plugin's disagree
-        plugins.apply(Config(plugin=f, advantage="rloo"))
+        plugins.apply(Config.from_flags(plugin=f, advantage="rloo"))
     bad = write(tmp_path, "bad_plugin.py", "CONFIG = {'no_such_field': 1}\n")
     with pytest.raises(ValueError, match="not a Config field"):
-        plugins.apply(Config(plugin=bad))
+        plugins.apply(Config.from_flags(plugin=bad))
 
 
 @pytest.fixture(scope="module")

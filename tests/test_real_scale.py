@@ -131,11 +131,12 @@ def test_readme_gpu_block_is_the_real_command(real, monkeypatch):
     assert len(readme_commands("nanorl.data")) == 3  # GSM8K train and test, MATH-500 (run by the fixture)
     for argv in cmds:
         cfg = parse_args(local(argv, real, first))
-        assert cfg.model == real["model"] and cfg.dtype == "bfloat16"
+        assert cfg.model == real["model"] and cfg.memory.dtype == "bfloat16"
         assert cfg.test_data == f"gsm8k={real['gsm8k_test.jsonl']},math500={real['math500.jsonl']}"
         assert cfg.reward_timeout > 0  # the math verifier runs bounded, in worker processes
         # pretrained-model defaults apply: a real lr, checkpointing and a token budget
-        assert cfg.lr == 1e-6 and cfg.gradient_checkpointing and cfg.max_tokens_per_micro_batch == 16384
+        assert cfg.lr == 1e-6 and cfg.memory.gradient_checkpointing
+        assert cfg.memory.max_tokens_per_micro_batch == 16384
 
 
 def test_a_cpu_run_of_a_pretrained_model_skips_the_gpu_choices_that_slow_it(real):
@@ -145,10 +146,10 @@ def test_a_cpu_run_of_a_pretrained_model_skips_the_gpu_choices_that_slow_it(real
     native = "avx512_bf16" in flags or "amx_bf16" in flags
     base = ["--model", real["model"], "--train-data", real["gsm8k_train.jsonl"]]
     cfg = parse_args(base)
-    assert not cfg.gradient_checkpointing and cfg.dtype == ("bfloat16" if native else "float32")
-    assert cfg.lr == 1e-6 and cfg.max_tokens_per_micro_batch == 16384  # the rest as on a GPU
+    assert not cfg.memory.gradient_checkpointing and cfg.memory.dtype == ("bfloat16" if native else "float32")
+    assert cfg.lr == 1e-6 and cfg.memory.max_tokens_per_micro_batch == 16384  # the rest as on a GPU
     cfg = parse_args(base + ["--gradient-checkpointing", "--dtype", "float16"])
-    assert cfg.gradient_checkpointing and cfg.dtype == "float16"
+    assert cfg.memory.gradient_checkpointing and cfg.memory.dtype == "float16"
 
 
 def hf_variant(argv: list[str]) -> list[str]:
@@ -213,7 +214,7 @@ def test_master_weights_are_fp32_and_keep_a_1e6_update(real, tmp_path):
     argv = hf_variant(first_command(real)) + SHRINK + ["--out-dir", str(tmp_path), "--lr", "1e-6",
                                                          "--warmup-steps", "0", "--kl-coef", "0"]
     run = train.setup(parse_args(argv))
-    assert run.cfg.dtype == "bfloat16"
+    assert run.cfg.memory.dtype == "bfloat16"
     params = [p for g in run.optimizer.param_groups for p in g["params"]]
     assert params and all(p.dtype == torch.float32 for p in params)
     w = run.model.model.layers[0].mlp.down_proj.weight

@@ -72,7 +72,7 @@ def test_the_tasks_checker_scores_in_the_reward_workers():
     finally:
         runner.close()
     assert scores == [want for _, _, want in cases] and not runner.faults
-    assert Config(train_data=ARITH, reward="reasoning_gym").reward_timeout == 30.0
+    assert Config.from_flags(train_data=ARITH, reward="reasoning_gym").reward_timeout == 30.0
 
 
 def test_eval_sets_drop_train_questions(capsys):
@@ -104,8 +104,8 @@ def test_mistakes_are_one_line():
         reasoning_tasks.drop_seen([type("P", (), {"text": "q"})()] * 5, {"q"}, "x")
     # the labels are task items: only the task's checker reads them, and it reads nothing else
     with pytest.raises(ValueError, match="needs --reward reasoning_gym"):
-        Config(train_data=ARITH)
+        Config.from_flags(train_data=ARITH)
     with pytest.raises(ValueError, match="needs --train-data reasoning_gym:NAME"):
-        Config(reward="reasoning_gym")
+        Config.from_flags(reward="reasoning_gym")
     with pytest.raises(ValueError, match="the label '2' is not a reasoning-gym label"):
         reasoning_tasks.reward("1+1=", "2", "2")

@@ -458,7 +458,7 @@ def test_resume_with_another_lr_applies_it(task, saved, tmp_path, monkeypatch, c
     argv = args(task, out, "--steps", "5", "--resume", "latest", "--lr", "5e-4")
     train.main(argv)
     cfg = parse_args(argv)
-    assert cfg.lr == 5e-4 and cfg.schedule == "cosine" and cfg.warmup_steps == 1
+    assert cfg.lr == 5e-4 and cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 1
     assert used == [[5e-4 * build.lr_factor(cfg, 3)], [5e-4 * build.lr_factor(cfg, 4)]]  # steps 4 and 5
     assert [r["train/lr"] for r in train_lines(out)][3:] == [5e-4 * build.lr_factor(cfg, s) for s in (4, 5)]
     assert "--lr 0.0005 applied (the checkpoint's run had 0.001)" in capsys.readouterr().out

@@ -85,7 +85,8 @@ def test_mask_think_reaches_the_update(smollm2, tmp_path, monkeypatch):
     data = tmp_path / "train.jsonl"
     rows = [{"prompt": f"{i} + 1 =", "answer": str(i + 1)} for i in range(8)]
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run = train.setup(Config(model=str(tmp_path / "model"), train_data=str(data), test_data="", quiet=True,
+    run = train.setup(Config.from_flags(model=str(tmp_path / "model"), train_data=str(data), test_data="",
+                                        quiet=True,
                              out_dir=str(tmp_path / "run"), prompts_per_step=2, samples_per_prompt=2,
                              max_new_tokens=4, reward="math", reward_timeout=0, mask_think=True, kl_coef=0,
                              skip_zero_advantage=False))  # every row trains: its mask is the update's

@@ -31,22 +31,22 @@ def args(task_dir, tmp_path, *extra):
 
 def test_presets_listed_and_flags_override():
     cfg = parse_args(["--algo", "dapo", "--clip-high", "0.3"])
-    assert cfg.filter_groups and cfg.clip_high == 0.3 and cfg.loss_agg == "token-mean"
+    assert cfg.dapo.filter_groups and cfg.clip_high == 0.3 and cfg.loss_agg == "token-mean"
     assert parse_args(["--algo", "ppo"]).vf_coef > 0
     with pytest.raises(SystemExit):
         parse_args(["--algo", "nope"])
     with pytest.raises(ValueError, match="valid: grpo, dr_grpo"):
-        Config(algo="nope")
+        Config.from_flags(algo="nope")
     with pytest.raises(ValueError, match="top_p must be in"):
-        Config(top_p=0.0)
+        Config.from_flags(top_p=0.0)
     with pytest.raises(ValueError, match="gae needs a critic"):
-        Config(advantage="gae")
+        Config.from_flags(advantage="gae")
     with pytest.raises(ValueError, match="gae_chunked needs a critic"):  # issue 19: was not checked
-        Config(advantage="gae_chunked")
+        Config.from_flags(advantage="gae_chunked")
     with pytest.raises(ValueError, match="gamma does nothing with advantage grpo"):
-        Config(gamma=0.9)
+        Config.from_flags(gamma=0.9)
     with pytest.raises(ValueError, match="sapo_tau_pos needs policy_loss sapo"):
-        Config(sapo_tau_pos=2.0)
+        Config.from_flags(sapo_tau_pos=2.0)
 
 
 @pytest.mark.parametrize("algo", list(PRESETS))
@@ -242,7 +242,7 @@ def test_otb_reads_sum_sq_probs_from_the_logprob_pass(task_dir, tmp_path, monkey
     with torch.no_grad():
         logits = run.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                            position_ids=batch.position_ids).logits[:, P - 1:P - 1 + T].float()
-    p = (logits / run.cfg.temperature).softmax(-1)
+    p = (logits / run.cfg.sampling.temperature).softmax(-1)
     valid = mask > 0
     assert torch.allclose(td.sum_sq_probs[valid], (p * p).sum(-1)[valid], atol=1e-5)
     assert torch.allclose(td.old_logprobs[valid],

@@ -222,7 +222,7 @@ def test_async_vllm_batches_are_their_versions_and_a_stale_engine_fails(task, tm
     from nanorl.vllm_engine import VLLMEngine
 
     K, steps = 1, 4
-    run = train.setup(Config(model=task["model"], train_data=task["train"], test_data=task["test"],
+    run = train.setup(Config.from_flags(model=task["model"], train_data=task["train"], test_data=task["test"],
                              quiet=True, out_dir=str(tmp_path / "driven"), eval_every=0, threads=1,
                              prompts_per_step=4, samples_per_prompt=2, steps=steps, async_steps=K,
                              engine="vllm"))
