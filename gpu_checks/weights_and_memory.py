@@ -163,7 +163,8 @@ def memory_child(config: dict, rows: int, T: int, device: str) -> dict:
     model.config.use_cache = False
     precision.enable_gradient_checkpointing(model)
     model.train()
-    cfg = Config(model="random", dtype="bfloat16", gradient_checkpointing=True, kl_coef=0.0, engine="hf",
+    cfg = Config.from_flags(model="random", dtype="bfloat16", gradient_checkpointing=True, kl_coef=0.0,
+                            engine="hf",
                  max_tokens_per_micro_batch=rows * T)
     total = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
     plan = memory_plan.estimate(build.model_shape(model), cfg, vllm=False, device_bytes=total)

@@ -23,6 +23,7 @@ import torch
 
 import train
 from nanorl import entropy as E, moe_replay, scoring, stages
+from nanorl.config import Config
 from nanorl.trajectory import Sample, collate
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -116,7 +117,7 @@ def test_micro_batched_routing_equals_one_batch_routing(budget):
     cfg = dict(dtype="float32", temperature=1.0, logprob_impl="fused", max_tokens_per_micro_batch=0)
 
     def route(batch, **kw):
-        run = SimpleNamespace(cfg=SimpleNamespace(**{**cfg, **kw}), model=model, world=1)
+        run = SimpleNamespace(cfg=Config.from_flags(**{**cfg, **kw}), model=model, world=1)
         metrics = {}
         lp = scoring.routing_forward(run, batch, None, metrics)
         return lp, batch.routed_experts, metrics
