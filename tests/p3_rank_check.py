@@ -122,12 +122,13 @@ def probes(rank):
 
 def scaler(rank):
     from nanorl import update
+    from nanorl.config import Config
 
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     run = SimpleNamespace(scaler=torch.amp.GradScaler("cpu", init_scale=2.0 ** 10), optimizer=opt,
-                          cfg=SimpleNamespace(grad_clip=0.0), counters={"skipped_updates": 0},
+                          cfg=Config.from_flags(grad_clip=0.0), counters={"skipped_updates": 0},
                           logger=SimpleNamespace(print=lambda *a: None), step=0,
                           scheduler=torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
     params = list(model.parameters())

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from nanorl import batching, scoring, update
+from nanorl.config import Config
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
@@ -56,13 +57,8 @@ def run(*args, ranks: int, port: int, timeout: int = 240) -> subprocess.Complete
 
 # ----------------------------------------------------------------------------- the lockstep rule, in process
 
-class _Cfg:
-    max_tokens_per_micro_batch = 0
-    micro_batch_size = 0
-
-
 class _Run:  # a model without flash-attention: the padded planner; one rank of two
-    cfg, model = _Cfg(), SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
+    cfg, model = Config(), SimpleNamespace(config=SimpleNamespace(_attn_implementation="sdpa"))
     world = 2
 
 
@@ -81,9 +77,8 @@ def test_planners_pad_with_empty_micro_batches_beyond_the_samples():
 def test_micro_batches_pad_to_the_agreed_count_and_one_rank_never_pads(mode, monkeypatch):
     from nanorl.trajectory import Sample, collate
     r = _Run()
-    r.cfg = _Cfg()
-    r.cfg.memory.max_tokens_per_micro_batch = 12 if mode == "budget" else 0
-    r.cfg.memory.micro_batch_size = 2 if mode == "mbs" else 0
+    r.cfg = Config.from_flags(max_tokens_per_micro_batch=12 if mode == "budget" else 0,
+                              micro_batch_size=2 if mode == "mbs" else 0)
     batch = collate([Sample(prompt_ids=[2, 3], response_ids=[4] * k) for k in (1, 2, 3)], 0)
     own = scoring.micro_batches(r, batch)  # no process group: the count agrees with itself
     assert all(own) and sorted(i for g in own for i in g) == [0, 1, 2]
