@@ -81,6 +81,7 @@ class Run:
     plan: Plan | None = None  # what each step computes: the estimator's and loss's needs (nanorl/plan.py)
     sampling: SamplingConfig | None = None  # how each step samples (temperature, top-k/p, stop tokens)
     rounds: rounds.OneRound | None = None  # how each step draws: one round, DAPO's (nanorl/rounds.py)
+    finishers: list = dataclasses.field(default_factory=list)  # after the filters (rounds.finishers)
     scorers: dict = dataclasses.field(default_factory=dict)  # reward model / judge components (build.py)
     reward_weights: dict | None = None  # --reward-weights: each component's weight in the total
     rank: int = 0
@@ -166,6 +167,7 @@ def setup(cfg: Config) -> Run:
     run.rounds = rounds.OneRound()
     if cfg.dapo.filter_groups:  # DAPO's dynamic sampling: its rounds run here, or in the async worker
         run.rounds = rounds.FromWorker() if cfg.pipeline.async_steps else rounds.DynamicSampling()
+    run.finishers = rounds.finishers(cfg, tokenizer)  # overlong punishment, --mask-think
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
     run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.pipeline.async_steps else \
         {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}  # async: the worker scores
@@ -237,7 +239,7 @@ def sampler_of(run: Run) -> rounds.Sampler:
     return rounds.Sampler(cfg=run.cfg, source=run.source, engine=run.engine, loader=run.loader,
                           rewards=run.rewards, scorers=run.scorers, reward_weights=run.reward_weights,
                           tokenizer=run.tokenizer, hooks=run.hooks, world=run.world, counters=run.counters,
-                          step=run.step, logger=run.logger, rounds=run.rounds)
+                          step=run.step, logger=run.logger, rounds=run.rounds, finishers=run.finishers)
 
 
 def learner_of(run: Run) -> Learner:

@@ -104,6 +104,16 @@ def importance_weighted_kl(logp: torch.Tensor, ref_logp: torch.Tensor, old_logp:
     return (w.detach() if detach_weight else w) * k
 
 
+def kl_loss_term(logp: torch.Tensor, ref_logp: torch.Tensor, old_logp: torch.Tensor, kind: str = "k3",
+                 unbiased: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The per-token KL(π_θ‖π_ref) of a KL loss [B, T]: `kl_estimator` on the sampled tokens, or with
+    unbiased=True (--unbiased-kl) `importance_weighted_kl`, which weighs each token by π_θ/π_old
+    because it was sampled from π_old, not π_θ (DeepSeek-V3.2). logp, ref_logp, old_logp: [B, T]."""
+    if unbiased:
+        return importance_weighted_kl(logp, ref_logp, old_logp, kind, mask=mask)
+    return kl_estimator(logp, ref_logp, kind, mask=mask)
+
+
 def kl_penalized_rewards(scores: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor,
                          beta: float) -> torch.Tensor:
     """Token-level rewards with the KL penalty folded in (InstructGPT, REINFORCE++).

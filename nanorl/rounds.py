@@ -13,11 +13,12 @@ Test: python -m pytest tests/test_dapo.py tests/test_async_dapo.py -q
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 
-from nanorl import dapo, distributed
+from nanorl import dapo, distributed, spans
 from nanorl.rewards import score_samples
 from nanorl.rollout import SamplingConfig
 from nanorl.trajectory import TRAINS
@@ -42,6 +43,22 @@ class Sampler:
     logger: Any        # its `print` says a step that ran out of rounds
     # how a step draws its samples (stages.rollout): one round unless set-up chose DAPO's (train.py)
     rounds: OneRound = dataclasses.field(default_factory=lambda: OneRound())
+    # what runs on the step's samples after the filters and refills, chosen at set-up (`finishers`)
+    finishers: list = dataclasses.field(default_factory=list)
+
+
+def finishers(cfg, tokenizer) -> list:
+    """(metric name, fn(samples) -> float) pairs that stages.rollout runs, in order, on the samples that
+    train: DAPO's soft overlong punishment (after the filter, which reads correctness), then
+    --mask-think's masking (the reasoning conditions the answer and takes no loss: nanorl/spans.py)."""
+    out = []
+    if cfg.dapo.overlong_buffer:
+        out.append(("overlong_penalty_mean", functools.partial(
+            dapo.apply_overlong_penalty, max_new_tokens=cfg.max_new_tokens, share=cfg.dapo.overlong_buffer,
+            factor=cfg.dapo.overlong_penalty)))
+    if cfg.prompts.mask_think:
+        out.append(("think_masked_frac", functools.partial(spans.mask_think, tokenizer=tokenizer)))
+    return out
 
 
 def generate(sampler: Sampler, prompts, n: int, sampling: SamplingConfig) -> list:

@@ -56,12 +56,8 @@ def rollout(sampler: Sampler, plan, sampling: SamplingConfig, prompts, timer,
     for name, scorer in sampler.scorers.items():  # a judge's failed calls, by kind, run totals
         metrics.update({f"reward_faults/{name}/{k}": v for k, v in scorer.faults.items()})
     samples = rounds.refill(sampler, prompts, samples, sampling, timer, metrics)  # DAPO's refill rounds
-    # DAPO's soft overlong punishment, after the filter (which reads correctness)
-    if cfg.dapo.overlong_buffer:
-        metrics["overlong_penalty_mean"] = dapo.apply_overlong_penalty(
-            samples, cfg.max_new_tokens, cfg.dapo.overlong_buffer, cfg.dapo.overlong_penalty)
-    if cfg.prompts.mask_think:  # the reasoning conditions the answer and takes no loss (nanorl/spans.py)
-        metrics["think_masked_frac"] = spans.mask_think(samples, sampler.tokenizer)
+    for name, finish in sampler.finishers:  # overlong punishment, --mask-think (rounds.finishers)
+        metrics[name] = finish(samples)
     return samples, baselines
 
 

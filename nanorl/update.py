@@ -23,7 +23,7 @@ import torch
 
 from nanorl import batching, precision
 from nanorl.distributed import loss_scale, sync_gradients_after
-from nanorl.kl import importance_weighted_kl, kl_estimator
+from nanorl.kl import kl_loss_term
 from nanorl.losses import POLICY_LOSSES, LossConfig, top_entropy_mask, total_loss
 from nanorl.offpolicy import is_weights, opsm_mask
 from nanorl.scoring import micro_batches, pad_batch
@@ -111,8 +111,6 @@ def train_on(learner: Learner, batch) -> dict:
             if cfg.memory.skip_zero_advantage:
                 mini, rows, skipped = skip_zero_advantage(mini, rows)
                 groups = micro_batches(learner, mini)  # re-planned (and agreed again) over the training rows
-                sums["rows_skipped_frac"] = sums.get("rows_skipped_frac", 0.0) + skipped
-                counts["rows_skipped_frac"] = counts.get("rows_skipped_frac", 0) + 1
             if not groups:  # every row skipped: the whole batch's gradient is exactly 0, and AdamW
                 for p in params:  # still steps on it (its moments move the weights), as unskipped
                     p.grad = torch.zeros_like(p)
@@ -141,6 +139,8 @@ def train_on(learner: Learner, batch) -> dict:
             grad_norm = sync_and_step(learner, params)
             stats = finish(stats) if stats else {}  # a rank that ran only pads has no loss metrics
             stats["grad_norm"] = grad_norm
+            if cfg.memory.skip_zero_advantage:
+                stats["rows_skipped_frac"] = skipped
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
@@ -213,9 +213,8 @@ def micro_step(learner: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: floa
     # on-policy: π_old is the current policy, detached
     old = t.old_logprobs if t.old_logprobs is not None else logp.detach()
     kl = None
-    if learner.ref is not None and not cfg.kl.kl_in_reward:
-        kl = (importance_weighted_kl(logp, t.ref_logprobs, old, cfg.kl.kl_estimator, mask=mask)
-              if cfg.kl.unbiased_kl else kl_estimator(logp, t.ref_logprobs, cfg.kl.kl_estimator, mask=mask))
+    if learner.ref is not None and not cfg.kl.kl_in_reward:  # [b, T] KL as a loss (nanorl/kl.py)
+        kl = kl_loss_term(logp, t.ref_logprobs, old, cfg.kl.kl_estimator, cfg.kl.unbiased_kl, mask=mask)
     weights, extra = t.is_weights, {}  # TIS / MIS weights of the step (nanorl/stages.py), detached
     if weights is None and (cfg.offpolicy.tis_cap or cfg.offpolicy.mis_high):
         # the plan left them to this forward: on-policy, its detached logprobs are π_old (nanorl/plan.py)
