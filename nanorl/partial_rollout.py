@@ -8,6 +8,10 @@ and its version (Sample.token_versions), and the next batch resumes them first. 
 the old tokens per token through their own rollout logprobs; --mask-offpolicy-in-partial-rollout masks
 them instead (rollout_worker.mask_older_tokens). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
 
+With --filter-groups (DAPO's dynamic sampling, slime's dynamic filter) `GroupFilter` judges each group as
+it finishes, resumed ones too, and the abort waits for G KEPT groups; a batch still short draws rounds
+of G fresh prompts, aborted the same way (docs/from-slime-verl.md, "nanorl/dapo.py").
+
 Start at `AbortingRollout.batch`. Key choices: a batch resumes every buffered group to the end (they
 are the first of its G), so no token is more than K + 1 versions old; the buffer holds at most G groups
 (with F = 2 it never holds more; with F > 2 the groups cut beyond G are dropped and counted); the
