@@ -129,8 +129,9 @@ def test_abort_waits_for_kept_groups_and_the_next_batch_resumes_the_rest(task, h
     worker keeps 4 × 2 groups in flight and aborts the rest once 2 groups WITH reward variance are in,
     so every batch fills in its first round; the aborted groups go to the buffer and the next batch
     resumes them first (judged by the filter as any group). Each update trains 2 whole groups with
-    variance, within the K + 1 bound. Red check: counting finished groups instead of kept ones aborts
-    too early, and some batch needs a second round."""
+    variance, within the K + 1 bound. Red checks: counting finished groups instead of kept ones aborts
+    too early, and some batch needs a second round; buffering the surplus kept groups (as abort alone
+    does) fills the buffer past the cut groups."""
     seen = []
     real = train.train_on
     monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real(run, batch))
@@ -139,7 +140,11 @@ def test_abort_waits_for_kept_groups_and_the_next_batch_resumes_the_rest(task, h
     assert len(seen) == 4
     assert_full(seen)
     buffered, resumed = (logged(tmp_path, f"rollout/async/{k}_groups") for k in ("buffered", "resumed"))
-    assert sum(logged(tmp_path, "rollout/async/aborted_groups")) > 0
+    aborted = logged(tmp_path, "rollout/async/aborted_groups")
+    surplus = logged(tmp_path, "rollout/dapo/surplus_groups")
+    assert sum(aborted) > 0 and sum(surplus) > 0
+    # the buffer holds the cut groups only (up to G): kept ones finished beyond G are dropped, as slime's
+    assert buffered == [min(a, 2) for a in aborted]
     assert resumed[0] == 0 and resumed[1:] == buffered[:-1]  # each batch resumes what the one before cut
     assert sum(logged(tmp_path, "rollout/async/resumed_tokens")) > 0
     assert max(logged(tmp_path, "rollout/async/partial_frac")) > 0  # resumed samples trained
