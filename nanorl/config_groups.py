@@ -224,8 +224,9 @@ class AsyncRollout(Group):
     The worker runs --threads torch threads (1 when 0); correct the staleness with --tis-cap / --mis-high."""
     partial_rollout: str = ""
     """Partial rollouts, per-token versions recorded ("" = off). abort (slime's): with --over-sample F the
-    worker keeps F× the batch's groups in flight and, once the batch has its groups, aborts the rest
-    into a buffer that the next batch resumes first, under its newer weights (nanorl/partial_rollout.py)."""
+    worker keeps F× the batch's groups in flight and, once the batch has its groups (with --filter-groups:
+    groups with reward variance), aborts the rest into a buffer that the next batch resumes first, under
+    its newer weights (nanorl/partial_rollout.py)."""
     mask_offpolicy_in_partial_rollout: bool = False
     """--partial-rollout: tokens sampled under an older version than their sample's newest leave the loss
     (else they train, IS-corrected by their own rollout logprobs with --tis-cap / --mis-high)."""
@@ -255,9 +256,7 @@ class AsyncRollout(Group):
         need(not (on and cfg.saving.debug_rollout_only), "debug_rollout_only makes no update, so "
              "--async-steps has no new weights to wait for: drop one")
         # what generates inside the step, or needs the engine to be the trainer's own module
-        for bad, what in ((cfg.dapo.filter_groups and abort, "--filter-groups and --partial-rollout abort "
-                           "(not built: both choose the batch's groups, in two ways)"),
-                          (cfg.memory.routing_replay, "--routing-replay (not built: the worker records no "
+        for bad, what in ((cfg.memory.routing_replay, "--routing-replay (not built: the worker records no "
                            "routing)"),
                           (cfg.memory.fsdp, "--fsdp (not built: one full copy per rank for the worker)")):
             need(not (on and bad), f"--async-steps with {what} is not supported")

@@ -8,6 +8,10 @@ and its version (Sample.token_versions), and the next batch resumes them first. 
 the old tokens per token through their own rollout logprobs; --mask-offpolicy-in-partial-rollout masks
 them instead (rollout_worker.mask_older_tokens). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
 
+With --filter-groups (DAPO's dynamic sampling, slime's dynamic filter) `GroupFilter` judges each group as
+it finishes, resumed ones too, and the abort waits for G KEPT groups; a batch still short draws rounds
+of G fresh prompts, aborted the same way (docs/from-slime-verl.md, "nanorl/dapo.py").
+
 Start at `AbortingRollout.batch`. Key choices: a batch resumes every buffered group to the end (they
 are the first of its G), so no token is more than K + 1 versions old; the buffer holds at most G groups
 (with F = 2 it never holds more; with F > 2 the groups cut beyond G are dropped and counted); the
@@ -19,9 +23,11 @@ Test: python -m pytest tests/test_partial_rollout.py -q
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 
+from nanorl import dapo, rounds
 from nanorl.data import Prompt
 from nanorl.rewards import score_samples
 from nanorl.rollout import stop_cut
@@ -38,50 +44,82 @@ class AbortingRollout:
         self.buffer: list[tuple[Prompt, list[Sample]]] = []  # aborted groups, oldest first
         self.pending: list[Prompt] = []  # drawn from the loader, not started yet
 
-    def batch(self, sampling) -> tuple[list[Prompt], list[Sample], dict]:
+    def batch(self, sampling, keep: GroupFilter | None = None) -> tuple[list[Prompt], list[Sample], dict]:
         """G finished groups (their n samples consecutive, group ids 0..G-1, scored): the buffered ones
-        resumed first, then fresh ones; the rest of the F × G in flight aborted into the buffer."""
+        resumed first, then fresh ones; the rest of the F × G in flight aborted into the buffer. With
+        `keep` (--filter-groups) G KEPT groups: every group is judged as it finishes, resumed ones too,
+        the abort waits for G with reward variance, and rounds of G fresh prompts follow while the batch
+        is short (DAPO's refill, at most --max-gen-batches rounds in all)."""
         version, carried, self.buffer = self.engine.version, self.buffer, []
-        calls = iter(range(2))  # engine calls of this batch: each its own seed (SamplingConfig.call)
+        calls = itertools.count()  # engine calls of this batch: each its own seed (SamplingConfig.call)
         # 1. the buffer first (slime's data source pops it before new prompts), resumed to the end
         done = self._resume(carried, sampling, calls)
-        # 2. fresh prompts: F x G groups in flight in all; abort once G have finished
-        need, fresh = self.G - len(done), self.F * self.G - len(carried)
-        cut, dropped = [], 0
-        if need > 0:
-            pool = self._draw(fresh)
-            order: list[int] = []  # pool index of each group, in the order its rows all stopped
-
-            def enough(groups: list[Sample]) -> bool:  # called with the groups whose rows all stopped
-                order.extend(s.group_id for s in groups[::self.n])
-                return len(order) >= need
-            samples = self.engine.generate([p.ids for p in pool], self.n, sampling.call(next(calls)),
-                                           until=enough)
-            for s in samples:
-                s.token_versions = [version] * len(s.response_ids)
-            groups = [(pool[i // self.n], samples[i:i + self.n]) for i in range(0, len(samples), self.n)]
-            # the first G to finish make the batch (slime's order); groups that ran to the last decode
-            # step finish after every group reported before it
-            rank = {g: i for i, g in enumerate(order)}
-            complete = sorted((x for x in groups if all(s.status != "aborted" for s in x[1])),
-                              key=lambda x: rank.get(x[1][0].group_id, len(rank)))
-            cut = [x for x in groups if any(s.status == "aborted" for s in x[1])]
-            # finished beyond the batch's G (several groups can stop at the same decode step) lead the
-            # buffer, already whole; then the cut ones, up to G groups in all
-            done += complete[:need]
-            self.buffer = (complete[need:] + cut)[:self.G]
-            dropped = len(complete[need:] + cut) - len(self.buffer)
+        if keep is not None and done:  # slime's dynamic filter sees a resumed group as any other
+            resumed = [p for p, _ in done]
+            done = [(p, g) for p, g in zip(resumed, keep(resumed, [g for _, g in done])) if g is not None]
+        # 2. fresh prompts: F x G groups in flight in all; abort once the batch has its G
+        cut, surplus, made = [], [], 0  # made: generation rounds (the first holds the resume)
+        while len(done) < self.G and made < (1 if keep is None else keep.max_rounds):
+            count = self.F * self.G - len(carried) if made == 0 else self.G
+            new, surplus, cut = self._round(self._draw(count), self.G - len(done), sampling.call(next(calls)),
+                                            version, keep)
+            done += new
+            made += 1
+        # finished beyond the batch's G (several groups can stop at the same decode step) lead the buffer,
+        # already whole; then the cut ones, up to G groups in all. With the filter the finished ones are
+        # scored and judged already: slime drops them (its "unused samples"), and so does nanorl
+        spill = cut if keep is not None else surplus + cut
+        self.buffer = spill[:self.G]
         prompts, out = [p for p, _ in done], []
         for gid, (_, g) in enumerate(done):
             out += [dataclasses.replace(s, group_id=gid) for s in g]
-        for s, r in zip(out, score_samples(self.rewards, self.tokenizer, prompts, out)):
-            s.reward = r
+        if keep is None:  # the filter scored each group as it finished
+            for s, r in zip(out, score_samples(self.rewards, self.tokenizer, prompts, out)):
+                s.reward = r
         metrics = {"async/resumed_groups": len(carried),
                    "async/resumed_tokens": sum(len(s.response_ids) for _, g in carried for s in g),
                    "async/aborted_groups": len(cut),
                    "async/aborted_tokens": sum(len(s.response_ids) for _, g in cut for s in g),
-                   "async/buffered_groups": len(self.buffer), "async/dropped_groups": dropped}
+                   "async/buffered_groups": len(self.buffer),
+                   "async/dropped_groups": len(spill) - len(self.buffer)}
+        if keep is not None:
+            metrics.update(keep.metrics(len(done), self.G, max(made, 1), len(surplus)))
         return prompts, out, metrics
+
+    def _round(self, pool: list[Prompt], need: int, sampling, version: int, keep: GroupFilter | None):
+        """One engine call, a group per prompt of `pool`, aborted once `need` groups are in: finished
+        ones, or with `keep` kept ones (judged as they finish). Returns the batch's `need` groups in the
+        order they came in (slime's), the surplus finished beyond them, and the cut groups: each a list of
+        (prompt, samples)."""
+        order: list[int] = []  # pool index of each group counted in, in the order it came in
+        seen, kept = set(), {}  # groups handed to `counted`; with `keep`, the samples that train of each
+
+        def counted(groups: list[list[Sample]]) -> None:
+            if not groups:
+                return
+            ids = [g[0].group_id for g in groups]
+            seen.update(ids)
+            if keep is None:
+                order.extend(ids)
+                return
+            for i, trains in zip(ids, keep([pool[i] for i in ids], groups)):
+                if trains is not None:
+                    kept[i] = trains
+                    order.append(i)
+
+        def enough(stopped: list[Sample]) -> bool:  # called with the groups whose rows all stopped
+            counted([stopped[i:i + self.n] for i in range(0, len(stopped), self.n)])
+            return len(order) >= need
+        samples = self.engine.generate([p.ids for p in pool], self.n, sampling, until=enough)
+        for s in samples:
+            s.token_versions = [version] * len(s.response_ids)
+        groups = [samples[i:i + self.n] for i in range(0, len(samples), self.n)]
+        cut = [(pool[i], g) for i, g in enumerate(groups) if any(s.status == "aborted" for s in g)]
+        # groups that ran to the last decode step were not handed to `until`: they come in after every
+        # group reported before them
+        counted([g for i, g in enumerate(groups) if i not in seen and all(s.status != "aborted" for s in g)])
+        ordered = [(pool[i], kept.get(i, groups[i])) for i in order]
+        return ordered[:need], ordered[need:], cut
 
     def _resume(self, carried: list, sampling, calls) -> list[tuple[Prompt, list[Sample]]]:
         """The buffered groups, each unfinished sample continued under the engine's weights from prompt
@@ -92,9 +130,14 @@ class AbortingRollout:
         if not todo:
             return list(carried)
         left = [sampling.max_new_tokens - len(s.response_ids) for s in todo]
-        new = self.engine.generate([s.prompt_ids + s.response_ids for s in todo], 1, dataclasses.replace(
-            sampling.call(next(calls)), max_new_tokens=max(left)))
-        joined = iter([_joined(s, x, k, sampling, self.engine.version) for s, x, k in zip(todo, new, left)])
+        call = sampling.call(next(calls))
+        if max(left) == 0:  # cut at the last decode step (the HF engine's): each truncated as it is (slime's)
+            joined = iter([dataclasses.replace(s, status="truncated") for s in todo])
+        else:
+            new = self.engine.generate([s.prompt_ids + s.response_ids for s in todo], 1,
+                                       dataclasses.replace(call, max_new_tokens=max(left)))
+            v = self.engine.version
+            joined = iter([_joined(s, x, k, sampling, v) for s, x, k in zip(todo, new, left)])
         return [(p, [next(joined) if s.status == "aborted" else s for s in g]) for p, g in carried]
 
     def _draw(self, count: int) -> list[Prompt]:
@@ -113,6 +156,46 @@ class AbortingRollout:
         self.buffer = [(Prompt(**x["prompt"]), [Sample(**s) for s in x["samples"]]) for x in state["buffer"]]
         self.pending = [Prompt(**p) for p in state["pending"]]
         self.loader.load_state_dict(state["loader"])
+
+
+class GroupFilter:
+    """--filter-groups with --partial-rollout abort: DAPO's filter (slime's dynamic sampling filter) on each
+    group as it finishes, resumed ones too, as the synchronous step judges a round's groups: scored
+    (rounds.score), --reward-postprocess'd, its samples that train (rounds.keep_trainable), kept if their
+    rewards differ. `AbortingRollout.batch` aborts the rest once G groups are KEPT, not G finished."""
+
+    def __init__(self, sampler: rounds.Sampler, max_rounds: int):
+        self.sampler, self.max_rounds = sampler, max_rounds
+        self.groups = self.samples = 0  # judged
+        self.dropped: dict[str, int] = {}  # samples that left their group, by why (keep_trainable)
+
+    def __call__(self, prompts: list[Prompt], groups: list[list[Sample]]) -> list[list[Sample] | None]:
+        """Each group's samples that train, or None for a group the batch does not keep."""
+        flat = [s for g in groups for s in g]
+        for s, r in zip(flat, rounds.score(self.sampler, prompts, flat)):
+            s.reward = r
+        self.sampler.hooks.postprocess(flat)  # before the filter reads the rewards, as in the step
+        counts: dict = {}
+        trains = {id(s) for s in rounds.keep_trainable(self.sampler, flat, counts)}
+        for k, v in counts.items():
+            if k.startswith("dropped/"):
+                self.dropped[k] = self.dropped.get(k, 0) + v
+        self.groups, self.samples = self.groups + len(groups), self.samples + len(flat)
+        out = []
+        for g in groups:
+            mine = [s for s in g if id(s) in trains]
+            out.append(mine if dapo.has_signal([s.total_reward for s in mine]) else None)
+        return out
+
+    def metrics(self, found: int, wanted: int, made: int, surplus: int) -> dict:
+        """The batch's DAPO figures, as the synchronous step names them (a batch short of `wanted` groups
+        after its `made` rounds is counted and said: rounds.ran_out); dapo/surplus_groups: kept beyond
+        `wanted`, dropped."""
+        if found < wanted:
+            rounds.ran_out(self.sampler, found, wanted, made)
+        return {"groups_kept_frac": found / max(self.groups, 1), "dapo/gen_rounds": made,
+                "dapo/surplus_groups": surplus,
+                "dropped_frac": sum(self.dropped.values()) / max(self.samples, 1), **self.dropped}
 
 
 def _joined(old: Sample, new: Sample, left: int, sampling, version: int) -> Sample:

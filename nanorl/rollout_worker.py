@@ -8,7 +8,8 @@ shared memory (nanorl/shared_weights.py, the HF engine) or over a process group 
 frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
 baselines and --env episodes are sampled here too, from the batch's own weights; DAPO's refill rounds
 (--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts
-(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py). Design and
+(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py); with
+--filter-groups they abort once the batch has its KEPT groups (partial_rollout.GroupFilter). Design and
 measurements: docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
@@ -30,7 +31,7 @@ from nanorl import build, precision, rounds, sources, weight_broadcast
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
-from nanorl.partial_rollout import AbortingRollout
+from nanorl.partial_rollout import AbortingRollout, GroupFilter
 from nanorl.plugins import Hooks
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
@@ -125,7 +126,7 @@ class Worker:
             if spec.carry is not None:
                 self.partial.load_state_dict(spec.carry)
         self.loader = None  # --filter-groups: how many prompts a batch takes depends on its rewards
-        if cfg.dapo.filter_groups:
+        if cfg.dapo.filter_groups and self.partial is None:  # with abort the buffer's rounds draw them
             self.loader = spec.loader
             if spec.carry is not None:
                 self.loader.load_state_dict(spec.carry["loader"])
@@ -165,7 +166,12 @@ class Worker:
         sampling = dataclasses.replace(self.spec.sampling, seed=batch_seed(cfg.seed, b))
         carry, partial_metrics, refill = {}, {}, {}
         if self.partial is not None:  # the worker's own prompts: the buffer first, then fresh ones
-            prompts, samples, partial_metrics = self.partial.batch(sampling)
+            keep = None  # --filter-groups: the batch's groups are the KEPT ones, judged as they finish
+            if cfg.dapo.filter_groups:
+                refill = {"counters": {}, "notes": []}
+                keep = GroupFilter(self.sampler(b, refill["counters"], refill["notes"]),
+                                   cfg.dapo.max_gen_batches)
+            prompts, samples, partial_metrics = self.partial.batch(sampling, keep)
             carry = {"carry": self.partial.state_dict()}  # a checkpoint resumes from the last one saved
         elif self.loader is not None:  # DAPO: rounds of the worker's own prompts until the batch is full
             prompts, samples, partial_metrics, refill = self.refilled(b, sampling)

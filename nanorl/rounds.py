@@ -212,12 +212,18 @@ def refill_groups(sampler: Sampler, prompts, samples, sampling, timer, metrics) 
     found = len({s.group_id for s in kept})
     metrics.update({"groups_kept_frac": found / max(generated, 1), "dapo/gen_rounds": rounds})
     if gave_up:
-        sampler.counters["dapo_gave_up"] = sampler.counters.get("dapo_gave_up", 0) + 1
-        sampler.logger.print(f"step {sampler.step}: dynamic sampling found {found} of {len(prompts)} groups "
-                             f"with reward variance in {rounds} generation rounds (--max-gen-batches "
-                             f"{cfg.dapo.max_gen_batches}); training on those. Raise --max-gen-batches, or "
-                             "use easier data / a stronger start.")
+        ran_out(sampler, found, len(prompts), rounds)
     return kept
+
+
+def ran_out(sampler: Sampler, found: int, wanted: int, rounds: int) -> None:
+    """A step whose rounds ran out before it held `wanted` groups with reward variance: counted
+    (dapo_gave_up) and said; it trains on the `found` it has."""
+    sampler.counters["dapo_gave_up"] = sampler.counters.get("dapo_gave_up", 0) + 1
+    sampler.logger.print(f"step {sampler.step}: dynamic sampling found {found} of {wanted} groups "
+                         f"with reward variance in {rounds} generation rounds (--max-gen-batches "
+                         f"{sampler.cfg.dapo.max_gen_batches}); training on those. Raise --max-gen-batches, "
+                         "or use easier data / a stronger start.")
 
 
 def oversampled_round(sampler: Sampler, prompts, sampling, metrics: dict) -> list:

@@ -1,7 +1,8 @@
 """DAPO's dynamic sampling with --async-steps (rollout_worker.Worker.refilled): the worker runs the
 refill rounds on its own prompts, over-sampled and aborted with --over-sample, so the trainer gets full
 batches of groups with reward variance; the worker's prompt stream survives a checkpoint, and two
-trainer ranks with one worker take the steps one process takes.
+trainer ranks with one worker take the steps one process takes. With --partial-rollout abort the
+abort waits for kept groups and the aborted ones resume in the next batch (partial_rollout.GroupFilter).
 Run: python -m pytest tests/test_async_dapo.py -q
 """
 import json
@@ -23,6 +24,7 @@ from nanorl.config import Config
 COMMON = ["--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--eval-limit", "2",
           "--eval-every", "0", "--pass-k", "1", "--quiet", "--threads", "1", "--max-new-tokens", "4",
           "--async-steps", "1", "--steps", "4"]
+ABORT = ("--partial-rollout", "abort", "--over-sample", "4")  # slime's over-sampling, aborted into a buffer
 
 
 def logged(out, key) -> list:
@@ -72,17 +74,23 @@ def test_a_batch_out_of_rounds_trains_on_what_it_found_and_says_so(task, half, t
     assert capsys.readouterr().out.count("dynamic sampling found") == gave_up
 
 
-def test_resume_is_the_uninterrupted_run(task, half, tmp_path):
+@pytest.mark.parametrize("flags", [("--over-sample", "2"), ABORT], ids=["refill", "abort"])
+def test_resume_is_the_uninterrupted_run(task, half, tmp_path, flags):
     """4 steps with --over-sample 2, and the same run resumed from its step-2 checkpoint: the checkpoint
     holds batch 2 and the worker's prompt stream after it (how far the rounds drew); the resumed run
-    logs the same steps 3-4 and ends on the same weights. Red check: the worker ignoring the saved
-    stream (drawing from the trainer's loader position) samples other prompts."""
+    logs the same steps 3-4 and ends on the same weights. With --partial-rollout abort the checkpoint
+    also holds the buffer of aborted groups, which the resumed run's batch 3 resumes. Red check: the
+    worker ignoring the saved stream (drawing from the trainer's loader position) samples other
+    prompts."""
     a, b = tmp_path / "a", tmp_path / "b"
-    extra = ("--over-sample", "2", "--save-every", "2", "--keep-checkpoints", "3")
+    extra = (*flags, "--save-every", "2", "--keep-checkpoints", "3")
     train.main(run_args(task, a, half, *extra))
     ck = os.path.join(a, "checkpoints", "step_000002")
     saved = torch.load(os.path.join(ck, pipeline.FILE), weights_only=True)
     assert "loader" in saved["batches"][-1]["carry"]
+    if flags == ABORT:  # aborted partial samples in flight at the checkpoint
+        buffer = saved["batches"][-1]["carry"]["buffer"]
+        assert any(s["status"] == "aborted" and s["response_ids"] for g in buffer for s in g["samples"])
     train.main(run_args(task, b, half, *extra, "--resume", ck))
 
     def lines(out):
@@ -90,6 +98,8 @@ def test_resume_is_the_uninterrupted_run(task, half, tmp_path):
                 for x in map(json.loads, open(out / "metrics.jsonl")) if "rollout/reward_mean" in x]
     la, lb = lines(a), lines(b)
     assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
+    if flags == ABORT:
+        assert lb[1]["rollout/async/resumed_groups"] == len(buffer)  # batch 3, the one after the buffer
     wa, wb = weights(a, 4), weights(b, 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -114,10 +124,37 @@ def test_two_ranks_with_one_worker_equal_one_process_on_the_union(task, half, tm
         assert one_ == pytest.approx(two_, abs=1e-9) and len(one_) == 3, key
 
 
-def test_config_refuses_refill_with_abort_buffers():
-    with pytest.raises(ValueError, match="filter-groups and --partial-rollout abort"):
-        Config.from_flags(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2)
-    assert Config.from_flags(async_steps=1, filter_groups=True, over_sample=2).dapo.filter_groups
+def test_abort_waits_for_kept_groups_and_the_next_batch_resumes_the_rest(task, half, tmp_path, monkeypatch):
+    """--partial-rollout abort with --filter-groups (slime's over-sampling with its dynamic filter): the
+    worker keeps 4 × 2 groups in flight and aborts the rest once 2 groups WITH reward variance are in,
+    so every batch fills in its first round; the aborted groups go to the buffer and the next batch
+    resumes them first (judged by the filter as any group). Each update trains 2 whole groups with
+    variance, within the K + 1 bound. Red checks: counting finished groups instead of kept ones aborts
+    too early, and some batch needs a second round; buffering the surplus kept groups (as abort alone
+    does) fills the buffer past the cut groups."""
+    seen = []
+    real = train.train_on
+    monkeypatch.setattr(train, "train_on", lambda run, batch: seen.append(batch) or real(run, batch))
+    train.main(run_args(task, tmp_path, half, *ABORT))
+    assert logged(tmp_path, "rollout/dapo/gen_rounds") == [1] * 4
+    assert len(seen) == 4
+    assert_full(seen)
+    buffered, resumed = (logged(tmp_path, f"rollout/async/{k}_groups") for k in ("buffered", "resumed"))
+    aborted = logged(tmp_path, "rollout/async/aborted_groups")
+    surplus = logged(tmp_path, "rollout/dapo/surplus_groups")
+    assert sum(aborted) > 0 and sum(surplus) > 0
+    # the buffer holds the cut groups only (up to G): kept ones finished beyond G are dropped, as slime's
+    assert buffered == [min(a, 2) for a in aborted]
+    assert resumed[0] == 0 and resumed[1:] == buffered[:-1]  # each batch resumes what the one before cut
+    assert sum(logged(tmp_path, "rollout/async/resumed_tokens")) > 0
+    assert max(logged(tmp_path, "rollout/async/partial_frac")) > 0  # resumed samples trained
+    assert max(logged(tmp_path, "rollout/async/staleness_max")) <= 2
+    assert all(f < 1 for f in logged(tmp_path, "rollout/groups_kept_frac"))  # the filter dropped some
+
+
+def test_config_takes_refill_with_abort_buffers():
+    cfg = Config.from_flags(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2)
+    assert cfg.dapo.filter_groups and cfg.pipeline.partial_rollout == "abort"
 
 
 def test_each_engine_call_of_a_batch_has_its_own_seed():

@@ -241,8 +241,6 @@ MOVED_CHECKS = [
     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
     (dict(async_steps=1, rollout_device="tpu0"), "rollout_device 'tpu0' is not a device"),
-    (dict(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2),
-     "--async-steps with --filter-groups and --partial-rollout abort"),
     (dict(async_steps=1, partial_rollout="abort", over_sample=2, advantage="remax"),
      "--partial-rollout with --advantage remax"),
     (dict(async_steps=1, partial_rollout="abort", over_sample=2, env="calc", max_new_tokens=12),

@@ -274,8 +274,6 @@ def test_config_rejects_what_async_cannot_do():
                     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
                     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
                     (dict(async_steps=1, rollout_device="tpu0"), "is not a device"),
-                    (dict(async_steps=1, filter_groups=True, partial_rollout="abort", over_sample=2),
-                     "filter-groups and --partial-rollout abort"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
         with pytest.raises(ValueError, match=msg):
             Config.from_flags(**kw)
