@@ -98,7 +98,7 @@ class RunEntries:
             run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)
             if K:  # as train.run_training: the worker becomes the sample source
                 run.pipeline = pipeline.start(run)
-                run.source = sources.Worker(run.pipeline, run.episodes)
+                run.source = sources.Worker(run.pipeline, run.source)
             took, per, accs, reached = [], [], [], None
             try:
                 while run.step < steps and reached is None:

@@ -38,18 +38,16 @@ import numpy as np
 import torch
 
 from nanorl import build, checkpoint, distributed, pipeline, precision, rounds, sources, stages
-from nanorl.agent import AgentRunner
 from nanorl.config import Config, ConfigError, parse_args, user_error_line
 from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
 from nanorl.kl import AdaptiveKLController, FixedKLController
 from nanorl.logger import Logger, PhaseTimer, RunDirError, RunDirLock, claim_run_dir
 from nanorl.plan import Plan, make_plan
-from nanorl.plugins import Hooks, apply as apply_plugins, load_object
+from nanorl.plugins import Hooks, apply as apply_plugins
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.teacher import load_teacher
-from nanorl.tool_envs import episode_runner
 from nanorl.update import Learner, train_on
 
 # ----------------------------------------------------------------------------- set-up
@@ -149,13 +147,9 @@ def setup(cfg: Config) -> Run:
               rank=rank, world=world, counters={"skipped_updates": 0,
                                                 "prompts_skipped_empty": skipped["empty"],
                                                 "prompts_skipped_too_long": skipped["too_long"]})
-    if cfg.env:  # multi-turn episodes: the environment answers between turns and scores the episode
-        run.episodes = episode_runner(cfg, engine, tokenizer, fmt, log=logger.print)
-    if cfg.agent:  # a user's agent per episode, the policy behind an OpenAI-compatible endpoint
-        run.episodes = AgentRunner(engine, load_object(cfg.agent, "agent"), tokenizer,
-                                   template_kwargs=cfg.chat_template_dict, log=logger.print)
-    # where samples come from (--async-steps: run_training)
-    run.source = sources.Agents(run.episodes) if cfg.agent else sources.local(engine, run.episodes)
+    # where samples come from: the engine, --env's episodes or --agent's (--async-steps: run_training
+    # puts the worker in front of it, which chooses the same over its own engine)
+    run.episodes, run.source = build.sample_source(cfg, engine, tokenizer, fmt, log=logger.print)
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
     run.sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
@@ -314,7 +308,7 @@ def run_training(cfg: Config) -> dict:
     # the rollout worker starts from the (resumed) weights, during the first eval
     if cfg.pipeline.async_steps:
         run.pipeline = pipeline.start(run, resumed)
-        run.source = sources.Worker(run.pipeline, run.episodes)
+        run.source = sources.Worker(run.pipeline, run.source)
     stop = {"now": False}
     previous = {sig: signal.signal(sig, lambda *_: stop.update(now=True))  # finish the step, save,
                 for sig in (signal.SIGINT, signal.SIGTERM)}                 # exit 0 with a resume hint

@@ -70,6 +70,9 @@ class _Episode:
     id: str
     prompt: object
     group: int
+    # the engine's weight version when the episode started: a failed episode's Sample carries it (the
+    # async trainer checks every sample's version against its staleness bound)
+    version: int
     # (prompt ids, Sample) per model call, in order
     calls: list = field(default_factory=list)
     # what the last call was, for TITO: (kind, messages or prompt text, prompt ids, sampled ids, text)
@@ -106,7 +109,8 @@ class AgentRunner:
         """n episodes per prompt, run together; their Samples, group_id = the prompt's index."""
         self._serve()
         self._round += 1
-        eps = [_Episode(f"{self._round}-{g}-{i}", p, g) for g, p in enumerate(prompts) for i in range(n)]
+        v = self.engine.version  # loaded before the rollout, unchanged through it
+        eps = [_Episode(f"{self._round}-{g}-{i}", p, g, v) for g, p in enumerate(prompts) for i in range(n)]
         with self._cond:
             self._sampling, self._engine_calls = sampling, 0
             self._live, self._running = {e.id: e for e in eps}, len(eps)
@@ -179,7 +183,8 @@ class AgentRunner:
             self.faults[end] += 1
             status = "tool_timeout" if end == "timeout" else "env_error"
             return [Sample(prompt_ids=list(e.prompt.ids), response_ids=[], rollout_logprobs=[], reward=0.0,
-                           status=status, group_id=e.group, episode=dict(meta, end=end))]
+                           status=status, weight_version=e.version, group_id=e.group,
+                           episode=dict(meta, end=end))]
         chained = all(b[0][:len(a[0]) + a[1].response_length] == a[0] + a[1].response_ids
                       for a, b in zip(e.calls, e.calls[1:]))
         if not chained:

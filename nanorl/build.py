@@ -1,5 +1,6 @@
 """What train.py's set-up builds, one function per piece: the task files, the policy, the rollout
-engine, the trained modules (critic, reference, the DDP/FSDP wrapper) and the optimizer.
+engine, the sample source over it (--env's episodes, --agent's endpoint), the trained modules (critic,
+reference, the DDP/FSDP wrapper) and the optimizer.
 
 Read train.py's `setup` first: it calls these in chain order. Key choices: the HF engine samples from
 the policy module itself (no copy, no sync) unless --fsdp shards it; vLLM holds its own copy of the
@@ -22,14 +23,16 @@ import os
 import torch
 
 from nanorl import distributed, gguf_model, lora, memory_plan, moe_replay, precision, weight_broadcast
+from nanorl.agent import AgentRunner
 from nanorl.config import Config
 from nanorl.distributed import Trained
-from nanorl.plugins import plugin_task
+from nanorl.plugins import load_object, plugin_task
 from nanorl.policy import ValueModel, frozen_copy, layout, load_empty_model, load_model
 from nanorl.rollout import HFEngine, RolloutEngine
 from nanorl.scoring import forward
+from nanorl.sources import Agents, Episodes, Source
 from nanorl.task import make_default
-from nanorl.tool_envs import make_calc_task
+from nanorl.tool_envs import episode_runner, make_calc_task
 
 
 def with_task_files(cfg: Config, rank: int, world: int) -> Config:
@@ -164,6 +167,23 @@ def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dt
     if kind.holds_own_weights:
         return vllm_engine(cfg, longest_prompt, rank=0, sleep=False)
     return HFEngine(model, pad_id=pad_id, compute_dtype=dtype)
+
+
+def sample_source(cfg: Config, engine, tokenizer, fmt, log=print) -> tuple[object | None, Source]:
+    """Where a process's samples come from over its `engine`, chosen once: (the episode driver, the
+    source). --env: its multi-turn driver (the environment answers between turns and scores the
+    episode); --agent: the user's agent per episode, the engine behind an OpenAI-compatible endpoint
+    (nanorl/agent.py); else (None, the engine itself). train.py's setup and the async rollout worker
+    (nanorl/rollout_worker.py, over its own engine) both choose here, so the worker samples a run's
+    episodes as the synchronous step would."""
+    if cfg.env:
+        episodes = episode_runner(cfg, engine, tokenizer, fmt, log=log)
+        return episodes, Episodes(episodes)
+    if cfg.agent:
+        runner = AgentRunner(engine, load_object(cfg.agent, "agent"), tokenizer,
+                             template_kwargs=cfg.chat_template_dict, log=log)
+        return runner, Agents(runner)
+    return None, Source(engine)
 
 
 def make_engine(cfg: Config, model, tokenizer, prompts, device, dtype, rank: int):

@@ -120,14 +120,13 @@ def check_agent(cfg) -> None:
     for k in ("reward", "reward_timeout"):
         need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
              f"--{k.replace('_', '-')} does nothing with --agent: the agent returns its episodes' rewards")
-    for flag, on in (("--async-steps", cfg.pipeline.async_steps),
-                     ("--over-sample", cfg.dapo.over_sample > 1),
+    for flag, on in (("--over-sample", cfg.dapo.over_sample > 1),
                      ("--filter-groups", cfg.dapo.filter_groups),
                      ("--overlong-buffer", cfg.dapo.overlong_buffer),
                      ("--routing-replay", cfg.memory.routing_replay),
                      ("--advantage remax", cfg.advantage == "remax")):
         need(not on, f"--agent with {flag} is not supported: an agent's episode is several engine calls "
-             "served while its function runs, here, in this step")
+             "served while its function runs, in one rollout")
 
 
 def check_estimator(cfg, fn) -> None:

@@ -95,7 +95,7 @@ class Trainer(Protocol):
     tokenizer: Any  # stop tokens and the worker's decoding
     loader: Any  # nanorl/data.py PromptLoader: the worker draws the same prompts, in the same order
     rewards: Any  # nanorl/rewards.py RewardRunner: .faults, the run totals
-    episodes: Any  # nanorl/episodes.py EpisodeRunner or None (--env): .faults, the run totals
+    episodes: Any  # EpisodeRunner (--env), AgentRunner (--agent) or None: .faults, the run totals
     logger: Any  # .print(str)
     counters: dict  # the run's counters: the worker's (DAPO's gave-up steps) are added to them
     plan: Any  # nanorl/plan.py Plan: whether the worker also samples ReMax's greedy baselines
@@ -314,7 +314,7 @@ def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
     for name, faults in got.get("scorer_faults", {}).items():  # its reward model's / judge's
         run.scorers[name].faults.update(faults)
-    if run.episodes is not None:  # and its environments' (env_error, tool_timeout)
+    if run.episodes is not None:  # and its environments' or agent's (env_error, tool_timeout; agent_faults)
         run.episodes.faults.update(got["env_faults"])
     for k, v in got.get("counters", {}).items():  # DAPO's steps that ran out of rounds
         run.counters[k] = run.counters.get(k, 0) + v

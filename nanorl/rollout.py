@@ -73,6 +73,9 @@ class RolloutEngine:
     holds_own_weights = False
     max_model_len = None
     adapters = None
+    # the version last loaded (update_weights): what its samples carry, and an --agent episode that
+    # failed before sampling (nanorl/agent.py)
+    version = 0
 
     def generate(self, prompts: list[list[int]], n: int, sampling: SamplingConfig) -> list[Sample]:
         """`len(prompts) * n` samples; prompt i's n samples are consecutive with group_id = i."""

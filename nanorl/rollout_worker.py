@@ -6,11 +6,12 @@ Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). V
 shared memory (nanorl/shared_weights.py, the HF engine) or over a process group (weight_broadcast.Receiver,
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
 frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
-baselines and --env episodes are sampled here too, from the batch's own weights; DAPO's refill rounds
-(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts
-(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py); with
---filter-groups they abort once the batch has its KEPT groups (partial_rollout.GroupFilter). Design and
-measurements: docs/async.md. Test: python -m pytest tests/test_pipeline.py -q
+baselines, --env's episodes and --agent's (its endpoint served here: build.sample_source) are sampled
+here too, from the batch's own weights; DAPO's refill rounds (--filter-groups, over-sampled with
+--over-sample) run here on the worker's own prompts. Partial rollouts (--partial-rollout abort) buffer
+unfinished groups and resume them (nanorl/partial_rollout.py); with --filter-groups they abort once the
+batch has its KEPT groups (partial_rollout.GroupFilter). Design and measurements: docs/async.md.
+Test: python -m pytest tests/test_pipeline.py tests/test_agent_async.py -q
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from multiprocessing import forkserver
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import build, precision, rounds, sources, weight_broadcast
+from nanorl import build, precision, rounds, weight_broadcast
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
@@ -37,7 +38,6 @@ from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
 from nanorl.rollout import SamplingConfig
 from nanorl.scoring import Scoring, forward, score_batch
-from nanorl.tool_envs import episode_runner
 from nanorl.trajectory import Sample, collate
 
 
@@ -114,10 +114,12 @@ class Worker:
         # scores them (the trainer holds only their fault totals: pipeline.WorkerScored)
         self.scorers = build.make_scorers(cfg, spec.device, dtype, log=print)
         self.reward_weights, self.hooks = build.reward_weights(cfg), Hooks(cfg)
-        # --env: the multi-turn driver over this engine, as train.py builds it over the trainer's
+        # where samples come from, over this engine, chosen as train.py's setup chooses over the trainer's:
+        # the engine, --env's multi-turn driver, or --agent's endpoint (served here, on 127.0.0.1 with
+        # its own token, while a batch is sampled; closed with this process: _worker_main)
         fmt = PromptFormat(cfg.prompts.system_prompt, cfg.prompts.prompt_template, cfg.prompts.chat_template,
                            cfg.chat_template_dict)
-        self.episodes = episode_runner(cfg, self.engine, self.tokenizer, fmt) if cfg.env else None
+        self.episodes, self.source = build.sample_source(cfg, self.engine, self.tokenizer, fmt)
         self.engine.version = -1  # nothing loaded yet
         self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
         if cfg.pipeline.partial_rollout == "abort":
@@ -221,14 +223,14 @@ class Worker:
     def sampler(self, b: int, counters: dict, notes: list) -> rounds.Sampler:
         """What drawing samples reads (rounds.Sampler): this worker's parts, one rank (it samples the
         union of the ranks' prompts); `counters` and `notes` collect what they add."""
-        return rounds.Sampler(self.cfg, sources.local(self.engine, self.episodes), self.engine, self.loader,
+        return rounds.Sampler(self.cfg, self.source, self.engine, self.loader,
                               self.rewards, self.scorers, self.reward_weights, self.tokenizer, self.hooks, 1,
                               counters, b, Notes(notes))
 
     def scored(self, b: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         """n scored samples per prompt, as the synchronous step makes them (rounds.scored):
         the engine's, scored by --reward with the reward model's and judge's components beside it, or
-        --env's episodes, which the environment scored."""
+        --env's or --agent's episodes, which the environment or the agent scored."""
         return rounds.scored(self.sampler(b, {}, []), prompts, n, sampling)
 
     def greedy_rewards(self, prompts: list) -> list[float]:

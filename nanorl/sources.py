@@ -1,6 +1,7 @@
 """Where a step's samples come from, chosen once: the trainer's own engine, the multi-turn episode driver
 over it (--env), a user's agent behind an endpoint over it (--agent), or the asynchronous rollout worker
-(--async-steps). train.setup picks one and the stages (nanorl/stages.py) ask it, never which one it is.
+(--async-steps). build.sample_source picks one (in train.setup, and in the async worker over its own
+engine) and the stages (nanorl/stages.py) ask it, never which one it is.
 
 Start at `Source`: `generate` and what a source says it did beyond sampling — `rewarded` (the samples
 come back scored: the environment scored its episodes, the worker scored its batch), `local` (sampled
@@ -45,12 +46,6 @@ class Source:
         """Release what it holds (the worker process)."""
 
 
-def local(engine, episodes=None) -> Source:
-    """The source of a process that samples for itself (the trainer, the async worker's refill rounds):
-    --env's episodes over the engine, else the engine (--agent's: `Agents`, chosen in train.setup)."""
-    return Episodes(episodes) if episodes is not None else Source(engine)
-
-
 class Episodes(Source):
     """--env: multi-turn episodes over the engine; the environment answers between turns and scores
     each episode (the Samples mask the environment's tokens out: nanorl/env.py)."""
@@ -93,23 +88,22 @@ class Agents(Source):
 
 class Worker(Source):
     """--async-steps: batches sampled and scored ahead by the rollout worker (nanorl/pipeline.py), from
-    weight versions the trainer publishes; with --env its episodes, with a KL term its reference
-    logprobs, with --filter-groups its refill rounds, with ReMax its greedy baselines, with
-    --reward-model / --judge their components (the trainer keeps their fault totals)."""
+    weight versions the trainer publishes; with --env or --agent its episodes (the worker chose their
+    source as the trainer did: build.sample_source), with a KL term its reference logprobs, with
+    --filter-groups its refill rounds, with ReMax its greedy baselines, with --reward-model / --judge
+    their components (the trainer keeps their fault totals). `inner`: the trainer's own source, which
+    logs what it would of these samples (episodes' metrics; fault totals, the worker's added to them)."""
     rewarded, local = True, False
 
-    def __init__(self, pipeline, episodes=None):
-        self.pipeline, self.episodes = pipeline, episodes
+    def __init__(self, pipeline, inner: Source):
+        self.pipeline, self.inner = pipeline, inner
 
     def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         return self.pipeline.take(step, prompts)
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
-        # staleness and who waited for whom, then (--env) the episodes' own
-        out = dict(self.pipeline.metrics)
-        if self.episodes is not None:
-            out.update(Episodes(self.episodes).metrics(samples))
-        return out
+        # staleness and who waited for whom, then (--env, --agent) the episodes' own
+        return {**self.pipeline.metrics, **self.inner.metrics(samples)}
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         self.pipeline.publish(model, version)

@@ -223,8 +223,10 @@ def test_the_endpoint_needs_the_token_and_loopback():
 
 def test_config_refuses_what_cannot_combine():
     assert Config.from_flags(agent="a.py:run").agent == "a.py:run"
-    for bad in (dict(env="calc", max_new_tokens=12), dict(async_steps=1), dict(reward="math"),
-                dict(filter_groups=True)):
+    # the async worker serves the endpoint (tests/test_agent_async.py)
+    assert Config.from_flags(agent="a.py:run", async_steps=2).pipeline.async_steps == 2
+    for bad in (dict(env="calc", max_new_tokens=12), dict(reward="math"), dict(filter_groups=True),
+                dict(over_sample=2, async_steps=1, partial_rollout="abort")):
         with pytest.raises(ConfigError, match="agent"):
             Config.from_flags(agent="a.py:run", **bad)
     with pytest.raises(ConfigError, match="file.py:fn"):

@@ -78,7 +78,7 @@ def driven(run, steps: int, K: int):
     versions differ: yields (t, pipe, samples, batch, versions) for each step t once batch t is taken
     (checked to come from version max(0, t − K) exactly), then trains; closes the pipeline at the end."""
     pipe = run.pipeline = pipeline.start(run)
-    run.source = sources.Worker(pipe, run.episodes)
+    run.source = sources.Worker(pipe, run.source)
     versions = {0: {k: v.clone() for k, v in run.model.state_dict().items()}}
     g = torch.Generator().manual_seed(0)
     try:
@@ -135,7 +135,7 @@ def test_remax_baselines_are_the_greedy_rewards_of_the_batchs_version(task, tmp_
     K, steps = 1, 3
     run = setup_run(task, tmp_path, steps=steps, async_steps=K, advantage="remax", max_new_tokens=4)
     pipe = run.pipeline = pipeline.start(run)
-    run.source = sources.Worker(pipe, run.episodes)
+    run.source = sources.Worker(pipe, run.source)
     versions = {0: {k: v.clone() for k, v in run.model.state_dict().items()}}
     g = torch.Generator().manual_seed(0)
     greedy_sp = SamplingConfig(temperature=0.0, max_new_tokens=4,
