@@ -12,7 +12,7 @@ import torch
 import train
 from nanorl.config import Config
 from nanorl.data import Prompt
-from nanorl.evaluation import EvalSampling, EvalSet, evaluate, load_eval_sets, set_name
+from nanorl.evaluation import EvalSampling, EvalSet, Scorer, _score_slice, evaluate, load_eval_sets, set_name
 from nanorl.rewards import RewardRunner, exact
 from nanorl.rollout import RolloutEngine, stop_token_ids
 from nanorl.task import make_default
@@ -225,9 +225,9 @@ def test_eval_logs_judge_components_beside_the_reward():
     assert m["eval/b/reward/judge"] == pytest.approx(0.4 / 2) and m["eval/b/accuracy"] == 0.5
     # a rank with no prompt of the set still calls the scorer (a sharded reward model's forwards)
     judge = FakeJudge()
-    evaluate([EvalSet("c", prompts([0]))], ScriptedEngine(), sampling, 0, rewards=run.rewards,
-             tokenizer=run.tokenizer, scorers={"judge": judge}, rank=1, world=2)
-    assert judge.asked == [[]]
+    scorer = Scorer(ScriptedEngine(), run.rewards, run.tokenizer, None, {"judge": judge})
+    counts, fields = _score_slice(scorer, sampling, [])
+    assert judge.asked == [[]] and counts.sum() == 0 and fields == {}
 
 
 def test_eval_logs_the_metadata_fields_a_step_logs():
