@@ -4,7 +4,10 @@
 Start at `evaluate(sets, engine, sampling, seed, ...)`; `load_eval_sets` reads `--test-data`
 ("gsm8k=gsm8k_test.jsonl,HuggingFaceH4/MATH-500@test"; a set without `name=` is named after its source).
 Per set: `eval/<name>/accuracy` (greedy), `eval/<name>/pass@k` (k samples at the eval temperature: the
-share with one correct), `eval/<name>/response_length_mean`; `eval/accuracy` and `eval/pass@k` pooled over
+share with one correct), and of the greedy responses what a step's rollout/ logs (nanorl/metrics.py
+reward_metrics): `response_length_mean`, `reward_mean`, `truncated_frac`, `reward/<component>` (a dict
+reward's, the reward model's and judge's: nanorl/rounds.py scored_components) and the --log-metadata /
+log-only metadata fields (nanorl/plugins.py); `eval/accuracy` and `eval/pass@k` pooled over
 all sets' prompts (the headline); `perf/time/eval`, the slowest rank's. With `--env` each sample is an
 episode scored by its environment (nanorl/env.py), plus `tool_use_rate`. Key choices: each rank scores
 its slice of every set (prompts r, r+N, ...) and the counts are summed, so no rank waits while another
