@@ -4,7 +4,10 @@
 Start at `evaluate(sets, engine, sampling, seed, ...)`; `load_eval_sets` reads `--test-data`
 ("gsm8k=gsm8k_test.jsonl,HuggingFaceH4/MATH-500@test"; a set without `name=` is named after its source).
 Per set: `eval/<name>/accuracy` (greedy), `eval/<name>/pass@k` (k samples at the eval temperature: the
-share with one correct), `eval/<name>/response_length_mean`; `eval/accuracy` and `eval/pass@k` pooled over
+share with one correct), and of the greedy responses what a step's rollout/ logs (nanorl/metrics.py
+reward_metrics): `response_length_mean`, `reward_mean`, `truncated_frac`, `reward/<component>` (a dict
+reward's, the reward model's and judge's: nanorl/rounds.py scored_components) and the --log-metadata /
+log-only metadata fields (nanorl/plugins.py); `eval/accuracy` and `eval/pass@k` pooled over
 all sets' prompts (the headline); `perf/time/eval`, the slowest rank's. With `--env` each sample is an
 episode scored by its environment (nanorl/env.py), plus `tool_use_rate`. Key choices: each rank scores
 its slice of every set (prompts r, r+N, ...) and the counts are summed, so no rank waits while another
@@ -17,15 +20,17 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from nanorl import checkpoint, distributed, reasoning_tasks
 from nanorl.data import PromptFormat, build_prompts, load_rows, parse_source
+from nanorl.plugins import metadata_sums, pooled_means
 from nanorl.rewards import correct, score_samples
 from nanorl.rollout import SamplingConfig
+from nanorl.rounds import scored_components
 
 
 @dataclass
@@ -89,31 +94,43 @@ class EvalSampling:
 
 
 def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rewards=None, tokenizer=None,
-             episodes=None, rank: int = 0, world: int = 1) -> dict:
+             episodes=None, rank: int = 0, world: int = 1, scorers: dict | None = None,
+             reward_weights: dict | None = None, log_metadata: list[str] = ()) -> dict:
     """Every eval set's metrics (see the module docstring); {} when there is none. All `world` ranks
     call it, each scoring its slice. engine: the rollout engine (generate; its generator is seeded with
     seed + rank for the call, then every stream is put back). rewards, tokenizer: score the engine's
     samples (nanorl/rewards.py score_samples); episodes: --env's multi-turn driver (nanorl/env.py)
-    instead, whose environment scores them."""
+    instead, whose environment scores them. scorers, reward_weights: the reward model / judge components
+    (nanorl/build.py make_scorers) beside --reward on the greedy samples, as a step scores them;
+    log_metadata: --log-metadata's patterns (nanorl/plugins.py metadata_metrics)."""
     if not sets:
         return {}
     if episodes is None and (rewards is None or tokenizer is None):
         raise ValueError("evaluate: needs rewards and tokenizer to score the engine's samples (or episodes)")
     start = time.perf_counter()
-    scorer = Scorer(engine, rewards, tokenizer, episodes)
+    scorer = Scorer(engine, rewards, tokenizer, episodes, scorers or {}, reward_weights, list(log_metadata))
     # never shifts training's stream
     with checkpoint.isolated_rng(engine, seed=seed + rank):
-        counts = torch.stack([_score_slice(scorer, sampling, s.prompts[rank::world]) for s in sets])
-    # [S, 5] summed over ranks
-    distributed.all_reduce(counts)
+        slices = [_score_slice(scorer, sampling, s.prompts[rank::world]) for s in sets]
+    # [S, 7] summed over ranks
+    counts = distributed.all_reduce(torch.stack([c for c, _ in slices]))
+    fields = [f for _, f in slices]
+    parts = _all_gather(fields)  # components and metadata: their keys may differ by rank
     k, out, env = sampling.pass_k, {}, episodes is not None
-    for s, (n, greedy, passed, length, tools) in zip(sets, counts.tolist()):
-        out.update({f"eval/{s.name}/accuracy": greedy / n, f"eval/{s.name}/pass@{k}": passed / n,
-                    f"eval/{s.name}/response_length_mean": length / n})
+    for i, (s, row) in enumerate(zip(sets, counts.tolist())):
+        n, greedy, passed, length, tools, truncated, reward = row
+        mine = {f"eval/{s.name}/accuracy": greedy / n, f"eval/{s.name}/pass@{k}": passed / n,
+                f"eval/{s.name}/response_length_mean": length / n, f"eval/{s.name}/reward_mean": reward / n,
+                f"eval/{s.name}/truncated_frac": truncated / n}
         # --env: the share of greedy episodes that called a tool
         if env:
-            out[f"eval/{s.name}/tool_use_rate"] = tools / n
-    n, greedy, passed, _, tools = counts.sum(0).tolist()
+            mine[f"eval/{s.name}/tool_use_rate"] = tools / n
+        extra = {f"eval/{s.name}/{f}": v for f, v in pooled_means([p[i] for p in parts]).items()}
+        clash = sorted(set(extra) & set(mine))
+        if clash:
+            raise ValueError(f"Sample.metadata fields {clash} are also eval metric names: rename them")
+        out.update({**mine, **extra})
+    n, greedy, passed, _, tools, _, _ = counts.sum(0).tolist()
     if env:
         out["eval/tool_use_rate"] = tools / n
     seconds = distributed.all_reduce(torch.tensor([time.perf_counter() - start]), dist.ReduceOp.MAX)
@@ -121,42 +138,79 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
     return {**pooled, **out, "perf/time/eval": float(seconds)}
 
 
+def _all_gather(local: list) -> list:
+    """Every rank's `local`, in rank order; [local] in a single process (as distributed.all_reduce)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [local]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, local)
+    return out
+
+
 @dataclass
 class Scorer:
     """Scored samples from an engine (or the --env driver over it), by --reward: evaluation's (the
-    step and the async rollout worker score through stages.generate + score, components included)."""
+    step and the async rollout worker score through stages.generate + score). components: the reward
+    model / judge (name → scorer) added to the greedy samples' rewards, as rounds.score adds them."""
     engine: object
     rewards: object
     tokenizer: object
     episodes: object
+    components: dict = field(default_factory=dict)
+    reward_weights: dict | None = None
+    log_metadata: list = field(default_factory=list)
 
-    def scored(self, prompts, n: int, sampling: SamplingConfig) -> list:
-        """n scored samples per prompt: the engine's, scored by the reward; with --env the episodes of
-        the multi-turn driver, which the environment scored (nanorl/env.py)."""
+    def scored(self, prompts, n: int, sampling: SamplingConfig) -> tuple[list, int]:
+        """(n scored samples per prompt, how many of them were truncated): the engine's, scored by the
+        reward; with --env the episodes of the multi-turn driver, which the environment scored
+        (nanorl/env.py). Truncation is counted before scoring: a reward fault rewrites the status."""
         if self.episodes is not None:
-            return self.episodes.generate(prompts, n, sampling)
+            samples = self.episodes.generate(prompts, n, sampling)
+            return samples, sum(s.status == "truncated" for s in samples)
         samples = self.engine.generate([p.ids for p in prompts], n, sampling)
+        truncated = sum(s.status == "truncated" for s in samples)
         for s, r in zip(samples, score_samples(self.rewards, self.tokenizer, prompts, samples)):
             s.reward = r
-        return samples
+        return samples, truncated
+
+    def add_components(self, prompts, samples) -> None:
+        """The reward model's / judge's component beside each sample's reward (none with --env: its
+        environment scored them, as in a step). Called on every rank, even with no prompt."""
+        if not self.components or self.episodes is not None:
+            return
+        rewards = [s.reward for s in samples]
+        for s, r in zip(samples, scored_components(self.components, self.tokenizer, prompts, samples, rewards,
+                                                   self.reward_weights)):
+            s.reward = r
 
 
-def _score_slice(scorer: Scorer, sampling: EvalSampling, prompts) -> torch.Tensor:
-    """[prompts, greedy correct, pass@k hits, greedy response tokens, greedy episodes that called a
-    tool] of this rank's slice."""
-    # more ranks than prompts: this rank adds nothing (no collective inside)
+def _score_slice(scorer: Scorer, sampling: EvalSampling, prompts) -> tuple[torch.Tensor, dict]:
+    """([prompts, greedy correct, pass@k hits, greedy response tokens, greedy episodes that called a
+    tool, greedy responses truncated, greedy reward sum] of this rank's slice, and its greedy samples'
+    per-field sums (metadata_sums' layout): `reward/<component>` (0 where a reward lacks it, as
+    metrics.reward_metrics counts it) and the --log-metadata / log-only metadata fields)."""
+    # more ranks than prompts: this rank adds nothing (only a sharded reward model's forwards)
     if not prompts:
-        return torch.zeros(5, dtype=torch.float64)
+        scorer.add_components([], [])
+        return torch.zeros(7, dtype=torch.float64), {}
     stop, max_new, k = sampling.stop_token_ids, sampling.max_new_tokens, sampling.pass_k
-    greedy = scorer.scored(prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new,
+    greedy, truncated = scorer.scored(prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new,
                                                       stop_token_ids=stop))
+    # accuracy reads --reward's own verdict, before the reward model / judge components join it
     right = [correct(s.reward) >= 1.0 for s in greedy]
-    sampled = scorer.scored(prompts, k, SamplingConfig(
+    scorer.add_components(prompts, greedy)
+    sampled, _ = scorer.scored(prompts, k, SamplingConfig(
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
         max_new_tokens=max_new, stop_token_ids=stop))
     # [prompts, k]
     hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled]).view(len(prompts), k)
     length = sum(s.response_length for s in greedy)
     tools = sum((s.episode or {}).get("tool_calls", 0) > 0 for s in greedy)
-    counts = [len(prompts), sum(right), float(hits.any(1).sum()), length, tools]
-    return torch.tensor(counts, dtype=torch.float64)
+    counts = [len(prompts), sum(right), float(hits.any(1).sum()), length, tools,
+              truncated, sum(s.total_reward for s in greedy)]
+    fields = {}
+    for key in dict.fromkeys(c for s in greedy if isinstance(s.reward, dict) for c in s.reward):
+        fields[f"reward/{key}"] = [sum(float(s.reward.get(key, 0.0)) if isinstance(s.reward, dict) else 0.0
+                                       for s in greedy), len(greedy), 0]
+    fields.update(metadata_sums(greedy, scorer.log_metadata))
+    return torch.tensor(counts, dtype=torch.float64), fields

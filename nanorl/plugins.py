@@ -263,6 +263,13 @@ def metadata_metrics(samples: list, patterns: list[str], gather=None) -> dict:
     nanorl/rewards.py), over the samples that have it, logged under the field's own name.
     Non-finite values are left out of the mean (and counted in `<name>/nonfinite`): a NaN from one
     sample never reaches a metric. `gather` pools the per-field sums over ranks (list of dicts)."""
+    sums = metadata_sums(samples, patterns)
+    return pooled_means(gather(sums) if gather is not None else [sums])
+
+
+def metadata_sums(samples: list, patterns: list[str]) -> dict[str, list]:
+    """`metadata_metrics`' fields of these samples: {name: [sum of the finite values, their count,
+    the count of non-finite ones]} (evaluation pools these per eval set, nanorl/evaluation.py)."""
     sums: dict[str, list] = {}
     for s in samples:
         logged = s.metadata.get("logged", ())
@@ -276,13 +283,17 @@ def metadata_metrics(samples: list, patterns: list[str], gather=None) -> dict:
                 acc[0], acc[1] = acc[0] + float(value), acc[1] + 1
             else:
                 acc[2] += 1
-    if gather is not None:
-        pooled: dict[str, list] = {}
-        for part in gather(sums):
-            for k, (total, n, bad) in part.items():
-                acc = pooled.setdefault(k, [0.0, 0, 0])
-                acc[0], acc[1], acc[2] = acc[0] + total, acc[1] + n, acc[2] + bad
-        sums = pooled
+    return sums
+
+
+def pooled_means(parts: list[dict]) -> dict:
+    """`metadata_sums` of several parts (one per rank) added up: each field's mean over the values
+    counted, and `<name>/nonfinite` where some were not finite."""
+    sums: dict[str, list] = {}
+    for part in parts:
+        for k, (total, n, bad) in part.items():
+            acc = sums.setdefault(k, [0.0, 0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + total, acc[1] + n, acc[2] + bad
     out = {k: total / n for k, (total, n, _) in sums.items() if n}
     out.update({f"{k}/nonfinite": bad for k, (_, _, bad) in sums.items() if bad})
     return out

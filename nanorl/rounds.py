@@ -75,12 +75,21 @@ def score(sampler: Sampler, prompts, samples) -> list:
     rewards = score_samples(sampler.rewards, sampler.tokenizer, prompts, samples)
     if not sampler.scorers:
         return rewards
-    n = len(samples) // len(prompts)
-    texts = sampler.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+    return scored_components(sampler.scorers, sampler.tokenizer, prompts, samples, rewards,
+                             sampler.reward_weights)
+
+
+def scored_components(scorers: dict, tokenizer, prompts, samples, rewards, weights: dict | None) -> list:
+    """`rewards` with each scorer's score of its sample beside it (`with_components`). Every scorer is
+    called even with no prompt: a rank with none still joins a sharded reward model's forwards
+    (evaluation's rank whose slice of a set is empty, nanorl/evaluation.py)."""
+    n = len(samples) // len(prompts) if prompts else 0
+    ids = [s.response_ids for s in samples]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True) if ids else []
     prompt_texts = [p.text for p in prompts for _ in range(n)]
     labels = [p.label for p in prompts for _ in range(n)]
-    scored = {name: s.score(prompt_texts, texts, labels) for name, s in sampler.scorers.items()}
-    return with_components(rewards, scored, samples, sampler.reward_weights)
+    scored = {name: s.score(prompt_texts, texts, labels) for name, s in scorers.items()}
+    return with_components(rewards, scored, samples, weights)
 
 
 def with_components(rewards, scored: dict, samples, weights: dict | None) -> list[dict]:

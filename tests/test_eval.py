@@ -12,7 +12,7 @@ import torch
 import train
 from nanorl.config import Config
 from nanorl.data import Prompt
-from nanorl.evaluation import EvalSampling, EvalSet, evaluate, load_eval_sets, set_name
+from nanorl.evaluation import EvalSampling, EvalSet, Scorer, _score_slice, evaluate, load_eval_sets, set_name
 from nanorl.rewards import RewardRunner, exact
 from nanorl.rollout import RolloutEngine, stop_token_ids
 from nanorl.task import make_default
@@ -156,3 +156,86 @@ def test_train_logs_every_set_and_shards_over_two_ranks(task, tmp_path):
     for key in ("eval/held/accuracy", "eval/sums/accuracy", "eval/accuracy",
                 "eval/held/response_length_mean"):
         assert two[key] == one[key], key
+
+
+# ----------------------------------------------------------------------------- what a step's rows log too
+class TruncatingEngine(ScriptedEngine):
+    """ScriptedEngine whose response to prompt i is cut at the length limit (no EOS) when i % 3 == 2."""
+
+    def generate(self, prompts, n, sampling):
+        out = super().generate(prompts, n, sampling)
+        for s in out:
+            if s.prompt_ids[0] % 3 == 2:
+                s.status = "truncated"
+        return out
+
+
+class FakeJudge:
+    """A scorer with make_scorers' call (nanorl/build.py): 0.1 × the response's number, None (a failed
+    call) for the response "6"; records what it was asked."""
+
+    def __init__(self):
+        self.asked, self.faults = [], {}
+
+    def score(self, prompts, responses, labels):
+        self.asked.append(list(responses))
+        return [None if r == "6" else 0.1 * int(r) for r in responses]
+
+
+def tenths(prompt, response, label):
+    """A reward with a log-only field: right = 1, else 0.1 × the response's number; `_digits` logged."""
+    return {"correct": 1.0 if response == label else 0.1 * int(response), "_digits": float(len(response))}
+
+
+def tagged(prompt, response, label, sample):
+    """--reward reading the Sample: writes metadata["len_seen"], which --log-metadata names."""
+    sample.metadata["len_seen"] = float(sample.response_length)
+    return exact(prompt, response, label)
+
+
+def test_eval_logs_reward_mean_and_truncated_frac():
+    run = fake_run([EvalSet("a", prompts([0, 1, 2, 3, 4, 5]))])
+    run.engine, run.rewards = TruncatingEngine(), RewardRunner(tenths)
+    m = run_eval(run)
+    # greedy: even i answers i (right: 1), odd i answers i + 1 (0.1 × (i + 1))
+    rewards = [1.0, 0.2, 1.0, 0.4, 1.0, 0.6]
+    assert m["eval/a/reward_mean"] == pytest.approx(sum(rewards) / 6)
+    assert m["eval/a/truncated_frac"] == pytest.approx(2 / 6)  # prompts 2 and 5
+    assert m["eval/a/reward/correct"] == pytest.approx(sum(rewards) / 6)  # the dict's component
+    assert m["eval/a/digits"] == pytest.approx(1.0)  # the log-only field, every response one digit
+    assert m["eval/a/accuracy"] == 0.5
+
+
+def test_eval_logs_judge_components_beside_the_reward():
+    run = fake_run([EvalSet("a", prompts([0, 1, 2, 3, 4]))])
+    judge = FakeJudge()
+    sampling = EvalSampling.from_config(run.cfg, stop_token_ids(run.model, run.tokenizer))
+    m = evaluate(run.eval_sets, run.engine, sampling, 0, rewards=run.rewards, tokenizer=run.tokenizer,
+                 scorers={"judge": judge}, reward_weights={"judge": 2.0})
+    assert judge.asked == [["0", "2", "2", "4", "4"]]  # the greedy responses only, once
+    judged = [0.0, 0.2, 0.2, 0.4, 0.4]
+    assert m["eval/a/reward/judge"] == pytest.approx(sum(judged) / 5)
+    assert m["eval/a/reward/correct"] == pytest.approx(3 / 5)
+    assert m["eval/a/reward_mean"] == pytest.approx((3 + 2 * sum(judged)) / 5)  # the weights apply
+    assert m["eval/a/accuracy"] == pytest.approx(3 / 5)  # --reward's verdict, the judge aside
+    # a failed call (response "6") scores 0, as with_components records it; accuracy stays --reward's
+    judge = FakeJudge()
+    m = evaluate([EvalSet("b", prompts([4, 5]))], ScriptedEngine(), sampling, 0, rewards=run.rewards,
+                 tokenizer=run.tokenizer, scorers={"judge": judge})
+    assert m["eval/b/reward/judge"] == pytest.approx(0.4 / 2) and m["eval/b/accuracy"] == 0.5
+    # a rank with no prompt of the set still calls the scorer (a sharded reward model's forwards)
+    judge = FakeJudge()
+    scorer = Scorer(ScriptedEngine(), run.rewards, run.tokenizer, None, {"judge": judge})
+    counts, fields = _score_slice(scorer, sampling, [])
+    assert judge.asked == [[]] and counts.sum() == 0 and fields == {}
+
+
+def test_eval_logs_the_metadata_fields_a_step_logs():
+    run = fake_run([EvalSet("a", prompts([0, 1, 2]))])
+    run.rewards = RewardRunner(tagged)
+    sampling = EvalSampling.from_config(run.cfg, stop_token_ids(run.model, run.tokenizer))
+    m = evaluate(run.eval_sets, run.engine, sampling, 0, rewards=run.rewards, tokenizer=run.tokenizer,
+                 log_metadata=["len_seen"])
+    assert m["eval/a/len_seen"] == pytest.approx((1 + 2 + 3) / 3)  # the greedy responses' 1 + i % 3 tokens
+    m = evaluate(run.eval_sets, run.engine, sampling, 0, rewards=run.rewards, tokenizer=run.tokenizer)
+    assert "eval/a/len_seen" not in m  # not named, not logged (as in a step)

@@ -14,6 +14,14 @@ eval rows match and the training rows of 44 of the 45 cases differ, with no pin 
 another's (steps.intel-xeon-processor.json: that Xeon), recorded on the same commit; a run must equal
 one of them in every case. Another torch or transformers version computes other bits: the test then
 fails and says so (re-record on the old code first, then compare).
+
+Carried keys (issue 47, eval logs what rollout logs): the eval rows' eval/<set>/reward_mean,
+truncated_frac and reward/<component> were recorded on the Xeon only, its every earlier key checked
+unchanged, and copied into steps.json's eval rows: all 90 eval rows of the two recordings were equal on
+every earlier key (accuracy, pass@k, response length), so the eval samples are taken to be the same on
+both CPUs and the new keys, sums of those samples' statuses and rewards, too. For the step-0 evals (same
+weights) that holds; for the final evals it is inferred from those equal keys, not measured on the EPYC:
+a run there that differs only in a carried key is this carry's error, not a behaviour change.
 """
 from __future__ import annotations
 

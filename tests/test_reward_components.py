@@ -78,7 +78,11 @@ def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monk
         server.stop()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
     assert len(rows) == 3 and res["step"] == 3
-    assert len(server.requests) == 2 * per_step  # every sample of steps 1-2 was judged, none of step 3
+    # every sample of steps 1-2 was judged, none of step 3; and the 4 greedy eval responses at step 0
+    assert len(server.requests) == 4 + 2 * per_step
+    first = res["before"]  # eval logs the judge's component as a step does (0.7 or 0.2 each)
+    assert 0.2 <= first["eval/test/reward/judge"] <= 0.7 and first["eval/test/reward/correct"] >= 0
+    assert first["eval/test/reward_mean"] == pytest.approx(first["eval/test/reward/judge"])  # correct=0
     for r in rows[:2]:
         assert r["rollout/dropped_frac"] == 0.0
         # each sample 0.2 or 0.7: the mean is (0.7 − 0.5·k/16) for k samples graded 2
@@ -88,11 +92,14 @@ def test_a_run_judged_through_an_endpoint_that_dies_mid_run(task, tmp_path, monk
         assert r["rollout/reward_mean"] == pytest.approx(r["rollout/reward/judge"])
     assert rows[2]["rollout/dropped_frac"] == 1.0 and rows[2]["rollout/dropped/reward_fault"] == per_step
     assert rows[2]["rollout/reward_faults/judge/unreachable"] == per_step
-    assert capsys.readouterr().out.count("unreachable") == 1  # one clear line, not one per sample
+    # one clear line per call, not one per sample: step 3's, then the final eval's (its 4 greedy samples)
+    assert capsys.readouterr().out.count("unreachable") == 2
     train.main(args(task, tmp_path, "--steps", "4", *judged, "--resume", "latest"))
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
     last = rows[-1]
-    assert last["rollout/reward_faults/judge/unreachable"] == 2 * per_step
+    # the run totals count eval's failed calls too: run 1's step 3 and final eval, the resumed run's
+    # step-3 eval and step 4 (red when they are not saved: 4 + 16)
+    assert last["rollout/reward_faults/judge/unreachable"] == 2 * per_step + 2 * 4
 
 
 def test_an_in_process_judge_runs_in_the_step(task, tmp_path, monkeypatch):
@@ -115,7 +122,9 @@ def test_an_in_process_judge_runs_in_the_step(task, tmp_path, monkeypatch):
     row = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line][0]
     faults = sum(v for k, v in row.items() if k.startswith("rollout/reward_faults/judge/"))
     assert res["step"] == 1
-    assert len(answers) == 16 and all(isinstance(a, str) for a in answers)  # one answer per sample
+    # one answer per sample: the 4 greedy eval responses before and after, the step's 16 between
+    assert len(answers) == 4 + 16 + 4 and all(isinstance(a, str) for a in answers)
+    answers = answers[4:20]
     assert faults == 0 and row["rollout/dropped_frac"] == 0.0  # every call succeeded, nothing dropped
     scores = [float(re.search(r"-?\d+(?:\.\d+)?", a).group()) / 99 for a in answers]
     assert all(0.0 <= x <= 1.0 for x in scores)
@@ -155,7 +164,11 @@ def test_a_reward_model_scores_the_step_batched(task, tmp_path, monkeypatch):
     monkeypatch.setattr(reward_models.RewardModel, "score", score)
     res = train.main(args(task, tmp_path / "run", "--steps", "2", "--reward-model", str(tmp_path / "rm"),
                           "--reward-weights", "correct=0,rm=1"))
-    assert len(calls) == 2 and all(len(c[0]) == 16 for c in calls)  # one call per step, all 16 samples
+    # one call per step, all 16 samples; one per eval (before, after) on its 4 greedy responses
+    assert [len(c[0]) for c in calls] == [4, 16, 16, 4]
+    for eval_row, (_, _, out) in ((res["before"], calls[0]), (res["after"], calls[3])):
+        assert eval_row["eval/test/reward/rm"] == pytest.approx(sum(out) / 4, rel=1e-5)
+    calls = calls[1:3]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
             if "rollout/reward/rm" in line]
     assert len(rows) == 2  # both steps logged the component (zip below would pass on none)
