@@ -154,7 +154,7 @@ CASES = [
     (dict(agent="agent.py"), None),  # --agent: no function named
     (dict(agent="agent.py:fn", env="calc", max_new_tokens=16), None),
     (dict(agent="agent.py:fn", reward="math"), None),
-    (dict(agent="agent.py:fn", async_steps=1), None),
+    (dict(agent="agent.py:fn", filter_groups=True), None),
 ]
 
 
