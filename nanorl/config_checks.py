@@ -66,9 +66,11 @@ def check(cfg) -> None:
     for name in ("reward_postprocess", "sample_filter"):
         need(not getattr(cfg, name) or ":" in getattr(cfg, name), f"{name} must be "
              f"module:function or file.py:function, got {getattr(cfg, name)!r}")
-    # a reasoning-gym row's label is its task item, which only the task's checker (or user code) reads
+    # a reasoning-gym row's label is its task item, which only the task's checker (or user code: a reward
+    # file, a plug-in, an environment, an agent) reads
     rg_data = cfg.train_data.startswith("reasoning_gym:")
-    need(not rg_data or cfg.reward == "reasoning_gym" or ":" in cfg.reward or cfg.plugin or cfg.env,
+    need(not rg_data or cfg.reward == "reasoning_gym" or ":" in cfg.reward or cfg.plugin or cfg.env
+         or cfg.agent,
          f"train_data {cfg.train_data.split('?')[0]} needs --reward reasoning_gym (the task's own checker)")
     need(cfg.reward != "reasoning_gym" or rg_data, "reward reasoning_gym scores reasoning-gym items: "
          "needs --train-data reasoning_gym:NAME")

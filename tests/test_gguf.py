@@ -190,6 +190,38 @@ def test_tiny_gguf_trains_a_step_and_exports(tiny, tmp_path, capsys):
     assert chat_ids(tok, "2 + 3 = ?") == chat_ids(load_model(path)[1], "2 + 3 = ?")
 
 
+def test_a_reasoning_gym_agent_trains_a_step_through_the_endpoint(tiny, tmp_path):
+    """examples/agents/reasoning_gym_agent.py (the plain openai client, reasoning-gym's own checker) on
+    reasoning_gym: data with the tiny GGUF's BPE tokenizer and ChatML template: every episode is one chat
+    call through the endpoint, none fails, and the step trains on them (the SmolLM2 run of this recipe:
+    docs/bench_results.md)."""
+    res = train.main(["--model", tiny[0], "--train-data", f"{TASK}&size=32&seed=1",
+                      "--agent", "examples/agents/reasoning_gym_agent.py:run", "--steps", "1",
+                      "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "4",
+                      "--eval-every", "0", "--pass-k", "1", "--threads", "1", "--quiet", "--lr", "1e-3",
+                      "--no-skip-zero-advantage", "--entropy-coef", "0.01", "--out-dir", str(tmp_path)])
+    row = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"rollout/agent/episodes"' in x]
+    assert res["step"] == 1 and len(row) == 1
+    assert row[0]["rollout/agent/episodes"] == 4 and row[0]["rollout/agent/calls_per_episode"] == 1
+    assert row[0]["rollout/agent/failed_frac"] == 0 and "train/loss" in row[0]
+
+
+def test_the_reasoning_gym_agent_scores_as_the_reward_does():
+    """The example agent's scoring (reasoning-gym's checker on the reply's final answer) equals
+    --reward reasoning_gym's on right, wrong, tagged and empty replies."""
+    from examples.agents import reasoning_gym_agent as agent
+    from nanorl import reasoning_tasks
+
+    row = reasoning_tasks.load_rows(TASK.split(":", 1)[1] + "&size=2&seed=3", "train")[0]
+    answer = json.loads(row["answer"])["answer"]
+    # the last number, not the first; the tag before any number
+    replies = [answer, f"2 and 9 make {answer}.", f"<answer>{answer}</answer>, not {int(answer) + 1}",
+               str(int(answer) + 1), "", "no"]
+    got = [agent.score(r, row["answer"]) for r in replies]
+    assert got == [reasoning_tasks.reward(row["prompt"], r, row["answer"]) for r in replies]
+    assert got[:3] == [1.0, 1.0, 1.0] and got[3] == 0.0
+
+
 @pytest.mark.slow
 def test_smollm2_samples_trains_and_exports(smollm2, tmp_path):
     model, tok = load_model(smollm2)
