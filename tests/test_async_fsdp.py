@@ -24,21 +24,73 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # ----------------------------------------------------------------------------- the publish, 2 ranks
 
 
+def _receive(spec, out) -> None:
+    """The vLLM worker's end of the weight channel (a child forked by rank 0): versions 0 and 1 as
+    it holds them, sent back whole."""
+    import pickle
+
+    from nanorl import weight_broadcast
+    rx = weight_broadcast.Receiver(spec)
+    for v in (0, 1):
+        assert rx.wait_for(v, timeout=120), f"version {v} never arrived"
+        out.put(pickle.dumps({k: t.clone() for k, t in rx.slot(v).items()}))
+        rx.release(v)
+
+
+class _Channel:
+    """Rank 0's end of one way to the worker, as pipeline.Pipeline builds it: "shm" the HF engine's
+    shared slots, "gloo" / "ipc" (its host stand-in) --engine vllm's weight channel to a forked
+    receiver; `held(v)` is version v as the worker holds it."""
+
+    def __init__(self, kind: str, model, dtype):
+        import pickle
+
+        import torch.multiprocessing as mp
+
+        from nanorl import weight_broadcast as wb
+        from nanorl.shared_weights import SharedWeights, slot_layout
+        ctx, self.pickle = mp.get_context("fork"), pickle
+        if kind == "shm":
+            self.weights, self.child = SharedWeights(model, 1, ctx, dtype), None
+            return
+        layout, size = slot_layout(model, dtype)
+        spec = wb.ChannelSpec(wb.free_port(), kind, layout, size, slots=3, device="cpu")
+        self.weights, self.out = wb.Sender(spec, torch.device("cpu")), ctx.Queue()
+        self.child = ctx.Process(target=_receive, args=(spec, self.out))
+        self.child.start()
+        self.weights.connect()
+        self.got = {}
+
+    def held(self, v: int) -> dict:
+        if self.child is None:
+            return self.weights.slot(v)
+        while v not in self.got:
+            self.got[len(self.got)] = self.pickle.loads(self.out.get(timeout=120))
+        return self.got[v]
+
+    def close(self) -> None:
+        if self.child is not None:
+            self.held(1)
+            self.child.join(30)
+            self.child.kill()
+            self.weights.close()
+
+
 def _publish_rank(init_file: str, rank: int, world: int) -> dict:
     """One rank: a tiny tied Qwen2 sharded by FSDP2, versions 0 and 1 published as the pipeline does
-    (rank 0 a SharedWeights, rank 1 a Follower); rank 0 compares each slot with the full weights."""
+    (rank 0 through each kind of `_Channel`, rank 1 a Follower); rank 0 compares what the worker holds
+    of each version with the full weights."""
     import torch.distributed as dist
-    import torch.multiprocessing as mp
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from nanorl import distributed
     from nanorl.pipeline import Follower
-    from nanorl.shared_weights import SharedWeights
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     out = {}
-    for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+    for kind, name, dtype in (("shm", "float32", torch.float32), ("shm", "bfloat16", torch.bfloat16),
+                              ("gloo", "bfloat16", torch.bfloat16), ("ipc", "float32", torch.float32)):
         torch.manual_seed(0)  # the same model on both ranks
         # 3 layers of uneven shards (vocab 67, hidden 30 over 2 ranks), embeddings tied to the head
         model = Qwen2ForCausalLM(Qwen2Config(vocab_size=67, hidden_size=30, intermediate_size=34,
@@ -47,8 +99,8 @@ def _publish_rank(init_file: str, rank: int, world: int) -> dict:
         distributed.shard(model, torch.device("cpu"))
         cfg = SimpleNamespace(memory=SimpleNamespace(fsdp=True, dtype=name))
         if rank == 0:
-            weights = SharedWeights(model, 1, mp.get_context("fork"), dtype)
-            weights.publish(model, 0)
+            channel = _Channel(kind, model, dtype)
+            channel.weights.publish(model, 0)
         else:
             follower = Follower(SimpleNamespace(cfg=cfg, model=model, step=0))  # takes part in version 0
         full = {0: {k: v.clone() for k, v in distributed.full_state_dict(model).items()}}
@@ -56,23 +108,27 @@ def _publish_rank(init_file: str, rank: int, world: int) -> dict:
             for p in model.parameters():
                 p.to_local().add_(0.1 * (rank + 1)).mul_(1.5)
         if rank == 0:
-            weights.publish(model, 1)
+            channel.weights.publish(model, 1)
         else:
             follower.publish(model, 1)
         full[1] = distributed.full_state_dict(model)
         if rank == 0:
-            # what the worker reads (rollout_worker.Worker.load): every name of each version's slot
-            out[name] = {v: {k: bool(torch.equal(weights.slot(v)[k], full[v][k].to(dtype)))
-                             for k in full[v]} for v in (0, 1)}
-            out[name]["names"] = sorted(weights.slot(1)) == sorted(full[1])
-            out[name]["moved"] = not torch.equal(full[0]["lm_head.weight"], full[1]["lm_head.weight"])
+            case = out[f"{kind}-{name}"] = {}
+            # what the worker loads (rollout_worker.Worker.load): every name of each version
+            for v in (0, 1):
+                held = channel.held(v)
+                case[v] = {k: bool(torch.equal(held[k], full[v][k].to(dtype))) for k in full[v]}
+            case["names"] = sorted(channel.held(1)) == sorted(full[1])
+            case["moved"] = not torch.equal(full[0]["lm_head.weight"], full[1]["lm_head.weight"])
+            channel.close()
     dist.destroy_process_group()
     return out
 
 
 def test_a_publish_from_fsdp_shards_is_the_trainers_full_weights(tmp_path):
     """Versions 0 and 1 of a 2-rank FSDP model, in fp32 (bit for bit) and bf16 (the cast of each full
-    tensor): the worker's slot of each version holds every full tensor, tied names included. Goes red
+    tensor), into the HF engine's shared slots and over --engine vllm's weight channel (gloo; ipc's
+    host stand-in): the worker holds every full tensor of each version, tied names included. Goes red
     when rank 0 writes its own shard, a stale version, or a rank skips a gather (a hang, timed out)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
@@ -86,17 +142,18 @@ def test_a_publish_from_fsdp_shards_is_the_trainers_full_weights(tmp_path):
             p.kill()
     assert all(p.returncode == 0 for p in ranks), [err[-3000:] for _, err in outs]
     got = json.loads(outs[0][0].strip().splitlines()[-1])  # rank 0's verdicts
-    for dtype in ("float32", "bfloat16"):
-        assert got[dtype]["names"] and got[dtype]["moved"], got[dtype]
+    assert sorted(got) == ["gloo-bfloat16", "ipc-float32", "shm-bfloat16", "shm-float32"]
+    for case, verdict in got.items():
+        assert verdict["names"] and verdict["moved"], (case, verdict)
         for v in ("0", "1"):
-            wrong = [k for k, ok in got[dtype][v].items() if not ok]
-            assert not wrong and len(got[dtype][v]) > 10, (dtype, v, wrong)
+            wrong = [k for k, ok in verdict[v].items() if not ok]
+            assert not wrong and len(verdict[v]) > 10, (case, v, wrong)
 
 
 # ----------------------------------------------------------------------------- train.py on 2 ranks
 
 BASE = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8",
-        "--quiet", "--threads", "1", "--schedule", "constant", "--lr", "1e-3", "--warmup-steps", "0",
+        "--quiet", "--threads", "1", "--schedule", "constant", "--lr", "3e-4", "--warmup-steps", "0",
         "--async-steps", "1", "--steps", "4", "--save-every", "2", "--keep-checkpoints", "3"]
 TIMING = ("perf/", "time/", "rollout/async/", "rollout/time/")  # wall-clock figures: differ run to run
 
@@ -121,7 +178,8 @@ def train(task, out, *extra) -> str:
 
 def step_lines(out) -> list[dict]:
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    return [{k: v for k, v in x.items() if not k.startswith(TIMING)} for x in lines if "train/loss" in x]
+    return [{k: v for k, v in x.items() if not k.startswith(TIMING)} for x in lines
+            if "rollout/reward_mean" in x]
 
 
 def weights(out, step) -> dict:
@@ -154,6 +212,7 @@ def test_fsdp_async_run_trains_and_takes_ddps_steps(task, fsdp_run, tmp_path):
     assert len(a) == 4 and [x["step"] for x in a] == [1, 2, 3, 4]
     reward = "rollout/reward_mean"
     assert [x[reward] for x in a] == [x[reward] for x in b]  # the very samples
+    assert all("train/loss" in x for x in a)  # every step updated
     assert [x["train/loss"] for x in a] == pytest.approx([x["train/loss"] for x in b], abs=1e-5)
 
 
