@@ -8,7 +8,8 @@ nanorl/weight_broadcast.py, which uses the same `slot_layout`). Start at `Shared
 tensor a view at its offset (a storage per tensor ran past `ulimit -n`); the slots hold the compute
 dtype (bf16 runs ship half the bytes, fp32 runs stay bit for bit the trainer's); version v lives in
 slot v % (K+1), and the staleness bound guarantees no slot is rewritten while read; a /dev/shm too small
-for the slots is refused up front (`check_shared_memory`), not met as SIGBUS mid-copy.
+for the slots is refused up front (`check_shared_memory`), not met as SIGBUS mid-copy; under --fsdp each
+tensor is gathered from the ranks' shards as it is written (distributed.full_tensors).
 
 Test: python -m pytest tests/test_pipeline.py -q
 """
