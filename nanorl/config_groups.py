@@ -257,8 +257,7 @@ class AsyncRollout(Group):
              "--async-steps has no new weights to wait for: drop one")
         # what generates inside the step, or needs the engine to be the trainer's own module
         for bad, what in ((cfg.memory.routing_replay, "--routing-replay (not built: the worker records no "
-                           "routing)"),
-                          (cfg.memory.fsdp, "--fsdp (not built: one full copy per rank for the worker)")):
+                           "routing)"),):
             need(not (on and bad), f"--async-steps with {what} is not supported")
 
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from nanorl.precision import autocast, fsdp_policy
 
@@ -341,6 +343,22 @@ def check_ranks_in_sync(model: torch.nn.Module, world: int) -> None:
     dist.all_gather(gathered, local)
     if any(not torch.equal(gathered[0], g) for g in gathered[1:]):
         raise RuntimeError("ranks hold different weights after training: gradient sync is broken")
+
+
+def full_tensors(state: dict[str, torch.Tensor],
+                 layout: list[tuple]) -> Iterator[tuple[str, torch.dtype, torch.Tensor]]:
+    """The async worker's weight versions (nanorl/pipeline.py): (first name, dtype, tensor) of each
+    entry (names, dtype, shape, offset) of `layout` (shared_weights.slot_layout) in `state`, a model's
+    state dict, in layout order, ONE at a time. A plain tensor is the module's own (its writer casts it
+    as it copies); an FSDP shard (DTensor) is cast to the entry's dtype, then all-gathered: a
+    collective, so every rank iterates, in this order, even those that keep nothing
+    (pipeline.Follower); one gathered tensor is alive at a time, never a full copy of the model."""
+    for names, dt, _, _ in layout:
+        t = state[names[0]].detach()
+        if isinstance(t, DTensor):
+            # this rank's shard is cast before the gather: the compute dtype's bytes move
+            t = t.to(dt).full_tensor()
+        yield names[0], dt, t
 
 
 def iter_full_tensors(model: torch.nn.Module, dtype: torch.dtype | None = None):

@@ -9,8 +9,9 @@ K > 0 run is a function of its seed; a checkpoint stores the batches already sam
 resume continues the very run. Several ranks: rank 0's worker samples every rank's prompts, rank 0
 hands each rank its shard (`Follower` on the others), so R ranks train as one process on the union.
 Versions go through shared memory, or with --engine vllm over a process group
-(nanorl/weight_broadcast.py). DAPO's refill rounds run in the worker. Not with --routing-replay or
---fsdp (the config raises). Design, metrics, measurements: docs/async.md.
+(nanorl/weight_broadcast.py); with --fsdp every rank takes part in gathering each tensor of a version
+from the shards, rank 0 writes it. DAPO's refill rounds run in the worker. Not with --routing-replay
+(the config raises). Design, metrics, measurements: docs/async.md.
 Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.multiprocessing as mp
 
 from nanorl import build, precision, weight_broadcast
+from nanorl.distributed import full_tensors
 from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.rollout_worker import WorkerSpec, _worker_main, sampled_from
 from nanorl.shared_weights import SharedWeights, slot_layout
@@ -348,12 +350,19 @@ def _scatter(per_rank: list[dict] | None) -> dict:
 
 class Follower:
     """The pipeline end of a rank > 0: rank 0's worker samples its prompts with everyone's, rank 0
-    sends it its shard (`shards`); it publishes nothing (every rank holds the same weights after a
+    sends it its shard (`shards`); it writes no version (every rank holds the same weights after a
     step, and rank 0's version is the one the worker loads) and saves nothing (rank 0's checkpoint
-    holds the whole batches in flight)."""
+    holds the whole batches in flight). With --fsdp each tensor of a version is gathered from every
+    rank's shard (distributed.full_tensors): this rank takes part in every gather of rank 0's publish,
+    the first version's included, in rank 0's layout and order, and keeps nothing."""
 
     def __init__(self, run: Trainer):
-        self.run, self.metrics = run, {}
+        self.run, self.metrics, self.layout = run, {}, None
+        if run.cfg.memory.fsdp:
+            dtype = precision.compute_dtype(run.cfg.memory.dtype)
+            self.layout = slot_layout(run.model, dtype)[0]
+        # rank 0's Pipeline publishes the starting version as it starts
+        self.publish(run.model, run.step)
 
     def take(self, step: int, prompts) -> list[Sample]:
         start = time.perf_counter()
@@ -361,8 +370,12 @@ class Follower:
         self.metrics = accept(self.run, step, prompts, got, waited=time.perf_counter() - start)
         return got["samples"]
 
+    @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        pass
+        """Rank 0 publishes `version` alone; with --fsdp this rank's shards go into its gathers."""
+        if self.layout is not None:
+            for _ in full_tensors(model.state_dict(), self.layout):
+                pass
 
     ref_logprobs = staticmethod(Pipeline.ref_logprobs)
 

@@ -8,7 +8,8 @@ nanorl/weight_broadcast.py, which uses the same `slot_layout`). Start at `Shared
 tensor a view at its offset (a storage per tensor ran past `ulimit -n`); the slots hold the compute
 dtype (bf16 runs ship half the bytes, fp32 runs stay bit for bit the trainer's); version v lives in
 slot v % (K+1), and the staleness bound guarantees no slot is rewritten while read; a /dev/shm too small
-for the slots is refused up front (`check_shared_memory`), not met as SIGBUS mid-copy.
+for the slots is refused up front (`check_shared_memory`), not met as SIGBUS mid-copy; under --fsdp each
+tensor is gathered from the ranks' shards as it is written (distributed.full_tensors).
 
 Test: python -m pytest tests/test_pipeline.py -q
 """
@@ -16,11 +17,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 
 import torch
 
 from nanorl import weight_broadcast
 from nanorl.config_checks import ConfigError
+from nanorl.distributed import full_tensors
 
 
 def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
@@ -91,20 +94,21 @@ class SharedWeights:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Write version `version` of `model` into its slot. Under FSDP every trainer rank calls this
+        or drains distributed.full_tensors itself (the gathers are collectives); this one writes."""
         state, i = model.state_dict(), version % len(self.flat)
-        first = [names[0] for names, *_ in self.layout]
-        if any(state[n].is_cuda for n in first):
-            self._publish_from_cuda(state, first, i)
+        if any(state[names[0]].is_cuda for names, *_ in self.layout):
+            self._publish_from_cuda(full_tensors(state, self.layout), i)
         else:
             # on the host the copy into shared memory is the only copy (casting to the slot's dtype)
             views = self.slot(version)
-            for n in first:
-                views[n].copy_(state[n].detach())
+            for n, _, t in full_tensors(state, self.layout):
+                views[n].copy_(t)
         with self.cond:  # the lock orders the copy before the version the worker reads
             self.latest.value = version
             self.cond.notify_all()
 
-    def _publish_from_cuda(self, state: dict, first: list[str], i: int) -> None:
+    def _publish_from_cuda(self, tensors: Iterator, i: int) -> None:
         """Device → pinned staging buffer, every tensor cast to the slot's dtype on the device first
         (half the bytes over the bus in bf16) and copied with non_blocking=True, one synchronisation
         for all; then one host copy into the shared slot. A device → pageable (shared) copy would
@@ -113,8 +117,8 @@ class SharedWeights:
             self._staging = torch.empty(self.flat[i].numel(), dtype=torch.uint8, pin_memory=True)
             self._staging_views = self._view(self._staging)
         devices = set()
-        for n in first:
-            t, dst = state[n].detach(), self._staging_views[n]
+        for n, _, t in tensors:
+            dst = self._staging_views[n]
             devices.add(t.device)
             # the cast's temporary is freed after the copy is queued: the caching allocator reuses
             # it only for work queued later on the same stream, after the copy has read it

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from nanorl.distributed import full_tensors
+
 HOST = "127.0.0.1"  # one node: the worker is a child process of the trainer
 TIMEOUT = datetime.timedelta(minutes=30)  # a collective waits this long for the other end
 TRANSPORTS = ("gloo", "nccl", "ipc")
@@ -193,7 +195,8 @@ class Sender:
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """Send version `version` of `model`, each tensor cast to its layout dtype (the engine's) on the
         trainer's device: after a header (the version) over nccl / gloo, or (ipc) into the shared slot,
-        the header last, once the copies are done."""
+        the header last, once the copies are done. Under FSDP every trainer rank calls this or drains
+        distributed.full_tensors itself (each tensor is gathered from the ranks' shards); this one sends."""
         state = model.state_dict()
         header = torch.tensor([version], dtype=torch.long,
                               device=self.device if self.spec.backend == "nccl" else "cpu")
@@ -203,9 +206,9 @@ class Sender:
             self.unacked = True
         else:
             _broadcast(self.group, header)
-            for names, dt, _, _ in self.spec.layout:
-                # tied names share one tensor: sent once, under its first name
-                _broadcast(self.group, state[names[0]].detach().to(dt).to(self.device).contiguous())
+            # tied names share one tensor: sent once, under its first name
+            for _, dt, t in full_tensors(state, self.spec.layout):
+                _broadcast(self.group, t.to(dt).to(self.device).contiguous())
         self.latest = version
 
     def _write_slot(self, state: dict) -> None:
@@ -214,8 +217,8 @@ class Sender:
         if self.unacked:
             _broadcast(self.group, torch.empty(1, dtype=torch.long), root=1)
             self.unacked = False
-        for names, *_ in self.spec.layout:
-            self.views[names[0]].copy_(state[names[0]].detach())  # cast in the copy: no temporary
+        for n, _, t in full_tensors(state, self.spec.layout):
+            self.views[n].copy_(t)  # cast in the copy: no temporary
         if self.device.type == "cuda":  # the worker reads it once the header arrives: written by then
             torch.cuda.synchronize(self.device)
 

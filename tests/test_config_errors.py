@@ -290,6 +290,14 @@ def test_routing_replay_refuses_rollout_logprobs():
         assert Config.from_flags(routing_replay=True, old_logprobs=mode).memory.routing_replay
 
 
+def test_fsdp_with_async_steps_is_built_not_refused():
+    # no longer a refusal: each version is gathered from the shards (nanorl/pipeline.py,
+    # tests/test_async_fsdp.py)
+    cfg = Config.from_flags(fsdp=True, async_steps=1)
+    assert cfg.memory.fsdp and cfg.pipeline.async_steps == 1
+    assert Config.from_flags(fsdp=True, async_steps=2, engine="vllm").pipeline.async_steps == 2
+
+
 def test_reward_weights_need_a_reward_model_or_judge():
     with pytest.raises(ConfigError, match="--reward-weights weighs --reward against"):
         Config.from_flags(reward_weights="correct=0,other=0")
