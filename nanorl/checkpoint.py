@@ -319,14 +319,16 @@ def _in_memory_names(model: torch.nn.Module, full: dict) -> dict:
         return full
     out, used = {}, set()
     for name, t in model.state_dict().items():
-        probe = torch.arange(t.numel(), dtype=torch.float64).reshape(t.shape)  # element i holds i
-        pieces = revert_weight_conversion(model, {name: probe})
+        # the names first, on a shape without storage: most tensors keep theirs
+        pieces = revert_weight_conversion(model, {name: torch.empty(t.shape, device="meta")})
         if list(pieces) == [name] or not all(k in full for k in pieces):
             continue
+        probe = torch.arange(t.numel()).reshape(t.shape)  # element i holds i
+        pieces = revert_weight_conversion(model, {name: probe})
         first = full[next(iter(pieces))]
         flat = torch.empty(t.numel(), dtype=first.dtype)  # [numel]
         for k, where in pieces.items():
-            flat[where.reshape(-1).long()] = full[k].reshape(-1)
+            flat[where.reshape(-1)] = full[k].reshape(-1)
         out[name] = flat.reshape(t.shape)
         used.update(pieces)
     return {**{k: v for k, v in full.items() if k not in used}, **out}
