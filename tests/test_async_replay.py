@@ -6,6 +6,7 @@ of its tokens, not the trainer's newer one. A tiny random Qwen3-MoE on the built
     python -m pytest tests/test_async_replay.py -q
 """
 import json
+import math
 import os
 
 import pytest
@@ -91,6 +92,7 @@ def test_the_trainer_replays_the_routing_of_the_version_that_sampled_the_batch(t
     train.main(args(task, tmp_path / "run", "--steps", str(steps), "--async-steps", "1", "--lr", "1e-2"))
     lines = step_lines(tmp_path / "run")
     assert len(lines) == steps and all(x["routing/replay_mode"] == 3.0 for x in lines)
+    assert all(math.isfinite(x["train/loss"]) for x in lines)
     assert [x["rollout/async/staleness_routing_max"] for x in lines] == [0, 1, 1, 1]
     assert lines[0]["routing/disagreement"] == 0.0
     assert len(replayed) == steps and sorted(versions) == list(range(steps + 1))
@@ -140,6 +142,22 @@ def test_a_batch_without_routing_stops_the_run(task, tmp_path, monkeypatch):
         return out
     monkeypatch.setattr(rollout.HFEngine, "_samples", unrouted)
     with pytest.raises(RuntimeError, match="carries no routed experts"):
+        train.main(args(task, tmp_path / "bad", "--steps", "2", "--async-steps", "1"))
+
+
+def test_a_worker_engine_that_records_no_routing_fails_at_start(task, tmp_path, monkeypatch):
+    """An engine whose samples carry no routing (vLLM on CPU: its R2 fallback) is refused in the worker
+    before it samples: the trainer would record its own routing while the worker's reference ran
+    unreplayed."""
+    from nanorl import build
+    make = build.worker_engine
+
+    def unrecording(*a, **kw):
+        engine = make(*a, **kw)
+        engine.record_routing = False
+        return engine
+    monkeypatch.setattr(build, "worker_engine", unrecording)  # inherited by the forked worker
+    with pytest.raises(RuntimeError, match="needs an engine that records routing"):
         train.main(args(task, tmp_path / "bad", "--steps", "2", "--async-steps", "1"))
 
 
