@@ -163,10 +163,10 @@ def engine_class(cfg: Config, device) -> type[RolloutEngine]:
 def worker_engine(cfg: Config, kind: type[RolloutEngine], model, pad_id: int, dtype, longest_prompt: int):
     """The async rollout worker's engine of class `kind` (`engine_class` on the worker's device,
     nanorl/rollout_worker.py): vLLM, never asleep (the trainer trains elsewhere), or the HF engine on the
-    worker's own model copy."""
+    worker's own model copy (--routing-replay: recording each sample's experts, as the trainer's does)."""
     if kind.holds_own_weights:
         return vllm_engine(cfg, longest_prompt, rank=0, sleep=False)
-    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype)
+    return HFEngine(model, pad_id=pad_id, compute_dtype=dtype, record_routing=cfg.memory.routing_replay)
 
 
 def sample_source(cfg: Config, engine, tokenizer, fmt, log=print) -> tuple[object | None, Source]:

@@ -292,6 +292,8 @@ def _load_model_weights(state: State, path: str, weights: list[dict]) -> None:
     model_sd = state.model.state_dict()
     # every safetensors shard, by name
     full = {k: v for shard in weights for k, v in shard.items()}
+    if any(k not in model_sd for k in full):  # transformers 5's fused MoE experts, saved split
+        full = _in_memory_names(state.model, full)
     unexpected = [k for k in full if k not in model_sd]
     if unexpected:
         raise CheckpointError(f"{path}: weights {unexpected[:5]} do not belong to this model")
@@ -303,6 +305,33 @@ def _load_model_weights(state: State, path: str, weights: list[dict]) -> None:
         raise CheckpointError(f"{path}: no weights for {missing[:5]}")
     # --fsdp: each rank keeps its shards
     distributed.load_full_state_dict(state.model, full)
+
+
+def _in_memory_names(model: torch.nn.Module, full: dict) -> dict:
+    """A saved checkpoint's tensors `full` under the model's in-memory names. transformers 5 fuses MoE
+    experts in memory (gate_up_proj [E, 2I, H]) and save_pretrained splits them again
+    (engine_weights.iter_checkpoint_tensors); here each fused tensor is rebuilt from its saved pieces,
+    which the same reversal of a probe that numbers the tensor's elements locates: exact, whatever the
+    reversal does (rename, split, transpose). Names it does not map stay as they are."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: in-memory names are the checkpoint names
+        return full
+    out, used = {}, set()
+    for name, t in model.state_dict().items():
+        # the names first, on a shape without storage: most tensors keep theirs
+        pieces = revert_weight_conversion(model, {name: torch.empty(t.shape, device="meta")})
+        if list(pieces) == [name] or not all(k in full for k in pieces):
+            continue
+        probe = torch.arange(t.numel()).reshape(t.shape)  # element i holds i
+        pieces = revert_weight_conversion(model, {name: probe})
+        first = full[next(iter(pieces))]
+        flat = torch.empty(t.numel(), dtype=first.dtype)  # [numel]
+        for k, where in pieces.items():
+            flat[where.reshape(-1)] = full[k].reshape(-1)
+        out[name] = flat.reshape(t.shape)
+        used.update(pieces)
+    return {**{k: v for k, v in full.items() if k not in used}, **out}
 
 
 def _ptr(t: torch.Tensor) -> int:

@@ -255,10 +255,6 @@ class AsyncRollout(Group):
         # the rollout worker would wait for new weights forever
         need(not (on and cfg.saving.debug_rollout_only), "debug_rollout_only makes no update, so "
              "--async-steps has no new weights to wait for: drop one")
-        # what generates inside the step, or needs the engine to be the trainer's own module
-        for bad, what in ((cfg.memory.routing_replay, "--routing-replay (not built: the worker records no "
-                           "routing)"),):
-            need(not (on and bad), f"--async-steps with {what} is not supported")
 
 
 class _LossParamsGroup(Group):

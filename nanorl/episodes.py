@@ -88,6 +88,8 @@ class _Episode:
     end: str | None = None
     version: int | None = None
     experts: torch.Tensor | None = None
+    # the version that recorded `experts` (the last turn's)
+    routing_version: int | None = None
 
 
 class EpisodeRunner:
@@ -215,7 +217,8 @@ class EpisodeRunner:
                 rows = s.sampling_support
                 e.support += [None] * r if rows is None else [row for row in rows]
                 e.version = s.weight_version if e.version is None else min(e.version, s.weight_version)
-                e.experts = s.routed_experts if s.routed_experts is not None else e.experts
+                if s.routed_experts is not None:
+                    e.experts, e.routing_version = s.routed_experts, s.routing_version
                 # no stop token: cut by a cap or by max_new_tokens
                 if s.status == "truncated":
                     e.end = "token_cap" if budget < sampling.max_new_tokens else "truncated"
@@ -270,8 +273,8 @@ class EpisodeRunner:
             total = _add(total, r)
         s = Sample(prompt_ids=e.prompt_ids, response_ids=e.ids, rollout_logprobs=e.logps, loss_mask=e.mask,
                    reward=total, status=ENDS[e.end or "turn_cap"], weight_version=e.version or 0,
-                   group_id=e.group,
-                   routed_experts=e.experts, sampling_support=_support(e.support),
+                   group_id=e.group, routed_experts=e.experts, routing_version=e.routing_version,
+                   sampling_support=_support(e.support),
                    episode={"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
                             "turn_rewards": rewards, "tool_calls": e.tool_calls})
         return s

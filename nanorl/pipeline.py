@@ -10,8 +10,9 @@ resume continues the very run. Several ranks: rank 0's worker samples every rank
 hands each rank its shard (`Follower` on the others), so R ranks train as one process on the union.
 Versions go through shared memory, or with --engine vllm over a process group
 (nanorl/weight_broadcast.py); with --fsdp every rank takes part in gathering each tensor of a version
-from the shards, rank 0 writes it. DAPO's refill rounds run in the worker. Not with --routing-replay
-(the config raises). Design, metrics, measurements: docs/async.md.
+from the shards, rank 0 writes it. DAPO's refill rounds run in the worker. --routing-replay: the
+worker's engine records each sample's experts, which the trainer replays (`check_routing`). Not with
+--lora-rank (the config raises). Design, metrics, measurements: docs/async.md.
 Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ from nanorl.distributed import full_tensors
 from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.rollout_worker import WorkerSpec, _worker_main, sampled_from
 from nanorl.shared_weights import SharedWeights, slot_layout
-from nanorl.trajectory import Sample
+from nanorl.trajectory import TRAINS, Sample
 
 FILE = "pipeline.pt"  # in a checkpoint directory: the batches a save finished (module docstring)
 
@@ -313,6 +314,8 @@ def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
         if not oldest <= s.weight_version <= step:
             raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step {step} "
                                f"(--async-steps {K} allows versions {oldest}..{step})")
+    if run.cfg.memory.routing_replay:  # every training forward replays the routing the batch carries
+        check_routing(got["samples"], step)
     run.rewards.faults.update(got["faults"])  # the worker's reward faults, as run totals
     for name, faults in got.get("scorer_faults", {}).items():  # its reward model's / judge's
         run.scorers[name].faults.update(faults)
@@ -323,6 +326,20 @@ def accept(run: Trainer, step: int, prompts, got: dict, waited: float) -> dict:
     for note in got.get("notes", []):
         run.logger.print(note)
     return {**got["metrics"], **staleness_metrics(got["samples"], step), "async/trainer_wait_s": waited}
+
+
+def check_routing(samples: list[Sample], step: int) -> None:
+    """--routing-replay: each sample that trains carries the experts its own sampling forward chose
+    (the worker's engine records them: Sample.routed_experts), recorded under the version that sampled
+    it; the trainer replays them in every forward of the step (π_old included: scoring.routing_forward)."""
+    for s in samples:
+        if s.routed_experts is None and s.status in TRAINS:
+            raise RuntimeError(f"async rollout with --routing-replay: a sample of batch {step} carries no "
+                               "routed experts (its source records none): there is no rollout routing to "
+                               "replay")
+        if s.routed_experts is not None and s.routing_version != s.weight_version:
+            raise RuntimeError(f"async rollout: a sample of version {s.weight_version} reached step {step} "
+                               f"with routing recorded under version {s.routing_version}")
 
 
 def shards(got: dict, world: int) -> list[dict]:
@@ -416,6 +433,10 @@ def staleness_metrics(samples: list[Sample], step: int) -> dict:
         m["async/partial_frac"] = spanning / len(samples)
         masked = sum(s.response_length - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
         m["async/masked_token_frac"] = masked / max(1, len(tokens))
+    routed = [step - s.routing_version for s in samples if s.routing_version is not None]
+    if routed:  # --routing-replay: versions behind the trainer of the routing it replays (check_routing)
+        m["async/staleness_routing_mean"] = sum(routed) / len(routed)
+        m["async/staleness_routing_max"] = float(max(routed))
     return m
 
 

@@ -69,8 +69,11 @@ class RolloutEngine:
         needs no second load.
     max_model_len: the longest sequence, prompt + response, it accepts (None: no limit of its own).
     adapters: LoRA's adapter sync (nanorl/engine_weights.py AdapterSync) where the engine serves the
-        trainer's adapters on its own base weights (vLLM, --lora-sync adapter); None: it loads weights."""
+        trainer's adapters on its own base weights (vLLM, --lora-sync adapter); None: it loads weights.
+    records_routing: its samples carry the MoE experts each token used (Sample.routed_experts, with
+        the version that recorded them in Sample.routing_version) for routing replay (R3)."""
     holds_own_weights = False
+    records_routing = False
     max_model_len = None
     adapters = None
     # the version last loaded (update_weights): what its samples carry, and an --agent episode that
@@ -165,6 +168,10 @@ class HFEngine(RolloutEngine):
     # rows per forward; larger requests are generated in chunks
     max_batch: int = 512
     generator: torch.Generator = field(default_factory=torch.Generator)
+
+    @property
+    def records_routing(self) -> bool:
+        return self.record_routing
 
     def sampled_module(self) -> torch.nn.Module:
         return self.model
@@ -309,6 +316,7 @@ class HFEngine(RolloutEngine):
             # drop the left padding: position 0 is the first prompt token
             if experts is not None:
                 s.routed_experts = experts[b, P - len(prompt):P + length - 1].clone()
+                s.routing_version = self.version
             samples.append(s)
         return samples
 

@@ -28,7 +28,7 @@ from multiprocessing import forkserver
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import build, precision, rounds, weight_broadcast
+from nanorl import build, moe_replay, precision, rounds, weight_broadcast
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
@@ -83,6 +83,10 @@ class Worker:
         # the compute dtype (autocast), so with bf16/fp16 it holds a frozen copy in that dtype (the
         # slots' dtype); with fp32 it is the loaded model itself, as before.
         base, self.tokenizer = load_model(cfg.model, "cpu", dtype)
+        # --routing-replay: the engine records the experts of every token it samples and the reference
+        # (a copy of this) replays them, as the trainer's own patched module does (build.load_policy)
+        if cfg.memory.routing_replay:
+            moe_replay.patch(base)
         if cfg.memory.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
             precision.keep_lm_head_fp32(base)
         base.requires_grad_(False)
@@ -108,6 +112,11 @@ class Worker:
                     raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
         self.engine = build.worker_engine(cfg, kind, model, self.tokenizer.pad_token_id, dtype,
                                           spec.longest_prompt)
+        if cfg.memory.routing_replay and not self.engine.records_routing:
+            # the trainer would record its own routing (R2) while this reference scored unreplayed
+            raise ValueError(f"--async-steps with --routing-replay needs an engine that records routing: "
+                             f"{type(self.engine).__name__} on {spec.device} records none (vLLM records "
+                             "it only on a GPU); use --engine hf, or run synchronously")
         self.sync_metrics = {}  # the last sync check's figures (vLLM), sent with the next batch
         self.rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=print)
         # --reward-model, --judge: their components beside --reward, scored here as the synchronous step

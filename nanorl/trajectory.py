@@ -41,6 +41,7 @@ class Sample:
     weight_version: int = 0                       # version of the policy weights that sampled it
     group_id: int = 0                             # samples of the same prompt share a group id
     routed_experts: Tensor | None = None          # [n, L, k] expert ids of input positions 0..n-1
+    routing_version: int | None = None            # the weight version whose forward recorded routed_experts
     sampling_support: Tensor | None = None        # [R, K] kept token ids per response token, -1 pad
     metadata: dict = field(default_factory=dict)  # the user's: reward functions, plug-ins, --log-metadata
     # the weight of each reward component in total_reward (--reward-weights); None or a missing name: 1
@@ -75,6 +76,7 @@ class Sample:
               f"sampling_support must be [R={R}, K], got {tuple(getattr(s, 'shape', ()))}")
         check(e is None or (e.dim() == 3 and e.shape[0] <= P + R),
               f"routed_experts must be [n <= P+R = {P + R}, L, k], got {tuple(getattr(e, 'shape', ()))}")
+        check(self.routing_version is None or e is not None, "routing_version without routed_experts")
 
     @property
     def response_length(self) -> int:

@@ -250,6 +250,7 @@ class VLLMEngine(RolloutEngine):
                 # vLLM 0.32 CompletionOutput.routed_experts: [P+R-1, L, k] expert ids of the
                 # input positions 0..P+R-2, prompt included (routed_experts_prompt_start = 0)
                 smp.routed_experts = torch.as_tensor(o.routed_experts).to(torch.int16)
+                smp.routing_version = self.version
             return smp
         if until is None:
             outs = self.llm.generate(inputs, params, use_tqdm=False, **self.adapter_kwargs())

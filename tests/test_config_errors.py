@@ -126,7 +126,6 @@ CASES = [
     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), None),
     (dict(rollout_device="cpu"), None),
     (dict(async_steps=1, rollout_device="tpu0"), None),
-    (dict(async_steps=1, routing_replay=True), None),
     (dict(advantage="opd"), None),
     (dict(advantage="opd", teacher="t", distill_coef=0.5), None),
     (dict(teacher="t"), None),
