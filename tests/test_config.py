@@ -245,7 +245,6 @@ MOVED_CHECKS = [
      "--partial-rollout with --advantage remax"),
     (dict(async_steps=1, partial_rollout="abort", over_sample=2, env="calc", max_new_tokens=12),
      "--partial-rollout with --env"),
-    (dict(async_steps=1, fsdp=True), "--async-steps with --fsdp"),
     # from plugins.check_config: the forms of the plug-in flags
     (dict(reward_postprocess="nope"), "reward_postprocess must be module:function"),
     (dict(reward_postprocess="m:f", advantage="remax"), "reward_postprocess with advantage remax"),
