@@ -485,12 +485,9 @@ class LoRA(Group):
                   file=sys.stderr)
         for name in ("lora_alpha", "lora_dropout", "lora_target_modules"):
             need(on or name not in self.moved(), f"{name} needs lora_rank > 0 (it does nothing without)")
-        for bad, what in ((cfg.memory.fsdp, "--fsdp (not built: the merged-weight stream and the "
-                           "adapters-off reference run on the full module; DDP works, and LoRA's trainer "
-                           "state is small enough to replicate)"),
-                          (cfg.pipeline.async_steps, "--async-steps (not built: the worker's copy "
-                           "takes the full state dict, not merged LoRA weights)")):
-            need(not (on and bad), f"--lora-rank with {what} is not supported")
+        need(not (on and cfg.memory.fsdp), "--lora-rank with --fsdp (not built: the merged-weight stream "
+             "and the adapters-off reference run on the full module; DDP works, and LoRA's trainer state "
+             "is small enough to replicate) is not supported")
 
 
 @dataclass

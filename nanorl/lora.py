@@ -70,6 +70,13 @@ class Reference:
             return self.trained(batch, support)
 
 
+def adapter_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The adapter tensors of an adapted model (every `lora_` entry of its state dict, under its own
+    names): all that training changes, so all that a new weight version carries to the async rollout
+    worker, which holds the frozen base once (nanorl/weight_broadcast.py version_state)."""
+    return {n: t for n, t in model.state_dict(keep_vars=keep_vars).items() if ".lora_" in n}
+
+
 def _merged_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 

@@ -24,14 +24,15 @@ from nanorl.config_checks import ConfigError
 
 
 def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
-    """Where each state-dict tensor lives in a slot's flat buffer: entries (names, dtype, shape, byte
-    offset) and the slot's size in bytes. Floating-point parameters are stored in the compute dtype
+    """Where each tensor a version carries (weight_broadcast.version_state: the state dict, with LoRA
+    the adapters alone) lives in a slot's flat buffer: entries (names, dtype, shape, byte offset) and
+    the slot's size in bytes. Floating-point parameters are stored in the compute dtype
     the worker's engine holds them in (a frozen copy, `frozen_copy`), buffers and integer tensors in
     their own; tied parameters (one tensor, several names) take one place. Offsets are 64-byte aligned,
     so every entry can be viewed as its dtype."""
     params = {id(p) for p in model.parameters()}
     entries, where, size = [], {}, 0
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in weight_broadcast.version_state(model, keep_vars=True).items():
         if id(t) in where:
             entries[where[id(t)]][0].append(name)
             continue
@@ -91,7 +92,7 @@ class SharedWeights:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        state, i = model.state_dict(), version % len(self.flat)
+        state, i = weight_broadcast.version_state(model), version % len(self.flat)
         first = [names[0] for names, *_ in self.layout]
         if any(state[n].is_cuda for n in first):
             self._publish_from_cuda(state, first, i)
