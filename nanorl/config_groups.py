@@ -451,7 +451,8 @@ class LoRA(Group):
     rank: int = 0
     """> 0: train LoRA adapters of this rank (PEFT) and freeze the base weights: the optimizer holds only
     the adapters, the reference is the same model with its adapters off (no copy), vLLM gets the merged
-    weights. Raise --lr (~10x full fine-tuning's, "LoRA Without Regret"). 0 = full fine-tuning."""
+    weights; with --async-steps each version sent to the worker is the adapters alone. Raise --lr (~10x
+    full fine-tuning's, "LoRA Without Regret"). 0 = full fine-tuning."""
     alpha: float = 32.0
     """LoRA's α: the adapters' update is scaled by α / rank (LoRA Without Regret's fixed 32)."""
     dropout: float = 0.0

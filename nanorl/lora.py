@@ -15,6 +15,8 @@ the plain causal LM (`model.base_model`, `get_output_embeddings`, ...). What cha
   reload as full fine-tuning, one tensor at a time; the base stays untouched (merging in place and
   back would round the base weights); --lora-sync adapter hands vLLM the adapters instead (its own
   LoRA). What the engine loads is decided in nanorl/engine_weights.py, not in the engine;
+- --async-steps: a published version is the adapters alone (`adapter_state`); the rollout worker holds
+  the base once, adapted the same way, and loads each version into its adapters (nanorl/rollout_worker.py);
 - checkpoints hold the adapters in PEFT's format (`save_adapters`: PeftModel.from_pretrained loads
   them) instead of the full model; `python -m nanorl.export` writes a merged HF checkpoint.
 

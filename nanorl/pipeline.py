@@ -9,8 +9,9 @@ K > 0 run is a function of its seed; a checkpoint stores the batches already sam
 resume continues the very run. Several ranks: rank 0's worker samples every rank's prompts, rank 0
 hands each rank its shard (`Follower` on the others), so R ranks train as one process on the union.
 Versions go through shared memory, or with --engine vllm over a process group
-(nanorl/weight_broadcast.py). DAPO's refill rounds run in the worker. Not with --routing-replay or
---fsdp (the config raises). Design, metrics, measurements: docs/async.md.
+(nanorl/weight_broadcast.py); with --lora-rank a version is the adapters alone (`version_state`).
+DAPO's refill rounds run in the worker. Not with --routing-replay or --fsdp (the config raises).
+Design, metrics, measurements: docs/async.md.
 Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations

@@ -5,13 +5,16 @@ batch. nanorl/pipeline.py is the trainer's end, which starts it and reads what i
 Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). Versions arrive in
 shared memory (nanorl/shared_weights.py, the HF engine) or over a process group (weight_broadcast.Receiver,
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
-frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
-baselines, --env's episodes and --agent's (its endpoint served here: build.sample_source) are sampled
-here too, from the batch's own weights; DAPO's refill rounds (--filter-groups, over-sampled with
---over-sample) run here on the worker's own prompts. Partial rollouts (--partial-rollout abort) buffer
-unfinished groups and resume them (nanorl/partial_rollout.py); with --filter-groups they abort once the
-batch has its KEPT groups (partial_rollout.GroupFilter). Design and measurements: docs/async.md.
-Test: python -m pytest tests/test_pipeline.py tests/test_agent_async.py -q
+frozen reference, so everything but the policy update leaves the trainer's step. With --lora-rank the
+copy is the frozen base with the run's adapters (a version brings only them), the reference that copy
+with its adapters off, and vLLM gets from it what the synchronous sync hands over (merged or adapter).
+ReMax's greedy baselines, --env's episodes and --agent's (its endpoint served here:
+build.sample_source) are sampled here too, from the batch's own weights; DAPO's refill rounds
+(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts
+(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py); with
+--filter-groups they abort once the batch has its KEPT groups (partial_rollout.GroupFilter). Design and
+measurements: docs/async.md.
+Test: python -m pytest tests/test_pipeline.py tests/test_agent_async.py tests/test_async_lora.py -q
 """
 from __future__ import annotations
 
