@@ -239,3 +239,22 @@ def test_async_vllm_lora_batches_are_their_adapters_versions(task, tmp_path, syn
     finally:
         pipe.close()
         run.logger.close()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_lora_take_one_process_steps(task, tmp_path):
+    """DDP (2 gloo ranks) with one worker and LoRA, K = 1 with a KL term: rank 0 publishes the adapters,
+    every rank trains its shard; the logged rewards are one process's and the adapters equal its own
+    within the fp32 floor (the same sums in another order: tests/test_async_ranks.py)."""
+    from test_lockstep import run as launch
+
+    def train_run(out, ranks, port=0):
+        proc = launch("train.py", *args(task, out, "--steps", "4", "--async-steps", "1", "--kl-coef", "0.01",
+                                        "--warmup-steps", "0"), ranks=ranks, port=port)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+    train_run(tmp_path / "one", 1)
+    train_run(tmp_path / "two", 2, port=29677)
+    rewards = [[x["rollout/reward_mean"] for x in step_lines(tmp_path / d)] for d in ("one", "two")]
+    assert len(rewards[0]) == 4 and rewards[0] == pytest.approx(rewards[1], abs=1e-9)
+    one, two = adapters_at(tmp_path / "one", 4), adapters_at(tmp_path / "two", 4)
+    assert one.keys() == two.keys() and max(float((one[k] - two[k]).abs().max()) for k in one) < 1e-4
