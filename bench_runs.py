@@ -83,7 +83,11 @@ class RunEntries:
         modes = {"sync": {}, "async K=1": dict(async_steps=1), "async K=2": dict(async_steps=2),
                  # staleness costs at lr 3e-4: a pair
                  "async K=1, TIS 2": dict(async_steps=1, tis_cap=2.0),
-                 "sync, lr 1.5e-4": dict(lr=1.5e-4), "async K=1, lr 1.5e-4": dict(async_steps=1, lr=1.5e-4)}
+                 "sync, lr 1.5e-4": dict(lr=1.5e-4), "async K=1, lr 1.5e-4": dict(async_steps=1, lr=1.5e-4),
+                 # LoRA at the README's lr (at 3e-3 K=1 diverged without --tis-cap: docs/async.md); a
+                 # version carries the adapters alone (version_mib)
+                 "sync, LoRA r8, lr 1e-3": dict(lora_rank=8, lr=1e-3),
+                 "async K=1, LoRA r8, lr 1e-3": dict(async_steps=1, lora_rank=8, lr=1e-3)}
         if importlib.util.find_spec("vllm") is not None:  # the vLLM engine, in the trainer / in the worker
             modes.update({"sync, vLLM": dict(engine="vllm"),
                           "async K=1, vLLM": dict(async_steps=1, engine="vllm"),
@@ -92,7 +96,8 @@ class RunEntries:
             # each lr: its own sync baseline
             K, lr = flags.get("async_steps", 0), flags.get("lr", Config.lr)
             engine = flags.get("engine", "hf")
-            case = (f"default task, {engine} engine, lr {lr:g}, ≤{steps} steps, "
+            lora = f"LoRA r{flags['lora_rank']}, " if flags.get("lora_rank") else ""
+            case = (f"default task, {engine} engine, {lora}lr {lr:g}, ≤{steps} steps, "
                     f"{self.threads or 'default'} thread(s) per side")
             # what `train.py --algo grpo` runs
             run = self.default_run(steps=steps, **PRESETS["grpo"][1], **flags)
@@ -126,12 +131,15 @@ class RunEntries:
                         f"{phase('perf/async/engine_wait_s'):.0f} ms for weights"
                         if K else f"generate {phase('perf/time/generate'):.0f} ms, reward "
                                   f"{phase('perf/time/reward'):.0f} ms"))
+            # the bytes one published version carries to the worker (the policy, or LoRA's adapters)
+            mib = ms[-1].get("rollout/async/version_mib") if K else None
             self.add("async_steps", case, name, dict(median=statistics.median(warm)),
-                     baseline=K == 0, steps_per_s=len(warm) / sum(warm), steps_run=run.step,
+                     baseline=K == 0, steps_per_s=len(warm) / sum(warm), steps_run=run.step, version_mib=mib,
                      step_to_90=reached[0] if reached else None,
                      seconds_to_90=reached[1] if reached else None,
                      best_accuracy=max(accs, default=None),
                      note=f"{len(warm) / sum(warm):.2f} steps/s; " +
+                     (f"{mib:.3f} MiB per version; " if K else "") +
                      (f"90% at step {reached[0]}, {reached[1]:.0f} s; "
                           if reached else f"90% not reached (best {max(accs):.3f}); " if accs else "") +
                      where)

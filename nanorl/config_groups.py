@@ -446,7 +446,8 @@ class LoRA(Group):
     rank: int = 0
     """> 0: train LoRA adapters of this rank (PEFT) and freeze the base weights: the optimizer holds only
     the adapters, the reference is the same model with its adapters off (no copy), vLLM gets the merged
-    weights. Raise --lr (~10x full fine-tuning's, "LoRA Without Regret"). 0 = full fine-tuning."""
+    weights; with --async-steps each version sent to the worker is the adapters alone. Raise --lr (~10x
+    full fine-tuning's, "LoRA Without Regret"). 0 = full fine-tuning."""
     alpha: float = 32.0
     """LoRA's α: the adapters' update is scaled by α / rank (LoRA Without Regret's fixed 32)."""
     dropout: float = 0.0
@@ -480,12 +481,9 @@ class LoRA(Group):
                   file=sys.stderr)
         for name in ("lora_alpha", "lora_dropout", "lora_target_modules"):
             need(on or name not in self.moved(), f"{name} needs lora_rank > 0 (it does nothing without)")
-        for bad, what in ((cfg.memory.fsdp, "--fsdp (not built: the merged-weight stream and the "
-                           "adapters-off reference run on the full module; DDP works, and LoRA's trainer "
-                           "state is small enough to replicate)"),
-                          (cfg.pipeline.async_steps, "--async-steps (not built: the worker's copy "
-                           "takes the full state dict, not merged LoRA weights)")):
-            need(not (on and bad), f"--lora-rank with {what} is not supported")
+        need(not (on and cfg.memory.fsdp), "--lora-rank with --fsdp (not built: the merged-weight stream "
+             "and the adapters-off reference run on the full module; DDP works, and LoRA's trainer state "
+             "is small enough to replicate) is not supported")
 
 
 @dataclass

@@ -15,6 +15,8 @@ the plain causal LM (`model.base_model`, `get_output_embeddings`, ...). What cha
   reload as full fine-tuning, one tensor at a time; the base stays untouched (merging in place and
   back would round the base weights); --lora-sync adapter hands vLLM the adapters instead (its own
   LoRA). What the engine loads is decided in nanorl/engine_weights.py, not in the engine;
+- --async-steps: a published version is the adapters alone (`adapter_state`); the rollout worker holds
+  the base once, adapted the same way, and loads each version into its adapters (nanorl/rollout_worker.py);
 - checkpoints hold the adapters in PEFT's format (`save_adapters`: PeftModel.from_pretrained loads
   them) instead of the full model; `python -m nanorl.export` writes a merged HF checkpoint.
 
@@ -68,6 +70,13 @@ class Reference:
     def __call__(self, batch, support=None):
         with self.peft_model.disable_adapter():
             return self.trained(batch, support)
+
+
+def adapter_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """The adapter tensors of an adapted model (every `lora_` entry of its state dict, under its own
+    names): all that training changes, so all that a new weight version carries to the async rollout
+    worker, which holds the frozen base once (nanorl/weight_broadcast.py version_state)."""
+    return {n: t for n, t in model.state_dict(keep_vars=keep_vars).items() if ".lora_" in n}
 
 
 def _merged_name(name: str) -> str:

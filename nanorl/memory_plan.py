@@ -128,10 +128,11 @@ def estimate(shape: Shape, cfg, *, vllm: bool, world: int = 1, device_bytes: int
         # --fsdp with the HF engine: it samples from a full compute-dtype copy on every rank
         "HF engine copy": b * P if cfg.memory.fsdp and not vllm else 0,
         # the async worker on this GPU, sampling while the trainer trains: its model copy (with vLLM only
-        # for the sync check: rollout_worker.Worker), its reference, and with vLLM the one slot versions
-        # cross in (weight_broadcast: ipc on one GPU; the K+2 it may hold wait in host memory), else the
-        # HF engine's KV cache
-        "async worker": ((bool(cfg.vllm.sync_check_every or not vllm) + cfg.uses_reference + vllm) * b * P
+        # for the sync check or, with LoRA, as the reference: rollout_worker.Worker), its reference (LoRA:
+        # that copy, adapters off), and with vLLM the one slot versions cross in (weight_broadcast: ipc on
+        # one GPU; the K+2 it may hold wait in host memory; LoRA: the adapters), else the HF engine's KV cache
+        "async worker": ((bool(cfg.vllm.sync_check_every or not vllm or (lora and cfg.uses_reference))
+                          + (cfg.uses_reference and not lora)) * b * P + vllm * b * (N if lora else P)
                          + kv if K and worker_here else 0),
         "vLLM (awake all run)": share if held else 0,
     }

@@ -10,9 +10,9 @@ resume continues the very run. Several ranks: rank 0's worker samples every rank
 hands each rank its shard (`Follower` on the others), so R ranks train as one process on the union.
 Versions go through shared memory, or with --engine vllm over a process group
 (nanorl/weight_broadcast.py); with --fsdp every rank takes part in gathering each tensor of a version
-from the shards, rank 0 writes it. DAPO's refill rounds run in the worker. --routing-replay: the
-worker's engine records each sample's experts, which the trainer replays (`check_routing`). Not with
---lora-rank (the config raises). Design, metrics, measurements: docs/async.md.
+from the shards, rank 0 writes it; with --lora-rank a version is the adapters alone (`version_state`).
+DAPO's refill rounds run in the worker. --routing-replay: the worker's engine records each sample's
+experts, which the trainer replays (`check_routing`). Design, metrics, measurements: docs/async.md.
 Test: python -m pytest tests/test_pipeline.py -q
 """
 from __future__ import annotations

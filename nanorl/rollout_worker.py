@@ -5,18 +5,22 @@ batch. nanorl/pipeline.py is the trainer's end, which starts it and reads what i
 Start at `_worker_main` (the process's loop) and `Worker.rollout` (one batch). Versions arrive in
 shared memory (nanorl/shared_weights.py, the HF engine) or over a process group (weight_broadcast.Receiver,
 --engine vllm); the worker holds its own model copy, engine, reward runner and (with a KL term) the
-frozen reference, so everything but the policy update leaves the trainer's step. ReMax's greedy
-baselines, --env's episodes and --agent's (its endpoint served here: build.sample_source) are sampled
-here too, from the batch's own weights; DAPO's refill rounds (--filter-groups, over-sampled with
---over-sample) run here on the worker's own prompts. Partial rollouts (--partial-rollout abort) buffer
-unfinished groups and resume them (nanorl/partial_rollout.py); with --filter-groups they abort once the
-batch has its KEPT groups (partial_rollout.GroupFilter). Design and measurements: docs/async.md.
-Test: python -m pytest tests/test_pipeline.py tests/test_agent_async.py -q
+frozen reference, so everything but the policy update leaves the trainer's step. With --lora-rank the
+copy is the frozen base with the run's adapters (a version brings only them), the reference that copy
+with its adapters off, and vLLM gets from it what the synchronous sync hands over (merged or adapter).
+ReMax's greedy baselines, --env's episodes and --agent's (its endpoint served here:
+build.sample_source) are sampled here too, from the batch's own weights; DAPO's refill rounds
+(--filter-groups, over-sampled with --over-sample) run here on the worker's own prompts. Partial rollouts
+(--partial-rollout abort) buffer unfinished groups and resume them (nanorl/partial_rollout.py); with
+--filter-groups they abort once the batch has its KEPT groups (partial_rollout.GroupFilter). Design and
+measurements: docs/async.md.
+Test: python -m pytest tests/test_pipeline.py tests/test_agent_async.py tests/test_async_lora.py -q
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import pickle
 import queue
@@ -28,7 +32,7 @@ from multiprocessing import forkserver
 import torch
 import torch.multiprocessing as mp
 
-from nanorl import build, moe_replay, precision, rounds, weight_broadcast
+from nanorl import build, lora, moe_replay, precision, rounds, weight_broadcast
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
@@ -89,19 +93,29 @@ class Worker:
             moe_replay.patch(base)
         if cfg.memory.fp32_lm_head:  # the trainer's numerics, so rollout logprobs match its recompute
             precision.keep_lm_head_fp32(base)
+        # --lora-rank: the trainer's adapters on this frozen base, as build.load_policy puts them; each
+        # version brings only the adapters (weight_broadcast.version_state), copied into these
+        if cfg.lora.rank:
+            lora.apply(base, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.target_modules)
         base.requires_grad_(False)
         # The reference is the starting --model, frozen, as the trainer's (train.py setup): scoring it
-        # here takes its forward off the trainer's side of the step, where it would not overlap.
+        # here takes its forward off the trainer's side of the step, where it would not overlap. With
+        # LoRA it is this worker's model copy with its adapters off (below): the base, held once.
         score = functools.partial(forward, cfg)
-        self.ref = None if not cfg.uses_reference else \
+        self.ref = None if not cfg.uses_reference or cfg.lora.rank else \
             Trained(frozen_copy(base, dtype).to(spec.device), None, score, dtype)
         # With vLLM this copy is what its sync check scores and what is streamed into vLLM: on the GPU
-        # only when a check runs (--sync-check-every > 0); else in host memory, vLLM copying each tensor
-        # over as it loads, and the worker's GPU holds no copy of its own
+        # only when a check runs (--sync-check-every > 0) or it is LoRA's reference too; else in host
+        # memory, vLLM copying each tensor over as it loads, and the worker's GPU holds no copy of its own
         kind = build.engine_class(cfg, spec.device)
-        home = spec.device if not kind.holds_own_weights or cfg.vllm.sync_check_every else "cpu"
+        on_device = not kind.holds_own_weights or cfg.vllm.sync_check_every or \
+            (cfg.lora.rank and cfg.uses_reference)
+        home = spec.device if on_device else "cpu"
+        # frozen_copy keeps the adapters (its deep copy takes PEFT's wrapper along: lora.peft_of)
         model = (base if dtype == torch.float32 else frozen_copy(base, dtype)).to(home)
         del base
+        if cfg.lora.rank and cfg.uses_reference:
+            self.ref = lora.Reference(lora.peft_of(model), Trained(model, None, score, dtype))
         self.scoring = Scoring(cfg, model, self.tokenizer)
         self.params = model.state_dict()  # views of the module's tensors: loading copies into them
         for names, dt, shape, _ in weights.layout:  # the trainer's layout must fit this model exactly
@@ -110,6 +124,8 @@ class Worker:
                 if t is None or t.dtype != dt or tuple(t.shape) != shape:
                     got = None if t is None else (t.dtype, tuple(t.shape))
                     raise RuntimeError(f"async worker: {n} is {got} here, the trainer sends {(dt, shape)}")
+        # what one version carries (the full policy, or with LoRA its adapters), logged per batch
+        self.version_mib = sum(math.prod(shape) * dt.itemsize for _, dt, shape, _ in weights.layout) / 2**20
         self.engine = build.worker_engine(cfg, kind, model, self.tokenizer.pad_token_id, dtype,
                                           spec.longest_prompt)
         if cfg.memory.routing_replay and not self.engine.records_routing:
@@ -204,7 +220,8 @@ class Worker:
         # load: the version into the engine (vLLM: its reload and sync check); generate: sampling + reward
         timing = {"async/engine_wait_s": t1 - t0, "async/load_s": t_load - t1,
                   "async/generate_s": t2 - t_load, "async/reward_s": t3 - t2,
-                  "async/reference_s": time.perf_counter() - t3, **self.sync_metrics, **partial_metrics}
+                  "async/reference_s": time.perf_counter() - t3, "async/version_mib": self.version_mib,
+                  **self.sync_metrics, **partial_metrics}
         self.sync_metrics = {}  # reported with the batch of the version it checked, once
         return {"batch": b, "prompt_ids": [p.ids for p in prompts], "samples": samples, "faults": new_faults,
                 "env_faults": since(env_faults, self.episodes.faults) if self.episodes else {},

@@ -27,14 +27,15 @@ from nanorl.distributed import full_tensors
 
 
 def slot_layout(model: torch.nn.Module, dtype: torch.dtype) -> tuple[list[tuple], int]:
-    """Where each state-dict tensor lives in a slot's flat buffer: entries (names, dtype, shape, byte
-    offset) and the slot's size in bytes. Floating-point parameters are stored in the compute dtype
+    """Where each tensor a version carries (weight_broadcast.version_state: the state dict, with LoRA
+    the adapters alone) lives in a slot's flat buffer: entries (names, dtype, shape, byte offset) and
+    the slot's size in bytes. Floating-point parameters are stored in the compute dtype
     the worker's engine holds them in (a frozen copy, `frozen_copy`), buffers and integer tensors in
     their own; tied parameters (one tensor, several names) take one place. Offsets are 64-byte aligned,
     so every entry can be viewed as its dtype."""
     params = {id(p) for p in model.parameters()}
     entries, where, size = [], {}, 0
-    for name, t in model.state_dict(keep_vars=True).items():
+    for name, t in weight_broadcast.version_state(model, keep_vars=True).items():
         if id(t) in where:
             entries[where[id(t)]][0].append(name)
             continue
@@ -94,9 +95,10 @@ class SharedWeights:
 
     @torch.no_grad()
     def publish(self, model: torch.nn.Module, version: int) -> None:
-        """Write version `version` of `model` into its slot. Under FSDP every trainer rank calls this
-        or drains distributed.full_tensors itself (the gathers are collectives); this one writes."""
-        state, i = model.state_dict(), version % len(self.flat)
+        """Write version `version` of `model` into its slot (with LoRA its adapters: version_state). Under
+        FSDP every trainer rank calls this or drains distributed.full_tensors itself (the gathers are
+        collectives); this one writes."""
+        state, i = weight_broadcast.version_state(model), version % len(self.flat)
         if any(state[names[0]].is_cuda for names, *_ in self.layout):
             self._publish_from_cuda(full_tensors(state, self.layout), i)
         else:

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from nanorl import lora
 from nanorl.distributed import full_tensors
 
 HOST = "127.0.0.1"  # one node: the worker is a child process of the trainer
@@ -158,6 +159,16 @@ def views_of(flat: torch.Tensor, layout: list[tuple]) -> dict[str, torch.Tensor]
     return views
 
 
+def version_state(model: torch.nn.Module, keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """What one published version carries, by state-dict name: every tensor of the policy, or with
+    LoRA its adapters alone (~1% of the bytes; nanorl/lora.py adapter_state): the base never trains,
+    so the worker loads it once and holds it (nanorl/rollout_worker.py). Both channels (this one and
+    shared_weights.SharedWeights) lay out and send exactly these tensors (shared_weights.slot_layout)."""
+    if lora.is_lora(model):
+        return lora.adapter_state(model, keep_vars)
+    return model.state_dict(keep_vars=keep_vars)
+
+
 def _share(flat: torch.Tensor):
     """An opener of `flat` for another process: CUDA IPC arguments (they do not keep the memory alive:
     the Sender holds `flat`), or the host tensor moved to shared memory."""
@@ -197,7 +208,7 @@ class Sender:
         trainer's device: after a header (the version) over nccl / gloo, or (ipc) into the shared slot,
         the header last, once the copies are done. Under FSDP every trainer rank calls this or drains
         distributed.full_tensors itself (each tensor is gathered from the ranks' shards); this one sends."""
-        state = model.state_dict()
+        state = version_state(model)
         header = torch.tensor([version], dtype=torch.long,
                               device=self.device if self.spec.backend == "nccl" else "cpu")
         if self.spec.backend == "ipc":

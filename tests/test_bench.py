@@ -87,7 +87,10 @@ def test_quick_run_reports_every_entry(tmp_path):
     modes = {r["impl"]: r for r in rows if r["bench"] == "async_steps"}  # same task, sync vs K = 1, 2
     vllm = {"sync, vLLM", "async K=1, vLLM", "async K=1, TIS 2, vLLM"}  # where vllm is installed
     assert set(modes) - vllm == {"sync", "async K=1", "async K=2", "async K=1, TIS 2", "sync, lr 1.5e-4",
-                                 "async K=1, lr 1.5e-4"} and modes["sync"]["baseline"]
+                                 "async K=1, lr 1.5e-4", "sync, LoRA r8, lr 1e-3",
+                                 "async K=1, LoRA r8, lr 1e-3"} and modes["sync"]["baseline"]
+    # a LoRA version carries the adapters alone: a fraction of the full policy's bytes
+    assert 0 < modes["async K=1, LoRA r8, lr 1e-3"]["version_mib"] < modes["async K=1"]["version_mib"] / 10
     assert set(modes) & vllm in (set(), vllm)
     assert all(r["steps_per_s"] > 0 and r["steps_run"] == 3 and "steps/s" in r["note"]
                for r in modes.values())

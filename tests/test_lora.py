@@ -148,7 +148,6 @@ def test_gradient_checkpointing_and_micro_batches_give_the_same_step(task, tmp_p
     (["--lora-alpha", "16"], "lora_alpha needs lora_rank > 0"),
     (["--lora-target-modules", "q_proj"], "lora_target_modules needs lora_rank > 0"),
     (["--lora-rank", "8", "--fsdp"], "--lora-rank with --fsdp .* is not supported"),
-    (["--lora-rank", "8", "--async-steps", "1"], "--lora-rank with --async-steps .* is not supported"),
     (["--lora-rank", "8", "--lora-dropout", "1"], r"lora_dropout must be in \[0, 1\)"),
     (["--lora-sync", "adapter"], "lora_sync adapter needs lora_rank > 0 and the vLLM engine"),
     (["--lora-rank", "8", "--lora-sync", "adapter", "--engine", "hf"], "lora_sync adapter needs"),

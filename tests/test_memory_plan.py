@@ -96,6 +96,13 @@ def test_fsdp_divides_the_state_and_activations_follow_the_token_budget(qwen7b):
     assert here.resident["vLLM (awake all run)"] == pytest.approx(0.3 * H200) and here.sample["vLLM"] == 0
     away = memory_plan.estimate(qwen7b, grpo(async_steps=1), vllm=True, device_bytes=H200)
     assert away.resident["async worker"] == 0 and away.sample["vLLM"] == 0
+    # LoRA: one copy on the GPU (the reference, adapters off), no frozen copy, a slot of the adapters
+    adapters = 40_370_176
+    lora = memory_plan.Shape(**{**vars(qwen7b), "params": qwen7b.params + adapters, "trainable": adapters})
+    for check in (1, 0):
+        plan = memory_plan.estimate(lora, grpo(async_steps=1, lora_rank=16, sync_check_every=check),
+                                    vllm=True, device_bytes=H200, worker_here=True)
+        assert plan.resident["async worker"] == pytest.approx(2 * lora.params + 2 * adapters)
 
 
 def test_set_up_prints_the_plan_and_refuses_what_does_not_fit(monkeypatch, capsys):
