@@ -162,14 +162,12 @@ def setup(cfg: Config) -> Run:
     if cfg.dapo.filter_groups:  # DAPO's dynamic sampling: its rounds run here, or in the async worker
         run.rounds = rounds.FromWorker() if cfg.pipeline.async_steps else rounds.DynamicSampling()
     run.finishers = rounds.finishers(cfg, tokenizer)  # overlong punishment, --mask-think
-    # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights
-    run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.pipeline.async_steps else \
-        {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}  # async: the worker scores
+    # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights. With
+    # --async-steps the worker scores the steps' samples (its fault totals join these); the trainer builds
+    # its own only for the held-out sets, which evaluation scores as a step does (a second reward model)
+    run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.pipeline.async_steps or \
+        eval_sets else {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}
     run.reward_weights = build.reward_weights(cfg)
-    if cfg.pipeline.async_steps and run.scorers and eval_sets:
-        names = ", ".join(f"eval/<set>/reward/{n}" for n in run.scorers)
-        logger.print(f"eval: no {names} with --async-steps (the rollout worker holds those scorers); "
-                     "eval/<set>/reward_mean is --reward's alone")
     engine.update_weights(model, version=0)
     return run
 
@@ -195,12 +193,10 @@ def resume_run(run: Run, path_or_latest: str) -> str | None:
 def evaluate_run(run: Run) -> dict:
     """Greedy (and pass@k) accuracy on every held-out set, each rank a slice (nanorl/evaluation.py)."""
     sampling = EvalSampling.from_config(run.cfg, stop_token_ids(run.model, run.tokenizer))
-    # --async-steps: the rollout worker holds the reward model / judge, so eval logs no component of
-    # theirs (setup says so once)
-    scorers = {} if run.cfg.pipeline.async_steps else run.scorers
     return evaluate(run.eval_sets, run.engine, sampling, run.cfg.seed, rewards=run.rewards,
                     tokenizer=run.tokenizer, episodes=run.episodes, rank=run.rank, world=run.world,
-                    scorers=scorers, reward_weights=run.reward_weights, log_metadata=run.hooks.log_metadata)
+                    scorers=run.scorers, reward_weights=run.reward_weights,
+                    log_metadata=run.hooks.log_metadata)
 
 
 # ----------------------------------------------------------------------------- one RL step

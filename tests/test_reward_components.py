@@ -186,14 +186,21 @@ def test_the_async_worker_judges_its_batches_and_the_trainer_counts_the_faults(t
     as the synchronous step does — batch 0's 16 samples judged, logged as the component `judge` — and
     from request 17 on the judge answers 400 (not retried): batches 1-2 are reward faults, dropped, and
     the worker's fault counts reach the trainer's run totals (rollout/reward_faults/judge/..., which a
-    checkpoint saves). Red before: --judge with --async-steps was refused."""
+    checkpoint saves). The held-out sets are judged too, by the trainer's own judge (the server answers
+    them always, before and after: 2 x 4 requests; red when eval drops the judge's component). Red
+    before: --judge with --async-steps was refused."""
     for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
         monkeypatch.delenv(var, raising=False)
+    held_out = {json.loads(line)["prompt"] for line in open(task["test"])}
+    train_calls = []
 
     def grade(body, n):
-        if n > 16:
-            return 400, "the judge refuses"
         text = body["messages"][0]["content"]
+        question = text.split("Question: ", 1)[1].split("\nResponse: ")[0]
+        if question not in held_out:  # the worker's calls (eval's run beside them, in any order)
+            train_calls.append(n)
+            if len(train_calls) > 16:
+                return 400, "the judge refuses"
         response, label = text.split("Response: ", 1)[1].split("\nLabel: ")
         return 200, "7" if label.strip() and label.strip() in response else "2"
 
@@ -206,7 +213,11 @@ def test_the_async_worker_judges_its_batches_and_the_trainer_counts_the_faults(t
     finally:
         server.stop()
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl") if "rollout/dropped_frac" in line]
-    assert res["step"] == 3 and len(rows) == 3 and len(server.requests) == 3 * 16
+    assert res["step"] == 3 and len(rows) == 3 and len(train_calls) == 3 * 16
+    assert len(server.requests) == 3 * 16 + 2 * 4
+    for when in ("before", "after"):  # judged, not faulted: each sample 0.7 or 0.2
+        k = (0.7 - res[when]["eval/test/reward/judge"]) / 0.5 * 4
+        assert abs(k - round(k)) < 1e-4, res[when]
     k = (0.7 - rows[0]["rollout/reward/judge"]) / 0.5 * 16  # each sample 0.7 or 0.2
     assert rows[0]["rollout/dropped_frac"] == 0.0 and abs(k - round(k)) < 1e-4
     assert rows[0]["rollout/reward_mean"] == pytest.approx(rows[0]["rollout/reward/judge"])  # correct=0
@@ -225,6 +236,34 @@ def test_the_async_worker_scores_with_the_reward_model(task, tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")
             if "rollout/reward/rm" in line]
     assert res["step"] == 2 and len(rows) == 2
+    # the held-out set is scored by the trainer's own copy of the reward model, as a step's samples
+    after = res["after"]
+    assert after["eval/test/reward/rm"] != 0.0
+    assert after["eval/test/reward_mean"] == pytest.approx(after["eval/test/reward/rm"], rel=1e-5)
     for row in rows:
         assert row["rollout/reward_mean"] == pytest.approx(row["rollout/reward/rm"], rel=1e-5)
         assert row["rollout/reward/rm"] != 0.0 and 0.0 <= row["rollout/reward/correct"] <= 1.0
+
+
+@pytest.mark.slow
+def test_an_async_reward_model_run_resumes_mid_flight_as_the_uninterrupted_run(task, tmp_path):
+    """--async-steps 1 --reward-model, 4 steps, and the same run resumed from its step-2 checkpoint (batch
+    2, sampled and scored by the worker from version 1, comes from pipeline.pt): steps 3-4 log the same
+    metrics, the reward model's component included, and the same final eval."""
+    tiny_rm(tmp_path / "rm")
+    extra = ("--steps", "4", "--async-steps", "1", "--save-every", "2", "--keep-checkpoints", "3",
+             "--reward-model", str(tmp_path / "rm"), "--reward-weights", "correct=1,rm=0.5")
+    a = train.main(args(task, tmp_path / "a", *extra))
+    b = train.main(args(task, tmp_path / "b", *extra, "--resume",
+                        str(tmp_path / "a" / "checkpoints" / "step_000002")))
+
+    def steps(out):
+        rows = [json.loads(x) for x in open(out / "metrics.jsonl") if "train/loss" in x]
+        return [{k: v for k, v in r.items() if not k.startswith(("perf/", "time/"))
+                 and not k.endswith("_s")} for r in rows]
+    la, lb = steps(tmp_path / "a"), steps(tmp_path / "b")
+    assert [r["step"] for r in lb] == [3, 4] and "rollout/reward/rm" in lb[0]
+    assert la[2:] == lb
+    def evals(res):
+        return {k: v for k, v in res["after"].items() if not k.startswith("perf/")}
+    assert evals(a) == evals(b) and "eval/test/reward/rm" in b["after"]
