@@ -147,23 +147,58 @@ class EpisodeRunner:
         self.faults = Counter()
         self._logged = False
 
-    def generate(self, prompts, n: int, sampling) -> list[Sample]:
-        """n episodes per prompt, consecutive, group_id = the prompt's index; each Sample scored."""
+    def generate(self, prompts, n: int, sampling, until=None) -> list[Sample]:
+        """n episodes per prompt, consecutive, group_id = the prompt's index; each Sample scored.
+
+        until (--partial-rollout abort, nanorl/partial_rollout.py): called after every round of turns
+        (the model's, then the environment's) with the n Samples of each group whose episodes have all
+        ended since the last call (the result holds those very Samples). True aborts every episode still
+        going, at that turn boundary: it comes back with status "aborted" and every turn it had, the
+        environment's last answer included, for `resume` to play its next turn."""
         eps = [self._start(p, g) for g, p in enumerate(prompts) for _ in range(n)]
-        for turn in range(self.max_turns):
+        return self._play(eps, sampling, n, until)
+
+    def resume(self, prompts, samples: list[Sample], sampling) -> list[Sample]:
+        """Aborted episodes (`generate`'s, each with its prompt) played on from their next turn under the
+        engine's current weights, to their end; each Sample keeps its recorded tokens, logprobs, mask and
+        turns, and the group id it had. The environment object is not carried: a fresh one is replayed
+        through `reset` and the recorded model turns' `step`s (`_replayed`), so a buffer of aborted
+        episodes is plain data (a checkpoint holds it); an environment whose replay does not give back the
+        recorded tokens ends its episode env_error (counted)."""
+        eps = [self._replayed(p, s) for p, s in zip(prompts, samples)]
+        return self._play(eps, sampling, 1, None)
+
+    def _play(self, eps: list[_Episode], sampling, n: int, until) -> list[Sample]:
+        """Rounds of turns until every episode has ended; each live episode plays its own next turn
+        (resumed ones may be at different turns). With `until`: `generate`'s abort."""
+        built: dict[int, Sample] = {}  # episode index → the Sample `until` was handed
+        while any(e.end is None for e in eps):
             live = [e for e in eps if e.end is None]
-            if not live:
-                break
-            self._model_turn(live, sampling, turn)
+            self._model_turn(live, sampling)
             for e in live:
                 if e.end is None:
-                    self._env_turn(e, turn)
-        samples = [self._sample(e) for e in eps]
+                    self._env_turn(e, len(e.spans) - 1)
+            if until is not None and self._enough(eps, n, built, until):
+                for e in eps:
+                    if e.end is None:
+                        e.end = "aborted"
+        samples = [built[i] if i in built else self._sample(e) for i, e in enumerate(eps)]
         names = list(dict.fromkeys(k for s in samples if isinstance(s.reward, dict) for k in s.reward))
         # one reward kind per batch (collate): a float becomes zeros
         for s in samples if names else []:
             s.reward = s.reward if isinstance(s.reward, dict) else dict.fromkeys(names, 0.0)
         return samples
+
+    def _enough(self, eps: list[_Episode], n: int, built: dict, until) -> bool:
+        """`until` on the groups (n consecutive episodes) that have all ended since its last call."""
+        new = []
+        for start in range(0, len(eps), n):
+            idx = range(start, start + n)
+            if start not in built and all(eps[i].end is not None for i in idx):
+                for i in idx:
+                    built[i] = self._sample(eps[i])
+                new += [built[i] for i in idx]
+        return bool(new) and until(new)
 
     def close(self) -> None:
         self.tools.close()
@@ -174,21 +209,44 @@ class EpisodeRunner:
         env.tools = self.tools
         e = _Episode(env, list(prompt.ids), group)
         try:
-            first = env.reset(prompt)
-            if isinstance(first, str):
-                if self.render is None:
-                    raise ValueError("reset returned text, but the runner has no render function")
-                e.prompt_ids = list(self.render(first))
-            elif first is not None:
-                e.prompt_ids = _ids(first, "reset")
+            e.prompt_ids = self._reset_ids(env, prompt)
         # environment code: a fault ends this episode, never the step
         except Exception as err:
             self._fault(e, err)
         return e
 
-    def _model_turn(self, live: list[_Episode], sampling, turn: int) -> None:
-        """One engine call per distinct token budget (the caps shorten the last turns' budgets)."""
-        budgets: dict[int, list[_Episode]] = {}
+    def _replayed(self, prompt, s: Sample) -> _Episode:
+        """The aborted episode `s` at its next turn: its recorded ids, logprobs, mask and turns, and a fresh
+        environment brought to the same point by `reset` and a `step` per recorded model turn, each
+        checked to answer with the recorded environment tokens."""
+        if s.status != "aborted" or s.episode is None or s.episode["end"] != "aborted":
+            raise ValueError(f"EpisodeRunner.resume: an aborted episode is needed, got status {s.status!r}")
+        R, info = s.response_length, s.episode
+        rows = [None] * R if s.sampling_support is None else \
+            [None if bool((row < 0).all()) else row[row >= 0] for row in s.sampling_support]
+        e = _Episode(self.make_env(), list(s.prompt_ids), s.group_id, ids=list(s.response_ids),
+                     logps=list(s.rollout_logprobs), mask=list(s.loss_mask or [1] * R), support=rows,
+                     spans=[tuple(x) for x in info["spans"]], rewards=list(info["turn_rewards"]),
+                     tool_calls=info["tool_calls"], version=s.weight_version, experts=s.routed_experts)
+        e.env.tools = self.tools
+        try:
+            if self._reset_ids(e.env, prompt) != e.prompt_ids:
+                raise ReplayMismatch("reset", 0)
+            # the environment's tokens after each model turn: from its span's end to the next span
+            nexts = [start for start, _ in e.spans[1:]] + [R]
+            for turn, ((start, end), nxt) in enumerate(zip(e.spans, nexts)):
+                # the recorded rewards, tool calls and masks stand: only the answer is compared
+                if self._stepped(e, start, end, turn)[0] != e.ids[end:nxt]:
+                    raise ReplayMismatch("step", turn)
+        # environment code: a fault ends this episode, never the step
+        except Exception as err:
+            self._fault(e, err)
+        return e
+
+    def _model_turn(self, live: list[_Episode], sampling) -> None:
+        """Each episode's next model turn: one engine call per distinct (turn, token budget) (the caps
+        shorten the last turns' budgets; resumed episodes may be at different turns)."""
+        budgets: dict[tuple[int, int], list[_Episode]] = {}
         # vLLM refuses a request that cannot fit
         context = self.engine.max_model_len
         for e in live:
@@ -198,8 +256,8 @@ class EpisodeRunner:
             if budget < 1:
                 e.end = "token_cap"
                 continue
-            budgets.setdefault(budget, []).append(e)
-        for budget, group in budgets.items():
+            budgets.setdefault((len(e.spans), budget), []).append(e)
+        for (turn, budget), group in budgets.items():
             # a fresh draw per turn
             seed = None if sampling.seed is None else sampling.seed + 7919 * turn + budget
             sp = replace(sampling, max_new_tokens=budget, seed=seed)
@@ -225,15 +283,30 @@ class EpisodeRunner:
                 elif s.status == "aborted":
                     e.end = "aborted"
 
-    def _env_turn(self, e: _Episode, turn: int) -> None:
-        start, end = e.spans[-1]
+    def _reset_ids(self, env: Env, prompt) -> list[int]:
+        """The episode's first prompt: `reset`'s text rendered, its ids, or (None) the prompt's own."""
+        first = env.reset(prompt)
+        if isinstance(first, str):
+            if self.render is None:
+                raise ValueError("reset returned text, but the runner has no render function")
+            return list(self.render(first))
+        return list(prompt.ids) if first is None else _ids(first, "reset")
+
+    def _stepped(self, e: _Episode, start: int, end: int, turn: int) -> tuple:
+        """The environment's step on the model turn e.ids[start:end]: (its answer's ids, None when done,
+        reward, done, info)."""
         action = Action(ids=e.ids[start:end],
                         text=self.tokenizer.decode(e.ids[start:end], skip_special_tokens=True),
                         turn=turn)
+        obs, reward, done, info = _checked_step(e.env.step(action))
+        ids = None if done else (_ids(obs, "step") if isinstance(obs, list) else
+                                 self.turns.encode(obs, e.env.role, e.ids[end - 1] if end else None))
+        return ids, reward, done, info
+
+    def _env_turn(self, e: _Episode, turn: int) -> None:
+        start, end = e.spans[-1]
         try:
-            obs, reward, done, info = _checked_step(e.env.step(action))
-            ids = None if done else (_ids(obs, "step") if isinstance(obs, list) else
-                                     self.turns.encode(obs, e.env.role, e.ids[-1] if e.ids else None))
+            ids, reward, done, info = self._stepped(e, start, end, turn)
         # a tool that raised, a ToolTimeout, an environment bug
         except Exception as err:
             return self._fault(e, err)
@@ -278,6 +351,16 @@ class EpisodeRunner:
                    episode={"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
                             "turn_rewards": rewards, "tool_calls": e.tool_calls})
         return s
+
+
+class ReplayMismatch(RuntimeError):
+    """A resumed episode's fresh environment did not answer its recorded turns as the first one did (a
+    stateful or random environment): the episode cannot go on from its recorded tokens."""
+
+    def __init__(self, where: str, turn: int):
+        super().__init__(f"replaying an aborted episode: the environment's {where} of turn {turn} did not "
+                         "give back the recorded tokens; --partial-rollout abort with --env needs an "
+                         "environment that answers the same turns the same way (nanorl/episodes.py resume)")
 
 
 def _ids(x, where: str) -> list[int]:

@@ -1,7 +1,9 @@
 """slime's partial rollouts with abort (--partial-rollout abort, nanorl/partial_rollout.py): a batch
 aborts what is unfinished once it has its groups, the next batch resumes those first under its newer
 weights, with per-token versions, logprobs, masks and IS weights right; the buffer survives a
-checkpoint and the resumed run is the uninterrupted one.   python -m pytest tests/test_partial_rollout.py -q
+checkpoint and the resumed run is the uninterrupted one. With --env an episode is aborted at a turn
+boundary and resumed at its next turn (its environment replayed), the same tokens a never-aborted
+episode gets.   python -m pytest tests/test_partial_rollout.py -q
 """
 import copy
 import json
@@ -10,6 +12,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_env import OBS, PAD, STOPS, TURNS, Echo, bpe_chat_tokenizer, chat_prompts
 from test_pipeline import (
     args,
     logprobs_under,
@@ -21,8 +24,14 @@ from test_pipeline import (
 import train
 from nanorl import pipeline, rollout_worker, shared_weights
 from nanorl.config import Config
+from nanorl.env import Step
+from nanorl.episodes import EpisodeRunner
 from nanorl.offpolicy import is_weights
-from nanorl.rollout import stop_token_ids
+from nanorl.policy import response_logprobs
+from nanorl.rollout import HFEngine, SamplingConfig, stop_token_ids
+from nanorl.sources import Episodes
+from nanorl.task import build_model
+from nanorl.tool_envs import make_calc_task
 from nanorl.trajectory import collate
 
 ABORT = ("--async-steps", "1", "--partial-rollout", "abort", "--over-sample", "2")
@@ -166,3 +175,157 @@ def test_config_refuses_abort_without_over_sampling():
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2).dapo.over_sample == 2
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2,
                              engine="vllm").engine == "vllm"
+
+
+# ----------------------------------------------------------------------------- --env: episodes
+class Quick(Echo):
+    """Echo (tests/test_env.py: OBS[k] after turn k, done after TURNS turns), but done at once on the
+    prompt "t": its group finishes after one round, so a batch can abort the other mid-episode."""
+    def reset(self, prompt):
+        self.quick = prompt.text == "t"
+
+    def step(self, action):
+        return Step(None, 1.0, True, {}) if self.quick else super().step(action)
+
+
+class Forgetful(Echo):
+    """Answers its first episode's turn 0 with OBS[0], every later episode's with OBS[1]: a replay of a
+    recorded turn does not give back the recorded tokens."""
+    calls = 0
+
+    def step(self, action):
+        Forgetful.calls += 1
+        if action.turn == 0:
+            return Step(OBS[0] if Forgetful.calls == 1 else OBS[1], 0.0, False, {"tool_calls": 1})
+        return super().step(action)
+
+
+def two_episodes(env, seed0: int = 0):
+    """A runner over a random model, the prompts ["t", "abcd"] and the first sampling seed from `seed0`
+    whose "abcd" episode, never aborted, has at least two model turns."""
+    tok = bpe_chat_tokenizer()
+    model = build_model(len(tok), seed=0, hidden=64).eval()
+    engine = HFEngine(model, pad_id=PAD)
+    engine.version = 0
+    runner = EpisodeRunner(engine, env, tok, max_turns=TURNS + 1, max_tokens=64)
+    prompts = chat_prompts(tok, ["t", "abcd"])
+    for seed in range(seed0, seed0 + 20):
+        sp = SamplingConfig(temperature=0.9, max_new_tokens=8, stop_token_ids=STOPS, seed=seed)
+        if EpisodeRunner(engine, Quick, tok, max_turns=TURNS + 1,
+                         max_tokens=64).generate(prompts, 1, sp)[1].episode["turns"] >= 2:
+            return runner, engine, model, prompts, sp
+    raise AssertionError("no seed gives a two-turn episode")
+
+
+def test_an_aborted_episode_resumes_at_its_next_turn_with_the_same_tokens():
+    """Abort after the first round ("t" finished, "abcd" had its turn 0 and the tool's answer), then
+    resume it as the buffer does (sources.Episodes.resume): under the same weights (a new version
+    number) it is exactly the never-aborted episode — ids, logprobs, loss mask (environment tokens 0),
+    turns, reward — with versions 0 on the kept tokens and 1 on the rest, and the mask flag leaves only
+    the new model tokens in; under changed weights the new tokens' logprobs are the new weights' given
+    the whole prefix, the tool's answer included."""
+    runner, engine, model, prompts, sp = two_episodes(Quick)
+    source = Episodes(runner)
+    whole = runner.generate(prompts, 1, sp)[1]  # never aborted
+    handed = []
+    cut = source.start(prompts, 1, sp, until=lambda groups: handed.extend(groups) or True)
+    assert handed == [cut[0]] and cut[0].status == "completed" and cut[0].episode["end"] == "done"
+    a = cut[1]
+    assert a.status == "aborted" and a.episode["end"] == "aborted" and a.episode["turns"] == 1
+    (start, end), = a.episode["spans"]
+    k = a.response_length
+    env = runner.turns.encode(OBS[0], "tool", a.response_ids[end - 1])
+    # what it had: model turn 0 and the environment's answer, masked
+    assert a.response_ids == whole.response_ids[:k] and a.response_ids[end:] == env and len(env) > 0
+    assert a.loss_mask == [1] * end + [0] * len(env) and a.rollout_logprobs == whole.rollout_logprobs[:k]
+    a.token_versions = [0] * k  # as AbortingRollout._round records them
+    engine.version = 1  # the same weights, a newer version number
+    r, = source.resume(prompts[1:], [copy.deepcopy(a)], sp)
+    L = r.response_length
+    assert L > k and r.status == whole.status and r.reward == whole.reward
+    assert r.response_ids == whole.response_ids and r.rollout_logprobs == whole.rollout_logprobs
+    assert r.loss_mask == whole.loss_mask and r.episode == whole.episode and r.prompt_ids == whole.prompt_ids
+    assert r.token_versions == [0] * k + [1] * (L - k) and r.weight_version == 0
+    rollout_worker.mask_older_tokens(r)
+    assert r.loss_mask == [m * (t >= k) for t, m in enumerate(whole.loss_mask)] and sum(r.loss_mask) > 0
+    # changed weights: the resumed turns are the new weights', the kept ones the old weights'
+    old = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine.version = 2
+    r, = source.resume(prompts[1:], [copy.deepcopy(a)], sp)
+    assert r.response_ids[:k] == a.response_ids and r.response_length > k
+    batch = collate([r], PAD)
+    model_tok = batch.response_mask[0].bool()  # [T] the model's tokens (the tool's are 0)
+    with torch.no_grad():
+        lp_new = response_logprobs(model, batch, temperature=0.9)[0][0]  # [T]
+        lp_old = response_logprobs(old, batch, temperature=0.9)[0][0]    # [T]
+    new = model_tok & (torch.arange(batch.response_mask.shape[1]) >= k)
+    assert new.any() and (lp_new - batch.rollout_logprobs[0])[new].abs().max() < 1e-5
+    assert (lp_old - batch.rollout_logprobs[0])[model_tok & ~new].abs().max() < 1e-5
+
+
+def test_an_environment_that_does_not_replay_ends_its_episode_env_error():
+    """The environment object is not carried: the resume replays a fresh one through the recorded turns;
+    one that answers differently ends its episode env_error (counted), it never resumes from tokens its
+    environment would not have sent."""
+    runner, engine, _, prompts, sp = two_episodes(Quick)
+    aborted = Episodes(runner).start(prompts, 1, sp, until=lambda groups: True)[1]
+    assert aborted.status == "aborted"
+    replaying = EpisodeRunner(engine, Forgetful, runner.tokenizer, max_turns=TURNS + 1, max_tokens=64,
+                              log=lambda line: None)
+    Forgetful.calls = 1  # its next episode answers turn 0 with OBS[1], not the recorded OBS[0]
+    r, = replaying.resume(prompts[1:], [aborted], sp)
+    assert r.status == "env_error" and r.episode["end"] == "env_error" and replaying.faults["env_error"] == 1
+
+
+ENV = ("--env", "calc", "--max-new-tokens", "12", "--env-max-turns", "3", "--prompts-per-step", "4",
+       "--samples-per-prompt", "2", "--eval-every", "0", "--threads", "1", "--quiet")
+
+
+@pytest.fixture(scope="module")
+def calc_task(tmp_path_factory):
+    return make_calc_task(str(tmp_path_factory.mktemp("calc")))
+
+
+def calc_args(calc_task, out, *extra):
+    return ["--model", calc_task["model"], "--train-data", calc_task["train"], "--test-data",
+            calc_task["test"], "--out-dir", str(out), *ENV, *extra]
+
+
+@pytest.mark.slow
+def test_env_abort_run_trains(calc_task, tmp_path):
+    """train.py --env calc with --partial-rollout abort: episodes aborted between turns are resumed by
+    the next batch, some spanning two versions; every step has its 4 groups and trains within the
+    K + 1 bound."""
+    train.main(calc_args(calc_task, tmp_path, "--steps", "6", *ABORT, "--lr", "3e-4"))
+    lines = every_step(tmp_path)
+    assert len(lines) == 6 and any("train/loss" in x for x in lines)
+    assert sum(x["rollout/async/aborted_groups"] for x in lines) > 0
+    assert sum(x["rollout/async/resumed_groups"] for x in lines) > 0
+    assert any(x["rollout/async/partial_frac"] > 0 for x in lines)
+    assert all(x["rollout/async/staleness_max"] <= 2 for x in lines)
+    assert all(x["rollout/env/turns_mean"] >= 1 for x in lines)
+
+
+def test_env_resume_with_buffered_aborted_episodes_is_the_uninterrupted_run(calc_task, tmp_path):
+    """--env calc, 4 steps, and the same run resumed from its step-2 checkpoint, whose buffer holds
+    episodes aborted after a turn (their tokens, the tool's answer, their turns): the resumed worker
+    replays their environments and resumes them in batch 3 as the uninterrupted run did; the same logged
+    steps 3-4, the same weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("--steps", "4", *ABORT, "--save-every", "2", "--keep-checkpoints", "3",
+             "--mask-offpolicy-in-partial-rollout")
+    train.main(calc_args(calc_task, a, *extra))
+    ck = os.path.join(a, "checkpoints", "step_000002")
+    saved = torch.load(os.path.join(ck, pipeline.FILE), weights_only=True)
+    buffer = saved["batches"][-1]["carry"]["buffer"]
+    aborted = [s for g in buffer for s in g["samples"] if s["status"] == "aborted"]
+    assert aborted and all(s["episode"]["turns"] >= 1 and 0 in s["loss_mask"] for s in aborted)
+    train.main(calc_args(calc_task, b, *extra, "--resume", ck))
+    la, lb = every_step(a), every_step(b)
+    assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
+    assert lb[1]["rollout/async/resumed_groups"] == len(buffer) and lb[1]["rollout/async/partial_frac"] > 0
+    wa, wb = weights(a, 4), weights(b, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
