@@ -175,6 +175,9 @@ def test_config_refuses_abort_without_over_sampling():
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2).dapo.over_sample == 2
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2,
                              engine="vllm").engine == "vllm"
+    # --env: its episodes are aborted at a turn boundary and resumed at their next turn
+    assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2, env="calc",
+                             max_new_tokens=12).pipeline.partial_rollout == "abort"
 
 
 # ----------------------------------------------------------------------------- --env: episodes
