@@ -17,6 +17,7 @@ from __future__ import annotations
 import numbers
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -90,6 +91,36 @@ class _Episode:
     experts: torch.Tensor | None = None
     # the version that recorded `experts` (the last turn's)
     routing_version: int | None = None
+    # the last model turn was cut by an abort (--partial-rollout abort): a resume continues it
+    cut: bool = False
+
+
+@dataclass
+class _Until:
+    """`EpisodeRunner.generate`'s `until` over a batch of episodes (n per group, consecutive): asked as
+    groups finish, between rounds and inside a model turn between decode steps; once it has said so,
+    it stays so (every episode still going is aborted)."""
+    fn: Callable[[list[Sample]], bool]
+    eps: list[_Episode]
+    n: int
+    sample: Callable[[_Episode], Sample]
+    # episode index → the Sample `fn` was handed (the result holds those very Samples)
+    built: dict[int, Sample] = field(default_factory=dict)
+    said: bool = False
+
+    def __call__(self) -> bool:
+        """`fn` on the groups that have all ended since its last call."""
+        if self.said:
+            return True
+        new = []
+        for start in range(0, len(self.eps), self.n):
+            idx = range(start, start + self.n)
+            if start not in self.built and all(self.eps[i].end is not None for i in idx):
+                for i in idx:
+                    self.built[i] = self.sample(self.eps[i])
+                new += [self.built[i] for i in idx]
+        self.said = bool(new) and self.fn(new)
+        return self.said
 
 
 class EpisodeRunner:
@@ -171,34 +202,24 @@ class EpisodeRunner:
     def _play(self, eps: list[_Episode], sampling, n: int, until) -> list[Sample]:
         """Rounds of turns until every episode has ended; each live episode plays its own next turn
         (resumed ones may be at different turns). With `until`: `generate`'s abort."""
-        built: dict[int, Sample] = {}  # episode index → the Sample `until` was handed
+        stop = None if until is None else _Until(until, eps, n, self._sample)
         while any(e.end is None for e in eps):
             live = [e for e in eps if e.end is None]
-            self._model_turn(live, sampling)
+            stepped = self._model_turn(live, sampling, stop)
             for e in live:
-                if e.end is None:
+                if e.end is None and id(e) not in stepped:
                     self._env_turn(e, len(e.spans) - 1)
-            if until is not None and self._enough(eps, n, built, until):
+            if stop is not None and stop():
                 for e in eps:
                     if e.end is None:
                         e.end = "aborted"
+        built = {} if stop is None else stop.built
         samples = [built[i] if i in built else self._sample(e) for i, e in enumerate(eps)]
         names = list(dict.fromkeys(k for s in samples if isinstance(s.reward, dict) for k in s.reward))
         # one reward kind per batch (collate): a float becomes zeros
         for s in samples if names else []:
             s.reward = s.reward if isinstance(s.reward, dict) else dict.fromkeys(names, 0.0)
         return samples
-
-    def _enough(self, eps: list[_Episode], n: int, built: dict, until) -> bool:
-        """`until` on the groups (n consecutive episodes) that have all ended since its last call."""
-        new = []
-        for start in range(0, len(eps), n):
-            idx = range(start, start + n)
-            if start not in built and all(eps[i].end is not None for i in idx):
-                for i in idx:
-                    built[i] = self._sample(eps[i])
-                new += [built[i] for i in idx]
-        return bool(new) and until(new)
 
     def close(self) -> None:
         self.tools.close()
@@ -226,15 +247,19 @@ class EpisodeRunner:
             [None if bool((row < 0).all()) else row[row >= 0] for row in s.sampling_support]
         e = _Episode(self.make_env(), list(s.prompt_ids), s.group_id, ids=list(s.response_ids),
                      logps=list(s.rollout_logprobs), mask=list(s.loss_mask or [1] * R), support=rows,
-                     spans=[tuple(x) for x in info["spans"]], rewards=list(info["turn_rewards"]),
-                     tool_calls=info["tool_calls"], version=s.weight_version, experts=s.routed_experts)
+                     spans=[tuple(x) for x in info["spans"]],
+                     # a step's reward per finished turn (a cut turn's 0 is `_sample`'s padding)
+                     rewards=list(info["turn_rewards"][:len(info["spans"]) - info["cut"]]),
+                     tool_calls=info["tool_calls"], version=s.weight_version, experts=s.routed_experts,
+                     routing_version=s.routing_version,
+                     cut=info["cut"])
         e.env.tools = self.tools
         try:
             if self._reset_ids(e.env, prompt) != e.prompt_ids:
                 raise ReplayMismatch("reset", 0)
-            # the environment's tokens after each model turn: from its span's end to the next span
+            # the environment's tokens after each finished model turn: from its span's end to the next span
             nexts = [start for start, _ in e.spans[1:]] + [R]
-            for turn, ((start, end), nxt) in enumerate(zip(e.spans, nexts)):
+            for turn, ((start, end), nxt) in enumerate(zip(e.spans[:len(e.spans) - e.cut], nexts)):
                 # the recorded rewards, tool calls and masks stand: only the answer is compared
                 if self._stepped(e, start, end, turn)[0] != e.ids[end:nxt]:
                     raise ReplayMismatch("step", turn)
@@ -243,45 +268,87 @@ class EpisodeRunner:
             self._fault(e, err)
         return e
 
-    def _model_turn(self, live: list[_Episode], sampling) -> None:
-        """Each episode's next model turn: one engine call per distinct (turn, token budget) (the caps
-        shorten the last turns' budgets; resumed episodes may be at different turns)."""
+    def _model_turn(self, live: list[_Episode], sampling, stop: _Until | None) -> set[int]:
+        """Each episode's next model turn (or the rest of a turn an abort cut): one engine call per
+        distinct (turn, token budget) (the caps shorten the last turns' budgets; resumed episodes may be
+        at different turns). With `stop` the engine reports each turn as it stops: its environment turn
+        runs at once, and `stop` may abort the turns still running (and the calls not made yet). Returns
+        the ids of the episodes whose environment turn ran here."""
         budgets: dict[tuple[int, int], list[_Episode]] = {}
+        full: dict[int, int] = {}  # id(episode) → its turn's whole budget (a cut turn's included)
         # vLLM refuses a request that cannot fit
         context = self.engine.max_model_len
         for e in live:
-            budget = min(sampling.max_new_tokens, self.max_tokens - len(e.ids))
+            # where the turn began: a cut one where it was cut from
+            begin = e.spans[-1][0] if e.cut else len(e.ids)
+            whole = min(sampling.max_new_tokens, self.max_tokens - begin)
             if context is not None:
-                budget = min(budget, context - len(e.prompt_ids) - len(e.ids))
+                whole = min(whole, context - len(e.prompt_ids) - begin)
+            budget = whole - (len(e.ids) - begin)
             if budget < 1:
-                e.end = "token_cap"
+                # a turn cut at its last token ends as if it had run out (slime's); else no room at all
+                e.end = "truncated" if e.cut and whole == sampling.max_new_tokens else "token_cap"
+                e.cut = False
                 continue
-            budgets.setdefault((len(e.spans), budget), []).append(e)
+            full[id(e)] = whole
+            budgets.setdefault((len(e.spans) - e.cut, budget), []).append(e)
+        stepped: set[int] = set()
         for (turn, budget), group in budgets.items():
+            if stop is not None and stop.said:  # aborted in an earlier call: at the turn boundary
+                for e in group:
+                    e.end = "aborted"
+                continue
             # a fresh draw per turn
             seed = None if sampling.seed is None else sampling.seed + 7919 * turn + budget
             sp = replace(sampling, max_new_tokens=budget, seed=seed)
-            out = self.engine.generate([e.prompt_ids + e.ids for e in group], 1, sp)
+            prompts = [e.prompt_ids + e.ids for e in group]
+            took: set[int] = set()  # rows the engine reported as they stopped
+            if stop is None:
+                out = self.engine.generate(prompts, 1, sp)
+            else:
+                def stopped(rows: list[Sample], group=group, took=took, turn=turn) -> bool:
+                    for s in rows:  # n = 1: a row's group id is its index in the call
+                        e = group[s.group_id]
+                        took.add(s.group_id)
+                        self._took(e, s, full[id(e)], sampling)
+                        if e.end is None:
+                            self._env_turn(e, turn)
+                            stepped.add(id(e))
+                    return stop()
+                out = self.engine.generate(prompts, 1, sp, until=stopped)
             if len(out) != len(group):
                 raise RuntimeError(f"engine returned {len(out)} samples for {len(group)} prompts")
-            for e, s in zip(group, out):
-                if s.rollout_logprobs is None:
-                    raise ValueError("EpisodeRunner needs rollout logprobs from the engine")
-                r = s.response_length
-                e.spans.append((len(e.ids), len(e.ids) + r))
-                e.ids += s.response_ids
-                e.logps += list(s.rollout_logprobs)
-                e.mask += list(s.loss_mask) if s.loss_mask is not None else [1] * r
-                rows = s.sampling_support
-                e.support += [None] * r if rows is None else [row for row in rows]
-                e.version = s.weight_version if e.version is None else min(e.version, s.weight_version)
-                if s.routed_experts is not None:
-                    e.experts, e.routing_version = s.routed_experts, s.routing_version
-                # no stop token: cut by a cap or by max_new_tokens
-                if s.status == "truncated":
-                    e.end = "token_cap" if budget < sampling.max_new_tokens else "truncated"
-                elif s.status == "aborted":
-                    e.end = "aborted"
+            for i, (e, s) in enumerate(zip(group, out)):
+                if i not in took:
+                    self._took(e, s, full[id(e)], sampling)
+        return stepped
+
+    def _took(self, e: _Episode, s: Sample, whole: int, sampling) -> None:
+        """A model turn's Sample into its episode (the rest of a cut turn joins it); `whole`: the turn's
+        budget."""
+        if s.rollout_logprobs is None:
+            raise ValueError("EpisodeRunner needs rollout logprobs from the engine")
+        r, was_cut = s.response_length, e.cut
+        if was_cut:
+            start, _ = e.spans.pop()
+            e.spans.append((start, len(e.ids) + r))
+        # an abort before the turn's first token leaves no turn: a resume starts it
+        elif r or s.status != "aborted":
+            e.spans.append((len(e.ids), len(e.ids) + r))
+        e.ids += s.response_ids
+        e.logps += list(s.rollout_logprobs)
+        e.mask += list(s.loss_mask) if s.loss_mask is not None else [1] * r
+        rows = s.sampling_support
+        e.support += [None] * r if rows is None else [row for row in rows]
+        e.version = s.weight_version if e.version is None else min(e.version, s.weight_version)
+        if s.routed_experts is not None:
+            e.experts, e.routing_version = s.routed_experts, s.routing_version
+        e.cut = False
+        # no stop token: cut by a cap or by max_new_tokens
+        if s.status == "truncated":
+            e.end = "token_cap" if whole < sampling.max_new_tokens else "truncated"
+        elif s.status == "aborted":
+            e.end, e.cut = "aborted", was_cut or r > 0
 
     def _reset_ids(self, env: Env, prompt) -> list[int]:
         """The episode's first prompt: `reset`'s text rendered, its ids, or (None) the prompt's own."""
@@ -349,7 +416,7 @@ class EpisodeRunner:
                    group_id=e.group, routed_experts=e.experts, routing_version=e.routing_version,
                    sampling_support=_support(e.support),
                    episode={"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
-                            "turn_rewards": rewards, "tool_calls": e.tool_calls})
+                            "turn_rewards": rewards, "tool_calls": e.tool_calls, "cut": e.cut})
         return s
 
 

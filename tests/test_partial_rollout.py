@@ -203,31 +203,70 @@ class Forgetful(Echo):
         return super().step(action)
 
 
-def two_episodes(env, seed0: int = 0):
-    """A runner over a random model, the prompts ["t", "abcd"] and the first sampling seed from `seed0`
-    whose "abcd" episode, never aborted, has at least two model turns."""
+def two_episodes(env, wanted):
+    """A runner over a random model, the prompts ["t", "abcd"] and the first sampling seed for which
+    `wanted(the never-aborted episodes)` holds."""
     tok = bpe_chat_tokenizer()
     model = build_model(len(tok), seed=0, hidden=64).eval()
     engine = HFEngine(model, pad_id=PAD)
     engine.version = 0
     runner = EpisodeRunner(engine, env, tok, max_turns=TURNS + 1, max_tokens=64)
     prompts = chat_prompts(tok, ["t", "abcd"])
-    for seed in range(seed0, seed0 + 20):
+    for seed in range(40):
         sp = SamplingConfig(temperature=0.9, max_new_tokens=8, stop_token_ids=STOPS, seed=seed)
-        if EpisodeRunner(engine, Quick, tok, max_turns=TURNS + 1,
-                         max_tokens=64).generate(prompts, 1, sp)[1].episode["turns"] >= 2:
+        probe = EpisodeRunner(engine, Quick, tok, max_turns=TURNS + 1, max_tokens=64)
+        if wanted(probe.generate(prompts, 1, sp)):
             return runner, engine, model, prompts, sp
-    raise AssertionError("no seed gives a two-turn episode")
+    raise AssertionError("no seed gives the episodes wanted")
+
+
+def turn0(s) -> int:
+    """The length of an episode's first model turn."""
+    start, end = s.episode["spans"][0]
+    return end - start
+
+
+def stops_first(whole) -> bool:
+    """ "abcd" has a second turn, and its first stops no later than "t"'s: the abort (when "t"'s group
+    finishes) finds it between turns."""
+    return whole[1].episode["turns"] >= 2 and turn0(whole[1]) <= turn0(whole[0])
+
+
+def stops_later(whole) -> bool:
+    """ "abcd"'s first turn still runs when "t"'s stops: the abort cuts it."""
+    return turn0(whole[1]) > turn0(whole[0])
+
+
+def changed(model):
+    """`model`'s weights moved (in place); → a copy of the old ones."""
+    old, gen = copy.deepcopy(model), torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return old
+
+
+def versions_sampled(r, model, old, k: int) -> None:
+    """r's model tokens from k on have the logprobs of `model` given the whole prefix (the environment's
+    tokens included), those before k the logprobs of `old`."""
+    batch = collate([r], PAD)
+    model_tok = batch.response_mask[0].bool()  # [T] the model's tokens (the tool's are 0)
+    with torch.no_grad():
+        lp_new = response_logprobs(model, batch, temperature=0.9)[0][0]  # [T]
+        lp_old = response_logprobs(old, batch, temperature=0.9)[0][0]    # [T]
+    new = model_tok & (torch.arange(batch.response_mask.shape[1]) >= k)
+    assert new.any() and (lp_new - batch.rollout_logprobs[0])[new].abs().max() < 1e-5
+    assert (lp_old - batch.rollout_logprobs[0])[model_tok & ~new].abs().max() < 1e-5
 
 
 def test_an_aborted_episode_resumes_at_its_next_turn_with_the_same_tokens():
-    """Abort after the first round ("t" finished, "abcd" had its turn 0 and the tool's answer), then
-    resume it as the buffer does (sources.Episodes.resume): under the same weights (a new version
+    """Abort once "t"'s group finished, "abcd" between its turn 0 (with the tool's answer) and turn 1,
+    then resume it as the buffer does (sources.Episodes.resume): under the same weights (a new version
     number) it is exactly the never-aborted episode — ids, logprobs, loss mask (environment tokens 0),
     turns, reward — with versions 0 on the kept tokens and 1 on the rest, and the mask flag leaves only
     the new model tokens in; under changed weights the new tokens' logprobs are the new weights' given
     the whole prefix, the tool's answer included."""
-    runner, engine, model, prompts, sp = two_episodes(Quick)
+    runner, engine, model, prompts, sp = two_episodes(Quick, stops_first)
     source = Episodes(runner)
     whole = runner.generate(prompts, 1, sp)[1]  # never aborted
     handed = []
@@ -235,6 +274,7 @@ def test_an_aborted_episode_resumes_at_its_next_turn_with_the_same_tokens():
     assert handed == [cut[0]] and cut[0].status == "completed" and cut[0].episode["end"] == "done"
     a = cut[1]
     assert a.status == "aborted" and a.episode["end"] == "aborted" and a.episode["turns"] == 1
+    assert not a.episode["cut"]
     (start, end), = a.episode["spans"]
     k = a.response_length
     env = runner.turns.encode(OBS[0], "tool", a.response_ids[end - 1])
@@ -252,30 +292,49 @@ def test_an_aborted_episode_resumes_at_its_next_turn_with_the_same_tokens():
     rollout_worker.mask_older_tokens(r)
     assert r.loss_mask == [m * (t >= k) for t, m in enumerate(whole.loss_mask)] and sum(r.loss_mask) > 0
     # changed weights: the resumed turns are the new weights', the kept ones the old weights'
-    old = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
+    old = changed(model)
     engine.version = 2
     r, = source.resume(prompts[1:], [copy.deepcopy(a)], sp)
     assert r.response_ids[:k] == a.response_ids and r.response_length > k
-    batch = collate([r], PAD)
-    model_tok = batch.response_mask[0].bool()  # [T] the model's tokens (the tool's are 0)
-    with torch.no_grad():
-        lp_new = response_logprobs(model, batch, temperature=0.9)[0][0]  # [T]
-        lp_old = response_logprobs(old, batch, temperature=0.9)[0][0]    # [T]
-    new = model_tok & (torch.arange(batch.response_mask.shape[1]) >= k)
-    assert new.any() and (lp_new - batch.rollout_logprobs[0])[new].abs().max() < 1e-5
-    assert (lp_old - batch.rollout_logprobs[0])[model_tok & ~new].abs().max() < 1e-5
+    versions_sampled(r, model, old, k)
+
+
+def test_an_episode_cut_inside_a_turn_continues_that_turn():
+    """Abort while "abcd"'s turn 0 still runs (the engine reports "t"'s turn as it stops, its environment
+    ends the episode, its group is in): the turn comes back cut, its tokens so far kept; the resume
+    continues the same turn under the new weights (one span, not a second turn), the environment then
+    answers the whole turn, and the episode plays on. Per-token versions: 0 before the cut, 2 after."""
+    runner, engine, model, prompts, sp = two_episodes(Quick, stops_later)
+    whole = runner.generate(prompts, 1, sp)
+    source = Episodes(runner)
+    cut = source.start(prompts, 1, sp, until=lambda groups: True)
+    a, c = cut[1], turn0(whole[0])  # cut at the decode step "t"'s turn stopped
+    assert cut[0].episode["end"] == "done" and a.status == "aborted" and a.episode["cut"]
+    assert a.episode["spans"] == [(0, c)] and a.response_ids == whole[1].response_ids[:c]
+    assert a.loss_mask == [1] * c and a.episode["turns"] == 1 and c < turn0(whole[1])
+    a.token_versions = [0] * c
+    old = changed(model)
+    engine.version = 2
+    r, = source.resume(prompts[1:], [copy.deepcopy(a)], sp)
+    spans, L = r.episode["spans"], r.response_length
+    assert r.response_ids[:c] == a.response_ids and spans[0][0] == 0 and spans[0][1] > c
+    assert r.token_versions == [0] * c + [2] * (L - c) and not r.episode["cut"]
+    # the environment answered the whole turn 0, then the model went on
+    assert len(spans) > 1
+    end = spans[0][1]
+    env = runner.turns.encode(OBS[0], "tool", r.response_ids[end - 1])
+    assert r.response_ids[end:spans[1][0]] == env and r.loss_mask[end:spans[1][0]] == [0] * len(env)
+    assert len(r.episode["turn_rewards"]) == len(spans) and r.episode["tool_calls"] == len(spans) - 1
+    versions_sampled(r, model, old, c)
 
 
 def test_an_environment_that_does_not_replay_ends_its_episode_env_error():
     """The environment object is not carried: the resume replays a fresh one through the recorded turns;
     one that answers differently ends its episode env_error (counted), it never resumes from tokens its
     environment would not have sent."""
-    runner, engine, _, prompts, sp = two_episodes(Quick)
+    runner, engine, _, prompts, sp = two_episodes(Quick, stops_first)
     aborted = Episodes(runner).start(prompts, 1, sp, until=lambda groups: True)[1]
-    assert aborted.status == "aborted"
+    assert aborted.status == "aborted" and not aborted.episode["cut"]
     replaying = EpisodeRunner(engine, Forgetful, runner.tokenizer, max_turns=TURNS + 1, max_tokens=64,
                               log=lambda line: None)
     Forgetful.calls = 1  # its next episode answers turn 0 with OBS[1], not the recorded OBS[0]
@@ -314,9 +373,9 @@ def test_env_abort_run_trains(calc_task, tmp_path):
 
 def test_env_resume_with_buffered_aborted_episodes_is_the_uninterrupted_run(calc_task, tmp_path):
     """--env calc, 4 steps, and the same run resumed from its step-2 checkpoint, whose buffer holds
-    episodes aborted after a turn (their tokens, the tool's answer, their turns): the resumed worker
-    replays their environments and resumes them in batch 3 as the uninterrupted run did; the same logged
-    steps 3-4, the same weights."""
+    episodes aborted between turns (their tokens, the tool's answer, their turns) and inside a turn: the
+    resumed worker replays their environments and resumes them in batch 3 as the uninterrupted run did;
+    the same logged steps 3-4, the same weights."""
     a, b = tmp_path / "a", tmp_path / "b"
     extra = ("--steps", "4", *ABORT, "--save-every", "2", "--keep-checkpoints", "3",
              "--mask-offpolicy-in-partial-rollout")
@@ -325,7 +384,9 @@ def test_env_resume_with_buffered_aborted_episodes_is_the_uninterrupted_run(calc
     saved = torch.load(os.path.join(ck, pipeline.FILE), weights_only=True)
     buffer = saved["batches"][-1]["carry"]["buffer"]
     aborted = [s for g in buffer for s in g["samples"] if s["status"] == "aborted"]
-    assert aborted and all(s["episode"]["turns"] >= 1 and 0 in s["loss_mask"] for s in aborted)
+    assert aborted and all(s["response_ids"] and s["episode"]["turns"] == 1 for s in aborted)
+    # some between turns (after the tool's answer, masked), some cut inside their turn
+    assert any(0 in s["loss_mask"] for s in aborted) and any(s["episode"]["cut"] for s in aborted)
     train.main(calc_args(calc_task, b, *extra, "--resume", ck))
     la, lb = every_step(a), every_step(b)
     assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
