@@ -8,7 +8,9 @@ batching and checkpoints never learn that an environment was involved. Key choic
 re-encoding; the environment's text is framed as a chat turn by `ChatTurns`); the environment's tokens
 sit in the response with loss mask 0; the caps (tokens, turns) end an episode "truncated", a raising
 environment "env_error", both counted (`EpisodeRunner.faults`). The Sample of an episode and its end
-reasons: `EpisodeRunner`'s docstring.
+reasons: `EpisodeRunner`'s docstring. --partial-rollout abort: `generate(..., until)` aborts the episodes
+still going once a batch has its groups, `resume` plays them on from their last turn (the environment
+rebuilt by replaying the recorded turns: it is never pickled).
 
 Test: python -m pytest tests/test_env.py -q
 """
@@ -144,11 +146,11 @@ class EpisodeRunner:
     always ends with a model turn); loss_mask 1 on model tokens, 0 on environment tokens (context the policy
     sees but never produced); rollout_logprobs the engine's for model tokens, 0 (unused) for environment
     tokens. Sample.episode: the end reason, the model turns' spans, per-turn rewards, the number of tool
-    calls. Rewards: every `step` returns one; the episode's reward is their sum (floats, or dicts summed per
-    component). When an environment rewards turns before the last, `turn_reward_tensor` places each on its
-    turn's last token, for the estimators that read token rewards (GAE, REINFORCE++, ReMax); outcome
-    estimators read the sum (nanorl/advantage.py). GRPO groups are the n episodes started from the same
-    prompt (group_id = prompt index).
+    calls, whether an abort cut the last turn ("cut"). Rewards: every `step` returns one; the episode's
+    reward is their sum (floats, or dicts summed per component). When an environment rewards turns before
+    the last, `turn_reward_tensor` places each on its turn's last token, for the estimators that read token
+    rewards (GAE, REINFORCE++, ReMax); outcome estimators read the sum (nanorl/advantage.py). GRPO groups
+    are the n episodes started from the same prompt (group_id = prompt index).
 
     How an episode ends (Sample.episode["end"], logged per step as env/end/<reason>):
       done         the environment said so                                  status completed
@@ -157,7 +159,8 @@ class EpisodeRunner:
       turn_cap     max_turns model turns and the environment not done       status truncated
       env_error    reset/step raised (the first traceback is logged)        status env_error, counted
       tool_timeout a tool call passed its time limit (its process killed)   status tool_timeout, counted
-      aborted      the engine aborted the request                           status aborted
+      aborted      --partial-rollout abort (`until`), between turns or inside  status aborted
+                   one (episode["cut"]); the next batch resumes it (`resume`)
     None of them raises. The last three do not train: the step drops them after scoring and counts
     them (nanorl/stages.py, trajectory.TRAINS).
     """

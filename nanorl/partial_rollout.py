@@ -8,6 +8,10 @@ and its version (Sample.token_versions), and the next batch resumes them first. 
 the old tokens per token through their own rollout logprobs; --mask-offpolicy-in-partial-rollout masks
 them instead (rollout_worker.mask_older_tokens). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
 
+The generation is the worker's sample source's (`Source.start` / `Source.resume`, nanorl/sources.py): a
+response over the engine, or with --env an episode (aborted between turns or inside one, resumed at its
+last turn, its environment replayed: nanorl/episodes.py, docs/async.md).
+
 With --filter-groups (DAPO's dynamic sampling, slime's dynamic filter) `GroupFilter` judges each group as
 it finishes, resumed ones too, and the abort waits for G KEPT groups; a batch still short draws rounds
 of G fresh prompts, aborted the same way (docs/from-slime-verl.md, "nanorl/dapo.py").

@@ -6,10 +6,11 @@ engine) and the stages (nanorl/stages.py) ask it, never which one it is.
 Start at `Source`: `generate` and what a source says it did beyond sampling — `rewarded` (the samples
 come back scored: the environment scored its episodes, the worker scored its batch), `local` (sampled
 here, in this step: DAPO's over-sampling and refill rounds and ReMax's greedy baselines run here; the
-worker runs them with its batch), its metrics, the versions it must be handed (`publish`) and the
-reference logprobs it brings (`ref_logprobs`, the worker's). Key choice: the stages' branches on the
-source are these declarations, read where they matter, so adding a source touches this file and
-train.setup only. Test: python -m pytest tests/test_golden.py -q (every source, bit for bit)
+worker runs them with its batch), `start` / `resume` (--partial-rollout abort: a response or an
+episode aborted and resumed, nanorl/partial_rollout.py), its metrics, the versions it must be handed
+(`publish`) and the reference logprobs it brings (`ref_logprobs`, the worker's). Key choice: the stages'
+branches on the source are these declarations, read where they matter, so adding a source touches this
+file and train.setup only. Test: python -m pytest tests/test_golden.py -q (every source, bit for bit)
 """
 from __future__ import annotations
 
