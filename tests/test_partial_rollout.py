@@ -356,6 +356,64 @@ def calc_args(calc_task, out, *extra):
             calc_task["test"], "--out-dir", str(out), *ENV, *extra]
 
 
+def test_env_worker_resumes_aborted_episodes_under_the_new_weights(calc_task, tmp_path):
+    """The worker with --env calc: batch 0 (version 0) aborts the episodes still going once 4 of its 8
+    groups are in; version 1 is published; batch 2 resumes them first. Each resumed episode is its old
+    tokens, then version 1's (its cut turn continued, or its next turn after the tool's answer); per
+    token: the versions, the rollout logprobs (version 0's on the old model tokens, version 1's on the
+    new, given the whole prefix), the environment's tokens out of the loss and, with the flag, the old
+    model tokens too."""
+    run = train.setup(Config.from_flags(
+        model=calc_task["model"], train_data=calc_task["train"], test_data=calc_task["test"], quiet=True,
+        out_dir=str(tmp_path), eval_every=0, threads=1, prompts_per_step=4, samples_per_prompt=2, env="calc",
+        max_new_tokens=12, env_max_turns=3, async_steps=1, partial_rollout="abort", over_sample=2,
+        mask_offpolicy_in_partial_rollout=True))
+    worker, weights_ = make_worker(run, max_new_tokens=12)
+    try:
+        worker.rollout(0, None)
+        buffered = [(p, [copy.deepcopy(s) for s in g]) for p, g in worker.partial.buffer]
+        assert any(s.status == "aborted" and s.response_ids for _, g in buffered for s in g)
+        old = {k: v.clone() for k, v in run.model.state_dict().items()}
+        new_model = copy.deepcopy(run.model)
+        changed(new_model)
+        weights_.publish(new_model, 1)
+        second = worker.rollout(2, None)
+    finally:
+        worker.episodes.close()
+        run.episodes.close()
+        run.logger.close()
+    n, samples = 2, second["samples"]
+    resumed = []
+    for (_, g), got in zip(buffered, [samples[i:i + n] for i in range(0, len(buffered) * n, n)]):
+        for was, s in zip(g, got):
+            k, L = was.response_length, s.response_length
+            assert s.response_ids[:k] == was.response_ids and s.rollout_logprobs[:k] == was.rollout_logprobs
+            assert s.status != "aborted" and s.weight_version == 0
+            if was.status == "aborted":
+                resumed.append(s)
+                assert s.token_versions == [0] * k + [1] * (L - k)
+                # the environment's tokens stay out; of the model's, only the newest version's train
+                env, newest = [0] * L, max(s.token_versions)
+                for (_, end), (nxt, _) in zip(s.episode["spans"], s.episode["spans"][1:]):
+                    env[end:nxt] = [1] * (nxt - end)
+                assert s.loss_mask == [int(not e and v == newest) for e, v in zip(env, s.token_versions)]
+            else:
+                assert s.response_ids == was.response_ids and s.token_versions == [0] * L
+    assert any(len(set(s.token_versions)) > 1 for s in resumed)
+    batch = collate(samples, run.tokenizer.pad_token_id)
+    tv = torch.full(batch.response_mask.shape, -1)  # [B, T] each token's version, -1 on padding
+    for b, s in enumerate(samples):
+        tv[b, :s.response_length] = torch.tensor(s.token_versions)
+    sampled = torch.zeros_like(tv, dtype=torch.bool)  # [B, T] the model's tokens (not the tool's)
+    for b, s in enumerate(samples):
+        for start, end in s.episode["spans"]:
+            sampled[b, start:end] = True
+    lp_old = logprobs_under(run.model, old, batch)
+    lp_new = logprobs_under(run.model, new_model.state_dict(), batch)
+    assert (lp_old - batch.rollout_logprobs)[sampled & (tv == 0)].abs().max() < 1e-5
+    assert (lp_new - batch.rollout_logprobs)[sampled & (tv == 1)].abs().max() < 1e-5
+
+
 @pytest.mark.slow
 def test_env_abort_run_trains(calc_task, tmp_path):
     """train.py --env calc with --partial-rollout abort: episodes aborted between turns are resumed by
