@@ -235,8 +235,6 @@ class AsyncRollout(Group):
 
     def check(self, cfg) -> None:
         on = self.async_steps > 0
-        need(not (self.partial_rollout and cfg.env), "--partial-rollout with --env is not supported: the "
-             "buffer resumes single responses, not an episode's turns")
         need(self.async_steps >= 0, f"async_steps must be >= 0, got {self.async_steps}")
         need(not self.partial_rollout or on, "partial_rollout needs async_steps >= 1")
         need(not self.mask_offpolicy_in_partial_rollout or self.partial_rollout,

@@ -8,7 +8,9 @@ batching and checkpoints never learn that an environment was involved. Key choic
 re-encoding; the environment's text is framed as a chat turn by `ChatTurns`); the environment's tokens
 sit in the response with loss mask 0; the caps (tokens, turns) end an episode "truncated", a raising
 environment "env_error", both counted (`EpisodeRunner.faults`). The Sample of an episode and its end
-reasons: `EpisodeRunner`'s docstring.
+reasons: `EpisodeRunner`'s docstring. --partial-rollout abort: `generate(..., until)` aborts the episodes
+still going once a batch has its groups, `resume` plays them on from their last turn (the environment
+rebuilt by replaying the recorded turns: it is never pickled).
 
 Test: python -m pytest tests/test_env.py -q
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import numbers
 import traceback
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -90,6 +93,36 @@ class _Episode:
     experts: torch.Tensor | None = None
     # the version that recorded `experts` (the last turn's)
     routing_version: int | None = None
+    # the last model turn was cut by an abort (--partial-rollout abort): a resume continues it
+    cut: bool = False
+
+
+@dataclass
+class _Until:
+    """`EpisodeRunner.generate`'s `until` over a batch of episodes (n per group, consecutive): asked as
+    groups finish, between rounds and inside a model turn between decode steps; once it has said so,
+    it stays so (every episode still going is aborted)."""
+    fn: Callable[[list[Sample]], bool]
+    eps: list[_Episode]
+    n: int
+    sample: Callable[[_Episode], Sample]
+    # episode index → the Sample `fn` was handed (the result holds those very Samples)
+    built: dict[int, Sample] = field(default_factory=dict)
+    said: bool = False
+
+    def __call__(self) -> bool:
+        """`fn` on the groups that have all ended since its last call."""
+        if self.said:
+            return True
+        new = []
+        for start in range(0, len(self.eps), self.n):
+            idx = range(start, start + self.n)
+            if start not in self.built and all(self.eps[i].end is not None for i in idx):
+                for i in idx:
+                    self.built[i] = self.sample(self.eps[i])
+                new += [self.built[i] for i in idx]
+        self.said = bool(new) and self.fn(new)
+        return self.said
 
 
 class EpisodeRunner:
@@ -113,11 +146,11 @@ class EpisodeRunner:
     always ends with a model turn); loss_mask 1 on model tokens, 0 on environment tokens (context the policy
     sees but never produced); rollout_logprobs the engine's for model tokens, 0 (unused) for environment
     tokens. Sample.episode: the end reason, the model turns' spans, per-turn rewards, the number of tool
-    calls. Rewards: every `step` returns one; the episode's reward is their sum (floats, or dicts summed per
-    component). When an environment rewards turns before the last, `turn_reward_tensor` places each on its
-    turn's last token, for the estimators that read token rewards (GAE, REINFORCE++, ReMax); outcome
-    estimators read the sum (nanorl/advantage.py). GRPO groups are the n episodes started from the same
-    prompt (group_id = prompt index).
+    calls, whether an abort cut the last turn ("cut"). Rewards: every `step` returns one; the episode's
+    reward is their sum (floats, or dicts summed per component). When an environment rewards turns before
+    the last, `turn_reward_tensor` places each on its turn's last token, for the estimators that read token
+    rewards (GAE, REINFORCE++, ReMax); outcome estimators read the sum (nanorl/advantage.py). GRPO groups
+    are the n episodes started from the same prompt (group_id = prompt index).
 
     How an episode ends (Sample.episode["end"], logged per step as env/end/<reason>):
       done         the environment said so                                  status completed
@@ -126,7 +159,8 @@ class EpisodeRunner:
       turn_cap     max_turns model turns and the environment not done       status truncated
       env_error    reset/step raised (the first traceback is logged)        status env_error, counted
       tool_timeout a tool call passed its time limit (its process killed)   status tool_timeout, counted
-      aborted      the engine aborted the request                           status aborted
+      aborted      --partial-rollout abort (`until`), between turns or inside  status aborted
+                   one (episode["cut"]); the next batch resumes it (`resume`)
     None of them raises. The last three do not train: the step drops them after scoring and counts
     them (nanorl/stages.py, trajectory.TRAINS).
     """
@@ -147,18 +181,43 @@ class EpisodeRunner:
         self.faults = Counter()
         self._logged = False
 
-    def generate(self, prompts, n: int, sampling) -> list[Sample]:
-        """n episodes per prompt, consecutive, group_id = the prompt's index; each Sample scored."""
+    def generate(self, prompts, n: int, sampling, until=None) -> list[Sample]:
+        """n episodes per prompt, consecutive, group_id = the prompt's index; each Sample scored.
+
+        until (--partial-rollout abort, nanorl/partial_rollout.py): called after every round of turns
+        (the model's, then the environment's) with the n Samples of each group whose episodes have all
+        ended since the last call (the result holds those very Samples). True aborts every episode still
+        going, at that turn boundary: it comes back with status "aborted" and every turn it had, the
+        environment's last answer included, for `resume` to play its next turn."""
         eps = [self._start(p, g) for g, p in enumerate(prompts) for _ in range(n)]
-        for turn in range(self.max_turns):
+        return self._play(eps, sampling, n, until)
+
+    def resume(self, prompts, samples: list[Sample], sampling) -> list[Sample]:
+        """Aborted episodes (`generate`'s, each with its prompt) played on from their next turn under the
+        engine's current weights, to their end; each Sample keeps its recorded tokens, logprobs, mask and
+        turns, and the group id it had. The environment object is not carried: a fresh one is replayed
+        through `reset` and the recorded model turns' `step`s (`_replayed`), so a buffer of aborted
+        episodes is plain data (a checkpoint holds it); an environment whose replay does not give back the
+        recorded tokens ends its episode env_error (counted)."""
+        eps = [self._replayed(p, s) for p, s in zip(prompts, samples)]
+        return self._play(eps, sampling, 1, None)
+
+    def _play(self, eps: list[_Episode], sampling, n: int, until) -> list[Sample]:
+        """Rounds of turns until every episode has ended; each live episode plays its own next turn
+        (resumed ones may be at different turns). With `until`: `generate`'s abort."""
+        stop = None if until is None else _Until(until, eps, n, self._sample)
+        while any(e.end is None for e in eps):
             live = [e for e in eps if e.end is None]
-            if not live:
-                break
-            self._model_turn(live, sampling, turn)
+            stepped = self._model_turn(live, sampling, stop)
             for e in live:
-                if e.end is None:
-                    self._env_turn(e, turn)
-        samples = [self._sample(e) for e in eps]
+                if e.end is None and id(e) not in stepped:
+                    self._env_turn(e, len(e.spans) - 1)
+            if stop is not None and stop():
+                for e in eps:
+                    if e.end is None:
+                        e.end = "aborted"
+        built = {} if stop is None else stop.built
+        samples = [built[i] if i in built else self._sample(e) for i, e in enumerate(eps)]
         names = list(dict.fromkeys(k for s in samples if isinstance(s.reward, dict) for k in s.reward))
         # one reward kind per batch (collate): a float becomes zeros
         for s in samples if names else []:
@@ -174,66 +233,150 @@ class EpisodeRunner:
         env.tools = self.tools
         e = _Episode(env, list(prompt.ids), group)
         try:
-            first = env.reset(prompt)
-            if isinstance(first, str):
-                if self.render is None:
-                    raise ValueError("reset returned text, but the runner has no render function")
-                e.prompt_ids = list(self.render(first))
-            elif first is not None:
-                e.prompt_ids = _ids(first, "reset")
+            e.prompt_ids = self._reset_ids(env, prompt)
         # environment code: a fault ends this episode, never the step
         except Exception as err:
             self._fault(e, err)
         return e
 
-    def _model_turn(self, live: list[_Episode], sampling, turn: int) -> None:
-        """One engine call per distinct token budget (the caps shorten the last turns' budgets)."""
-        budgets: dict[int, list[_Episode]] = {}
+    def _replayed(self, prompt, s: Sample) -> _Episode:
+        """The aborted episode `s` at its next turn: its recorded ids, logprobs, mask and turns, and a fresh
+        environment brought to the same point by `reset` and a `step` per recorded model turn, each
+        checked to answer with the recorded environment tokens."""
+        if s.status != "aborted" or s.episode is None or s.episode["end"] != "aborted":
+            raise ValueError(f"EpisodeRunner.resume: an aborted episode is needed, got status {s.status!r}")
+        R, info = s.response_length, s.episode
+        rows = [None] * R if s.sampling_support is None else \
+            [None if bool((row < 0).all()) else row[row >= 0] for row in s.sampling_support]
+        e = _Episode(self.make_env(), list(s.prompt_ids), s.group_id, ids=list(s.response_ids),
+                     logps=list(s.rollout_logprobs), mask=list(s.loss_mask or [1] * R), support=rows,
+                     spans=[tuple(x) for x in info["spans"]],
+                     # a step's reward per finished turn (a cut turn's 0 is `_sample`'s padding)
+                     rewards=list(info["turn_rewards"][:len(info["spans"]) - info["cut"]]),
+                     tool_calls=info["tool_calls"], version=s.weight_version, experts=s.routed_experts,
+                     routing_version=s.routing_version,
+                     cut=info["cut"])
+        e.env.tools = self.tools
+        try:
+            if self._reset_ids(e.env, prompt) != e.prompt_ids:
+                raise ReplayMismatch("reset", 0)
+            # the environment's tokens after each finished model turn: from its span's end to the next span
+            nexts = [start for start, _ in e.spans[1:]] + [R]
+            for turn, ((start, end), nxt) in enumerate(zip(e.spans[:len(e.spans) - e.cut], nexts)):
+                # the recorded rewards, tool calls and masks stand: only the answer is compared
+                if self._stepped(e, start, end, turn)[0] != e.ids[end:nxt]:
+                    raise ReplayMismatch("step", turn)
+        # environment code: a fault ends this episode, never the step
+        except Exception as err:
+            self._fault(e, err)
+        return e
+
+    def _model_turn(self, live: list[_Episode], sampling, stop: _Until | None) -> set[int]:
+        """Each episode's next model turn (or the rest of a turn an abort cut): one engine call per
+        distinct (turn, token budget) (the caps shorten the last turns' budgets; resumed episodes may be
+        at different turns). With `stop` the engine reports each turn as it stops: its environment turn
+        runs at once, and `stop` may abort the turns still running (and the calls not made yet). Returns
+        the ids of the episodes whose environment turn ran here."""
+        budgets: dict[tuple[int, int], list[_Episode]] = {}
+        full: dict[int, int] = {}  # id(episode) → its turn's whole budget (a cut turn's included)
         # vLLM refuses a request that cannot fit
         context = self.engine.max_model_len
         for e in live:
-            budget = min(sampling.max_new_tokens, self.max_tokens - len(e.ids))
+            # where the turn began: a cut one where it was cut from
+            begin = e.spans[-1][0] if e.cut else len(e.ids)
+            whole = min(sampling.max_new_tokens, self.max_tokens - begin)
             if context is not None:
-                budget = min(budget, context - len(e.prompt_ids) - len(e.ids))
+                whole = min(whole, context - len(e.prompt_ids) - begin)
+            budget = whole - (len(e.ids) - begin)
             if budget < 1:
-                e.end = "token_cap"
+                # a turn cut at its last token ends as if it had run out (slime's); else no room at all
+                e.end = "truncated" if e.cut and whole == sampling.max_new_tokens else "token_cap"
+                e.cut = False
                 continue
-            budgets.setdefault(budget, []).append(e)
-        for budget, group in budgets.items():
+            full[id(e)] = whole
+            budgets.setdefault((len(e.spans) - e.cut, budget), []).append(e)
+        stepped: set[int] = set()
+        for (turn, budget), group in budgets.items():
+            if stop is not None and stop.said:  # aborted in an earlier call: at the turn boundary
+                for e in group:
+                    e.end = "aborted"
+                continue
             # a fresh draw per turn
             seed = None if sampling.seed is None else sampling.seed + 7919 * turn + budget
             sp = replace(sampling, max_new_tokens=budget, seed=seed)
-            out = self.engine.generate([e.prompt_ids + e.ids for e in group], 1, sp)
+            prompts = [e.prompt_ids + e.ids for e in group]
+            took: set[int] = set()  # rows the engine reported as they stopped
+            if stop is None:
+                out = self.engine.generate(prompts, 1, sp)
+            else:
+                def stopped(rows: list[Sample], group=group, took=took, turn=turn) -> bool:
+                    for s in rows:  # n = 1: a row's group id is its index in the call
+                        e = group[s.group_id]
+                        took.add(s.group_id)
+                        self._took(e, s, full[id(e)], sampling)
+                        if e.end is None:
+                            self._env_turn(e, turn)
+                            stepped.add(id(e))
+                    return stop()
+                out = self.engine.generate(prompts, 1, sp, until=stopped)
             if len(out) != len(group):
                 raise RuntimeError(f"engine returned {len(out)} samples for {len(group)} prompts")
-            for e, s in zip(group, out):
-                if s.rollout_logprobs is None:
-                    raise ValueError("EpisodeRunner needs rollout logprobs from the engine")
-                r = s.response_length
-                e.spans.append((len(e.ids), len(e.ids) + r))
-                e.ids += s.response_ids
-                e.logps += list(s.rollout_logprobs)
-                e.mask += list(s.loss_mask) if s.loss_mask is not None else [1] * r
-                rows = s.sampling_support
-                e.support += [None] * r if rows is None else [row for row in rows]
-                e.version = s.weight_version if e.version is None else min(e.version, s.weight_version)
-                if s.routed_experts is not None:
-                    e.experts, e.routing_version = s.routed_experts, s.routing_version
-                # no stop token: cut by a cap or by max_new_tokens
-                if s.status == "truncated":
-                    e.end = "token_cap" if budget < sampling.max_new_tokens else "truncated"
-                elif s.status == "aborted":
-                    e.end = "aborted"
+            for i, (e, s) in enumerate(zip(group, out)):
+                if i not in took:
+                    self._took(e, s, full[id(e)], sampling)
+        return stepped
 
-    def _env_turn(self, e: _Episode, turn: int) -> None:
-        start, end = e.spans[-1]
+    def _took(self, e: _Episode, s: Sample, whole: int, sampling) -> None:
+        """A model turn's Sample into its episode (the rest of a cut turn joins it); `whole`: the turn's
+        budget."""
+        if s.rollout_logprobs is None:
+            raise ValueError("EpisodeRunner needs rollout logprobs from the engine")
+        r, was_cut = s.response_length, e.cut
+        if was_cut:
+            start, _ = e.spans.pop()
+            e.spans.append((start, len(e.ids) + r))
+        # an abort before the turn's first token leaves no turn: a resume starts it
+        elif r or s.status != "aborted":
+            e.spans.append((len(e.ids), len(e.ids) + r))
+        e.ids += s.response_ids
+        e.logps += list(s.rollout_logprobs)
+        e.mask += list(s.loss_mask) if s.loss_mask is not None else [1] * r
+        rows = s.sampling_support
+        e.support += [None] * r if rows is None else [row for row in rows]
+        e.version = s.weight_version if e.version is None else min(e.version, s.weight_version)
+        if s.routed_experts is not None:
+            e.experts, e.routing_version = s.routed_experts, s.routing_version
+        e.cut = False
+        # no stop token: cut by a cap or by max_new_tokens
+        if s.status == "truncated":
+            e.end = "token_cap" if whole < sampling.max_new_tokens else "truncated"
+        elif s.status == "aborted":
+            e.end, e.cut = "aborted", was_cut or r > 0
+
+    def _reset_ids(self, env: Env, prompt) -> list[int]:
+        """The episode's first prompt: `reset`'s text rendered, its ids, or (None) the prompt's own."""
+        first = env.reset(prompt)
+        if isinstance(first, str):
+            if self.render is None:
+                raise ValueError("reset returned text, but the runner has no render function")
+            return list(self.render(first))
+        return list(prompt.ids) if first is None else _ids(first, "reset")
+
+    def _stepped(self, e: _Episode, start: int, end: int, turn: int) -> tuple:
+        """The environment's step on the model turn e.ids[start:end]: (its answer's ids, None when done,
+        reward, done, info)."""
         action = Action(ids=e.ids[start:end],
                         text=self.tokenizer.decode(e.ids[start:end], skip_special_tokens=True),
                         turn=turn)
+        obs, reward, done, info = _checked_step(e.env.step(action))
+        ids = None if done else (_ids(obs, "step") if isinstance(obs, list) else
+                                 self.turns.encode(obs, e.env.role, e.ids[end - 1] if end else None))
+        return ids, reward, done, info
+
+    def _env_turn(self, e: _Episode, turn: int) -> None:
+        start, end = e.spans[-1]
         try:
-            obs, reward, done, info = _checked_step(e.env.step(action))
-            ids = None if done else (_ids(obs, "step") if isinstance(obs, list) else
-                                     self.turns.encode(obs, e.env.role, e.ids[-1] if e.ids else None))
+            ids, reward, done, info = self._stepped(e, start, end, turn)
         # a tool that raised, a ToolTimeout, an environment bug
         except Exception as err:
             return self._fault(e, err)
@@ -276,8 +419,18 @@ class EpisodeRunner:
                    group_id=e.group, routed_experts=e.experts, routing_version=e.routing_version,
                    sampling_support=_support(e.support),
                    episode={"end": e.end or "turn_cap", "turns": len(e.spans), "spans": e.spans,
-                            "turn_rewards": rewards, "tool_calls": e.tool_calls})
+                            "turn_rewards": rewards, "tool_calls": e.tool_calls, "cut": e.cut})
         return s
+
+
+class ReplayMismatch(RuntimeError):
+    """A resumed episode's fresh environment did not answer its recorded turns as the first one did (a
+    stateful or random environment): the episode cannot go on from its recorded tokens."""
+
+    def __init__(self, where: str, turn: int):
+        super().__init__(f"replaying an aborted episode: the environment's {where} of turn {turn} did not "
+                         "give back the recorded tokens; --partial-rollout abort with --env needs an "
+                         "environment that answers the same turns the same way (nanorl/episodes.py resume)")
 
 
 def _ids(x, where: str) -> list[int]:

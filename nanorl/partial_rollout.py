@@ -8,6 +8,10 @@ and its version (Sample.token_versions), and the next batch resumes them first. 
 the old tokens per token through their own rollout logprobs; --mask-offpolicy-in-partial-rollout masks
 them instead (rollout_worker.mask_older_tokens). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
 
+The generation is the worker's sample source's (`Source.start` / `Source.resume`, nanorl/sources.py): a
+response over the engine, or with --env an episode (aborted between turns or inside one, resumed at its
+last turn, its environment replayed: nanorl/episodes.py, docs/async.md).
+
 With --filter-groups (DAPO's dynamic sampling, slime's dynamic filter) `GroupFilter` judges each group as
 it finishes, resumed ones too, and the abort waits for G KEPT groups; a batch still short draws rounds
 of G fresh prompts, aborted the same way (docs/from-slime-verl.md, "nanorl/dapo.py").
@@ -25,12 +29,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
-import torch
-
 from nanorl import dapo, rounds
 from nanorl.data import Prompt
 from nanorl.rewards import score_samples
-from nanorl.rollout import stop_cut
 from nanorl.trajectory import Sample
 
 
@@ -38,8 +39,11 @@ class AbortingRollout:
     """The worker's batches under --partial-rollout abort: `batch` makes one, `state_dict` is what a
     checkpoint needs to make the next ones as an uninterrupted run would."""
 
-    def __init__(self, engine, rewards, tokenizer, loader, groups: int, n: int, over_sample: int):
-        self.engine, self.rewards, self.tokenizer, self.loader = engine, rewards, tokenizer, loader
+    def __init__(self, source, engine, rewards, tokenizer, loader, groups: int, n: int, over_sample: int):
+        # source (nanorl/sources.py): single responses over the engine, or --env's episodes (aborted at a
+        # turn boundary, resumed at their next turn); its start / resume are the only generation here
+        self.source, self.engine = source, engine
+        self.rewards, self.tokenizer, self.loader = rewards, tokenizer, loader
         self.G, self.n, self.F = groups, n, over_sample
         self.buffer: list[tuple[Prompt, list[Sample]]] = []  # aborted groups, oldest first
         self.pending: list[Prompt] = []  # drawn from the loader, not started yet
@@ -73,7 +77,7 @@ class AbortingRollout:
         prompts, out = [p for p, _ in done], []
         for gid, (_, g) in enumerate(done):
             out += [dataclasses.replace(s, group_id=gid) for s in g]
-        if keep is None:  # the filter scored each group as it finished
+        if keep is None and not self.source.rewarded:  # the filter (or the environment) scored them
             for s, r in zip(out, score_samples(self.rewards, self.tokenizer, prompts, out)):
                 s.reward = r
         metrics = {"async/resumed_groups": len(carried),
@@ -110,7 +114,7 @@ class AbortingRollout:
         def enough(stopped: list[Sample]) -> bool:  # called with the groups whose rows all stopped
             counted([stopped[i:i + self.n] for i in range(0, len(stopped), self.n)])
             return len(order) >= need
-        samples = self.engine.generate([p.ids for p in pool], self.n, sampling, until=enough)
+        samples = self.source.start(pool, self.n, sampling, enough)
         for s in samples:
             s.token_versions = [version] * len(s.response_ids)
         groups = [samples[i:i + self.n] for i in range(0, len(samples), self.n)]
@@ -122,22 +126,14 @@ class AbortingRollout:
         return ordered[:need], ordered[need:], cut
 
     def _resume(self, carried: list, sampling, calls) -> list[tuple[Prompt, list[Sample]]]:
-        """The buffered groups, each unfinished sample continued under the engine's weights from prompt
-        + its tokens so far to its own remaining budget, finished ones as they were. One engine call for
-        all: each row is cut at its budget afterwards (its first k tokens do not depend on how long the
-        call runs; a vLLM worker's max_model_len leaves room for that: build.vllm_engine)."""
-        todo = [s for _, g in carried for s in g if s.status == "aborted"]
+        """The buffered groups, each unfinished sample continued under the engine's weights to its end
+        (Source.resume: a response from prompt + its tokens so far, an episode from its next turn), finished
+        ones as they were."""
+        todo = [(p, s) for p, g in carried for s in g if s.status == "aborted"]
         if not todo:
             return list(carried)
-        left = [sampling.max_new_tokens - len(s.response_ids) for s in todo]
         call = sampling.call(next(calls))
-        if max(left) == 0:  # cut at the last decode step (the HF engine's): each truncated as it is (slime's)
-            joined = iter([dataclasses.replace(s, status="truncated") for s in todo])
-        else:
-            new = self.engine.generate([s.prompt_ids + s.response_ids for s in todo], 1,
-                                       dataclasses.replace(call, max_new_tokens=max(left)))
-            v = self.engine.version
-            joined = iter([_joined(s, x, k, sampling, v) for s, x, k in zip(todo, new, left)])
+        joined = iter(self.source.resume([p for p, _ in todo], [s for _, s in todo], call))
         return [(p, [next(joined) if s.status == "aborted" else s for s in g]) for p, g in carried]
 
     def _draw(self, count: int) -> list[Prompt]:
@@ -197,18 +193,3 @@ class GroupFilter:
                 "dapo/surplus_groups": surplus,
                 "dropped_frac": sum(self.dropped.values()) / max(self.samples, 1), **self.dropped}
 
-
-def _joined(old: Sample, new: Sample, left: int, sampling, version: int) -> Sample:
-    """An aborted sample's tokens, then up to `left` tokens sampled after it (cut after a stop)."""
-    resp = new.response_ids[:left]
-    k, stopped = stop_cut(resp, set(sampling.stop_token_ids))
-    support = None
-    if sampling.keep_support:  # [R, K] each, -1 padded to the wider of the two
-        parts = [t for t in (old.sampling_support, new.sampling_support[:k]) if t is not None]
-        width = max(t.shape[1] for t in parts)
-        support = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in parts])
-    return dataclasses.replace(
-        old, response_ids=old.response_ids + resp[:k],
-        rollout_logprobs=old.rollout_logprobs + new.rollout_logprobs[:k],
-        status="completed" if stopped else "truncated", sampling_support=support,
-        token_versions=old.token_versions + [version] * k)

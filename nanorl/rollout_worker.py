@@ -148,8 +148,9 @@ class Worker:
         self.engine.version = -1  # nothing loaded yet
         self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
         if cfg.pipeline.partial_rollout == "abort":
-            self.partial = AbortingRollout(self.engine, self.rewards, self.tokenizer, spec.loader,
-                                           cfg.prompts_per_step, cfg.samples_per_prompt, cfg.dapo.over_sample)
+            self.partial = AbortingRollout(self.source, self.engine, self.rewards, self.tokenizer,
+                                           spec.loader, cfg.prompts_per_step, cfg.samples_per_prompt,
+                                           cfg.dapo.over_sample)
             if spec.carry is not None:
                 self.partial.load_state_dict(spec.carry)
         self.loader = None  # --filter-groups: how many prompts a batch takes depends on its rewards

@@ -6,18 +6,26 @@ engine) and the stages (nanorl/stages.py) ask it, never which one it is.
 Start at `Source`: `generate` and what a source says it did beyond sampling — `rewarded` (the samples
 come back scored: the environment scored its episodes, the worker scored its batch), `local` (sampled
 here, in this step: DAPO's over-sampling and refill rounds and ReMax's greedy baselines run here; the
-worker runs them with its batch), its metrics, the versions it must be handed (`publish`) and the
-reference logprobs it brings (`ref_logprobs`, the worker's). Key choice: the stages' branches on the
-source are these declarations, read where they matter, so adding a source touches this file and
-train.setup only. Test: python -m pytest tests/test_golden.py -q (every source, bit for bit)
+worker runs them with its batch), `start` / `resume` (--partial-rollout abort: a response or an
+episode aborted and resumed, nanorl/partial_rollout.py), its metrics, the versions it must be handed
+(`publish`) and the reference logprobs it brings (`ref_logprobs`, the worker's). Key choice: the stages'
+branches on the source are these declarations, read where they matter, so adding a source touches this
+file and train.setup only. Test: python -m pytest tests/test_golden.py -q (every source, bit for bit)
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from nanorl.env import episode_metrics
-from nanorl.rollout import SamplingConfig
+from nanorl.rollout import SamplingConfig, stop_cut
 from nanorl.trajectory import Sample
+
+NO_AGENT_ABORT = ("--partial-rollout abort with --agent is not supported: an agent's episode runs in the "
+                  "user's function, which cannot be stopped and resumed between its calls")
+WORKER_SAMPLES = ("the trainer's end of the async worker does not sample: the worker's own source runs the "
+                  "partial rollouts (nanorl/rollout_worker.py)")
 
 
 class Source:
@@ -31,6 +39,25 @@ class Source:
     def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         """n samples per prompt, consecutive, group_id = the prompt's index."""
         return self.engine.generate([p.ids for p in prompts], n, sampling)
+
+    def start(self, prompts: list, n: int, sampling: SamplingConfig, until) -> list[Sample]:
+        """--partial-rollout abort (nanorl/partial_rollout.py): `generate`, aborting what is unfinished
+        once `until`, handed the n samples of each group as it finishes, says so; an aborted sample comes
+        back with status "aborted" and what it had, for `resume`."""
+        return self.engine.generate([p.ids for p in prompts], n, sampling, until=until)
+
+    def resume(self, prompts: list, samples: list[Sample], sampling: SamplingConfig) -> list[Sample]:
+        """Aborted samples (of `start`, each with its prompt) continued to their end under the engine's
+        current weights: each its old tokens, logprobs, token versions, then the new ones, of this version.
+        One engine call for all: each row is cut at its own budget left afterwards (its first k tokens do
+        not depend on how long the call runs; a vLLM worker's max_model_len leaves room for that:
+        build.vllm_engine)."""
+        left = [sampling.max_new_tokens - len(s.response_ids) for s in samples]
+        if max(left) == 0:  # cut at the last decode step (the HF engine's): each truncated as it is (slime's)
+            return [replace(s, status="truncated") for s in samples]
+        new = self.engine.generate([s.prompt_ids + s.response_ids for s in samples], 1,
+                                   replace(sampling, max_new_tokens=max(left)))
+        return [_joined(s, x, k, sampling, self.engine.version) for s, x, k in zip(samples, new, left)]
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         """What the source logs of a step's samples (before any filter)."""
@@ -57,6 +84,21 @@ class Episodes(Source):
     def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         return self.episodes.generate(prompts, n, sampling)
 
+    def start(self, prompts: list, n: int, sampling: SamplingConfig, until) -> list[Sample]:
+        """Episodes aborted at a turn boundary: `until` is asked after every round of turns
+        (EpisodeRunner.generate)."""
+        return self.episodes.generate(prompts, n, sampling, until=until)
+
+    def resume(self, prompts: list, samples: list[Sample], sampling: SamplingConfig) -> list[Sample]:
+        """Each aborted episode played on from its next turn (EpisodeRunner.resume: its environment
+        replayed through the recorded turns); the tokens it adds, the environment's too, are this
+        version's."""
+        version = self.episodes.engine.version
+        out = self.episodes.resume(prompts, samples, sampling)
+        for old, s in zip(samples, out):
+            s.token_versions = old.token_versions + [version] * (s.response_length - old.response_length)
+        return out
+
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         # turns, tool use, how episodes ended; env faults as run totals
         faults = {f"env_faults/{k}": v for k, v in self.episodes.faults.items()}
@@ -74,6 +116,12 @@ class Agents(Source):
 
     def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         return self.runner.rollout(prompts, n, sampling)
+
+    def start(self, prompts: list, n: int, sampling: SamplingConfig, until) -> list[Sample]:
+        raise ValueError(NO_AGENT_ABORT)
+
+    def resume(self, prompts: list, samples: list[Sample], sampling: SamplingConfig) -> list[Sample]:
+        raise ValueError(NO_AGENT_ABORT)
 
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         # per episode (a split one has several samples): model calls, failures, splits; faults as run totals
@@ -101,6 +149,12 @@ class Worker(Source):
     def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
         return self.pipeline.take(step, prompts)
 
+    def start(self, prompts: list, n: int, sampling: SamplingConfig, until) -> list[Sample]:
+        raise ValueError(WORKER_SAMPLES)
+
+    def resume(self, prompts: list, samples: list[Sample], sampling: SamplingConfig) -> list[Sample]:
+        raise ValueError(WORKER_SAMPLES)
+
     def metrics(self, samples: list[Sample]) -> dict[str, float]:
         # staleness and who waited for whom, then (--env, --agent) the episodes' own
         return {**self.pipeline.metrics, **self.inner.metrics(samples)}
@@ -113,3 +167,19 @@ class Worker(Source):
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+def _joined(old: Sample, new: Sample, left: int, sampling: SamplingConfig, version: int) -> Sample:
+    """An aborted sample's tokens, then up to `left` tokens sampled after it (cut after a stop)."""
+    resp = new.response_ids[:left]
+    k, stopped = stop_cut(resp, set(sampling.stop_token_ids))
+    support = None
+    if sampling.keep_support:  # [R, K] each, -1 padded to the wider of the two
+        parts = [t for t in (old.sampling_support, new.sampling_support[:k]) if t is not None]
+        width = max(t.shape[1] for t in parts)
+        support = torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in parts])
+    return replace(
+        old, response_ids=old.response_ids + resp[:k],
+        rollout_logprobs=old.rollout_logprobs + new.rollout_logprobs[:k],
+        status="completed" if stopped else "truncated", sampling_support=support,
+        token_versions=old.token_versions + [version] * k)

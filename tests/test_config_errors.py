@@ -120,7 +120,6 @@ CASES = [
     (dict(CALC, reward="math"), None),
     (dict(CALC, overlong_buffer=0.2), None),
     (dict(env="calc"), None),
-    (dict(CALC, partial_rollout="abort", over_sample=2), None),
     (dict(async_steps=-1), None),
     (dict(partial_rollout="abort", over_sample=2), None),
     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), None),
