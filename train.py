@@ -43,6 +43,7 @@ from nanorl.data import PromptFormat, PromptLoader, build_prompts, load_rows
 from nanorl.evaluation import EvalSampling, evaluate, load_eval_sets
 from nanorl.kl import AdaptiveKLController, FixedKLController
 from nanorl.logger import Logger, PhaseTimer, RunDirError, RunDirLock, claim_run_dir
+from nanorl.partial_rollout import AbortingRollout, GroupFilter
 from nanorl.plan import Plan, make_plan
 from nanorl.plugins import Hooks, apply as apply_plugins
 from nanorl.rewards import RewardRunner, load_reward_fn
@@ -74,7 +75,9 @@ class Run:
     scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
     episodes: object | None = None  # --env's multi-turn driver / --agent's runner (nanorl/env.py, agent.py)
     hooks: Hooks | None = None  # user plug-ins: reward post-processing, metadata metrics (nanorl/plugins.py)
-    pipeline: object | None = None  # --async-steps: the trainer's end of the worker (nanorl/pipeline.py)
+    # what a checkpoint saves in flight: --async-steps' end of the worker (nanorl/pipeline.py), or the
+    # buffer of synchronous --partial-rollout abort (sources.Partial, also the run's source)
+    pipeline: object | None = None
     source: object | None = None  # where the step's samples come from (nanorl/sources.py)
     plan: Plan | None = None  # what each step computes: the estimator's and loss's needs (nanorl/plan.py)
     sampling: SamplingConfig | None = None  # how each step samples (temperature, top-k/p, stop tokens)
@@ -159,8 +162,11 @@ def setup(cfg: Config) -> Run:
                                   keep_support=cfg.sampling.keep_sampling_mask,
                                   support_cap=cfg.sampling.support_cap)
     run.rounds = rounds.OneRound()
-    if cfg.dapo.filter_groups:  # DAPO's dynamic sampling: its rounds run here, or in the async worker
-        run.rounds = rounds.FromWorker() if cfg.pipeline.async_steps else rounds.DynamicSampling()
+    # DAPO's dynamic sampling: its rounds run here, or in the async worker; with --partial-rollout abort
+    # the source judges each group as it finishes (partial_rollout.GroupFilter) and brings kept ones
+    if cfg.dapo.filter_groups:
+        partial = cfg.pipeline.async_steps or cfg.pipeline.partial_rollout == "abort"
+        run.rounds = rounds.FromWorker() if partial else rounds.DynamicSampling()
     run.finishers = rounds.finishers(cfg, tokenizer)  # overlong punishment, --mask-think
     # --reward-model, --judge: reward components beside --reward, weighed by --reward-weights. With
     # --async-steps the worker scores the steps' samples (its fault totals join these); the trainer builds
@@ -168,8 +174,32 @@ def setup(cfg: Config) -> Run:
     run.scorers = build.make_scorers(cfg, device, dtype, logger.print) if not cfg.pipeline.async_steps or \
         eval_sets else {name: pipeline.WorkerScored() for name in build.scorer_names(cfg)}
     run.reward_weights = build.reward_weights(cfg)
+    # --partial-rollout abort without --async-steps: the engine over-sampled, the unfinished groups
+    # aborted into a buffer that the next step resumes first and a checkpoint saves (sources.Partial)
+    if cfg.pipeline.partial_rollout == "abort" and not cfg.pipeline.async_steps:
+        run.source = run.pipeline = partial_source(run)
     engine.update_weights(model, version=0)
     return run
+
+
+def partial_source(run: Run) -> sources.Partial:
+    """Synchronous --partial-rollout abort over the run's source (the engine's, or --env's episodes) and
+    loader (sources.Partial); with --filter-groups each step's groups are judged as they finish by a
+    GroupFilter over that source (rounds.score reads it: the engine's samples are scored by --reward)."""
+    cfg = run.cfg
+    if run.world > 1:  # each rank would hold a buffer of its own, and a checkpoint saves rank 0's
+        raise ConfigError(f"--partial-rollout abort without --async-steps on {run.world} ranks is not "
+                          "supported: add --async-steps 1 (one worker's buffer for every rank)")
+    if cfg.agent:  # at start-up, not at the first step's abort (sources.Agents.start)
+        raise ConfigError(sources.NO_AGENT_ABORT)
+    inner = run.source  # the engine's, or --env's episodes: what is aborted and resumed
+    rollout = AbortingRollout(inner, run.engine, run.rewards, run.tokenizer, run.loader, cfg.prompts_per_step,
+                              cfg.samples_per_prompt, cfg.dapo.over_sample)
+    keep = None
+    if cfg.dapo.filter_groups:
+        def keep() -> GroupFilter:  # this step's (sampler_of reads run.step), scored as the step scores
+            return GroupFilter(dataclasses.replace(sampler_of(run), source=inner), cfg.dapo.max_gen_batches)
+    return sources.Partial(rollout, inner, keep, cfg.pipeline.mask_offpolicy_in_partial_rollout)
 
 
 def checkpoint_state(run: Run) -> checkpoint.State:

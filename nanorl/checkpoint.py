@@ -67,8 +67,10 @@ class State:
     engine: the rollout engine or None: its `generator` (a torch.Generator) is one of the random streams,
     and `update_weights(model, version=step)` syncs it after a resume. rewards: the reward runner or None:
     its `faults` Counter is saved per rank. scorers: the reward model / judge components by name
-    (nanorl/build.py make_scorers): their `faults` Counters, per rank too. pipeline: --async-steps'
-    trainer end (nanorl/pipeline.py) or None: the batches in flight. counters: plain counts (restored
+    (nanorl/build.py make_scorers): their `faults` Counters, per rank too. pipeline: what is in flight
+    or None: --async-steps' trainer end (nanorl/pipeline.py: the batches sampled ahead; started after a
+    resume), or synchronous --partial-rollout abort's source (nanorl/sources.py Partial: its buffer,
+    put back by `resume` through its load(path)); save(path, step) writes it. counters: plain counts (restored
     by update, in place). step: the steps done. rank, world: this process's rank and the number of
     ranks; every rank calls save and resume."""
     model: torch.nn.Module
@@ -185,7 +187,8 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
                "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]}
     ckpt_atomic.torch_save(trainer, os.path.join(tmp, "trainer_state.pt"))
     # --async-steps: the batches in flight, sampled from versions this checkpoint does not hold
-    # (pipeline.pt; what that guarantees is in nanorl/pipeline.py)
+    # (pipeline.pt; what that guarantees is in nanorl/pipeline.py); synchronous --partial-rollout: the
+    # aborted groups the next step resumes (partial_rollout.pt: nanorl/sources.py Partial)
     if state.pipeline is not None:
         state.pipeline.save(tmp, state.step)
     # rank 0's metrics.jsonl
@@ -366,6 +369,10 @@ def _apply(state: State, cfg, logger, path: str, saved: dict, tensors: dict, wei
                      weight_decay=cfg.optim.weight_decay)
     state.kl_ctl.load_state_dict(saved["kl_ctl"])
     state.loader.load_state_dict(saved["loader"])
+    # synchronous --partial-rollout abort: its buffer (sources.Partial); the async pipeline is started
+    # after a resume, from the directory (pipeline.start)
+    if state.pipeline is not None:
+        state.pipeline.load(path)
     state.counters.update(saved["counters"])
     state.step = int(saved["step"])
     # another world size: the streams stay as the run seeded them

@@ -223,10 +223,11 @@ class AsyncRollout(Group):
     trains on the batches before it (so no sample is more than K versions old); 0 = the synchronous loop.
     The worker runs --threads torch threads (1 when 0); correct the staleness with --tis-cap / --mis-high."""
     partial_rollout: str = ""
-    """Partial rollouts, per-token versions recorded ("" = off). abort (slime's): with --over-sample F the
-    worker keeps F× the batch's groups in flight and, once the batch has its groups (with --filter-groups:
-    groups with reward variance), aborts the rest into a buffer that the next batch resumes first, under
-    its newer weights (nanorl/partial_rollout.py)."""
+    """Partial rollouts, per-token versions recorded ("" = off). abort (slime's): with --over-sample F a
+    batch keeps F× its groups in flight and, once it has its groups (with --filter-groups: groups with
+    reward variance), aborts the rest into a buffer that the next batch resumes first, under its newer
+    weights (nanorl/partial_rollout.py) — in the async worker with --async-steps, else in the step
+    itself on the trainer's engine (one process: nanorl/sources.py Partial)."""
     mask_offpolicy_in_partial_rollout: bool = False
     """--partial-rollout: tokens sampled under an older version than their sample's newest leave the loss
     (else they train, IS-corrected by their own rollout logprobs with --tis-cap / --mis-high)."""
@@ -236,7 +237,6 @@ class AsyncRollout(Group):
     def check(self, cfg) -> None:
         on = self.async_steps > 0
         need(self.async_steps >= 0, f"async_steps must be >= 0, got {self.async_steps}")
-        need(not self.partial_rollout or on, "partial_rollout needs async_steps >= 1")
         need(not self.mask_offpolicy_in_partial_rollout or self.partial_rollout,
              "mask_offpolicy_in_partial_rollout needs partial_rollout")
         need(not self.rollout_device or on, "rollout_device needs async_steps >= 1")

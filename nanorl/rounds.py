@@ -174,7 +174,8 @@ class DynamicSampling(OneRound):
 
 class FromWorker(OneRound):
     """--async-steps with --filter-groups: the worker ran DAPO's rounds (`dynamic_sampling`),
-    post-processed and filtered each; its batch trains as it comes."""
+    post-processed and filtered each; its batch trains as it comes. Also synchronous --partial-rollout
+    abort with --filter-groups: the source judged each group as it finished (sources.Partial)."""
 
     def round(self, sampler: Sampler, prompts, sampling: SamplingConfig, timer, metrics: dict) -> list:
         with timer("generate"):  # scored and filtered by the worker

@@ -1,6 +1,7 @@
 """Where a step's samples come from, chosen once: the trainer's own engine, the multi-turn episode driver
 over it (--env), a user's agent behind an endpoint over it (--agent), or the asynchronous rollout worker
-(--async-steps). build.sample_source picks one (in train.setup, and in the async worker over its own
+(--async-steps), or without it the trainer's engine over-sampled with partial rollouts (--partial-rollout
+abort: `Partial`). build.sample_source picks one (in train.setup, and in the async worker over its own
 engine) and the stages (nanorl/stages.py) ask it, never which one it is.
 
 Start at `Source`: `generate` and what a source says it did beyond sampling — `rewarded` (the samples
@@ -14,11 +15,14 @@ file and train.setup only. Test: python -m pytest tests/test_golden.py -q (every
 """
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
 from nanorl.env import episode_metrics
+from nanorl.partial_rollout import AbortingRollout, GroupFilter
 from nanorl.rollout import SamplingConfig, stop_cut
 from nanorl.trajectory import Sample
 
@@ -26,6 +30,8 @@ NO_AGENT_ABORT = ("--partial-rollout abort with --agent is not supported: an age
                   "user's function, which cannot be stopped and resumed between its calls")
 WORKER_SAMPLES = ("the trainer's end of the async worker does not sample: the worker's own source runs the "
                   "partial rollouts (nanorl/rollout_worker.py)")
+PARTIAL_SAMPLES = ("the synchronous partial-rollout source is not aborted or resumed itself: its `inner` "
+                   "source is (sources.Partial)")
 
 
 class Source:
@@ -167,6 +173,64 @@ class Worker(Source):
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+class Partial(Source):
+    """--partial-rollout abort without --async-steps (slime's partial rollouts, synchronous): each step
+    keeps F × G groups in flight on the trainer's engine (F = --over-sample, G = --prompts-per-step),
+    takes the first G that finish (with --filter-groups the first G kept, judged by the `keep` it makes
+    for the step: partial_rollout.GroupFilter) and aborts the rest into a buffer, every unfinished sample
+    with its tokens, rollout logprobs and per-token versions; the next step resumes those first, under
+    the weights it samples with. The async worker's batch (partial_rollout.AbortingRollout over `inner`,
+    the run's own source: responses, or --env's episodes), run in the step: no token is more than one
+    version old. The step's prompts (drawn by train.rl_step) join those drawn and not started yet, the
+    rest come from the same loader, so no prompt is skipped. Its samples come back scored (by --reward,
+    or the environment), group ids 0..G-1. `save` / `load`: the buffer in a checkpoint."""
+    rewarded = True
+    FILE = "partial_rollout.pt"  # in a checkpoint directory: the buffer, the prompts not started, the loader
+
+    def __init__(self, rollout: AbortingRollout, inner: Source, keep: Callable[[], GroupFilter] | None,
+                 mask_older: bool):
+        self.rollout, self.inner, self.keep, self.mask_older = rollout, inner, keep, mask_older
+        self.last: dict[str, float] = {}  # the last step's metrics
+
+    def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
+        if n != self.rollout.n or len(prompts) != self.rollout.G:
+            raise ValueError(f"--partial-rollout abort: a step of {len(prompts)} prompts x {n} samples, the "
+                             f"buffer holds groups for {self.rollout.G} x {self.rollout.n}")
+        # imported here: pipeline and rollout_worker import build, which imports this module
+        from nanorl.pipeline import staleness_metrics
+        from nanorl.rollout_worker import mask_older_tokens
+        self.rollout.pending += prompts
+        _, samples, metrics = self.rollout.batch(sampling, self.keep() if self.keep is not None else None)
+        if self.mask_older:  # --mask-offpolicy-in-partial-rollout: the previous version's tokens
+            for s in samples:
+                mask_older_tokens(s)
+        # per-token staleness against the version the step trains from
+        self.last = {**metrics, **staleness_metrics(samples, step)}
+        return samples
+
+    def start(self, prompts: list, n: int, sampling: SamplingConfig, until) -> list[Sample]:
+        raise ValueError(PARTIAL_SAMPLES)
+
+    def resume(self, prompts: list, samples: list[Sample], sampling: SamplingConfig) -> list[Sample]:
+        raise ValueError(PARTIAL_SAMPLES)
+
+    def metrics(self, samples: list[Sample]) -> dict[str, float]:
+        # resumed / aborted / buffered groups and tokens, partial_frac, masked_token_frac, staleness;
+        # then (--env) the episodes' own
+        return {**self.last, **self.inner.metrics(samples)}
+
+    def save(self, path: str, step: int) -> None:
+        """The buffer after step `step`, into checkpoint directory `path` (checkpoint.save)."""
+        torch.save(self.rollout.state_dict(), os.path.join(path, self.FILE))
+
+    def load(self, path: str) -> None:
+        """The buffer a checkpoint directory holds (checkpoint.resume); one saved by a run without it
+        (another mode) has none: the resumed run starts with an empty buffer, as a fresh one would."""
+        file = os.path.join(path, self.FILE)
+        if os.path.isfile(file):
+            self.rollout.load_state_dict(torch.load(file, weights_only=True))  # verified by the manifest
 
 
 def _joined(old: Sample, new: Sample, left: int, sampling: SamplingConfig, version: int) -> Sample:
