@@ -237,7 +237,7 @@ MOVED_CHECKS = [
     (dict(env="calc"), "--env calc needs --max-new-tokens >= 12"),
     # from pipeline.check_config
     (dict(async_steps=-1), "async_steps must be >= 0"),
-    (dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
+    (dict(partial_rollout="abort"), "--partial-rollout abort needs --over-sample >= 2"),
     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
     (dict(async_steps=1, rollout_device="tpu0"), "rollout_device 'tpu0' is not a device"),
@@ -271,4 +271,7 @@ def test_the_moved_checks_pass_what_is_allowed():
     cfg = Config.from_flags(async_steps=2, partial_rollout="abort", over_sample=2,
                  mask_offpolicy_in_partial_rollout=True, rollout_device="cpu")
     assert cfg.pipeline.async_steps == 2
+    # without --async-steps: partial rollouts in the synchronous step (nanorl/sources.py Partial)
+    cfg = Config.from_flags(partial_rollout="abort", over_sample=2, mask_offpolicy_in_partial_rollout=True)
+    assert cfg.pipeline.async_steps == 0 and cfg.pipeline.partial_rollout == "abort"
     assert Config.from_flags(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"

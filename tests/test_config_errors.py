@@ -121,7 +121,6 @@ CASES = [
     (dict(CALC, overlong_buffer=0.2), None),
     (dict(env="calc"), None),
     (dict(async_steps=-1), None),
-    (dict(partial_rollout="abort", over_sample=2), None),
     (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), None),
     (dict(rollout_device="cpu"), None),
     (dict(async_steps=1, rollout_device="tpu0"), None),
@@ -301,3 +300,10 @@ def test_reward_weights_need_a_reward_model_or_judge():
         Config.from_flags(reward_weights="correct=0,other=0")
     assert Config.from_flags(reward_model="rm", reward_weights="correct=0,rm=1").scorers.reward_weights
     assert Config.from_flags(reward_weights="correct=0", **JUDGE).scorers.reward_weights
+
+
+def test_partial_rollout_without_async_steps_is_built_not_refused():
+    """--partial-rollout abort without --async-steps once needed an async worker; the synchronous step
+    now over-samples and buffers itself (nanorl/sources.py Partial, tests/test_sync_partial.py)."""
+    cfg = Config.from_flags(partial_rollout="abort", over_sample=2)
+    assert cfg.pipeline.partial_rollout == "abort" and cfg.pipeline.async_steps == 0

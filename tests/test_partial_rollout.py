@@ -166,13 +166,15 @@ def test_resume_with_buffered_partial_samples_is_the_uninterrupted_run(task, tmp
 
 def test_config_refuses_abort_without_over_sampling():
     for kw, msg in ((dict(async_steps=1, partial_rollout="abort"), "needs --over-sample >= 2"),
-                    (dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
+                    (dict(partial_rollout="abort"), "needs --over-sample >= 2"),
                     (dict(partial_rollout="maybe"), "partial_rollout must be one of"),
                     # the HF-only "switch" kind is gone: abort is the one kind
                     (dict(async_steps=1, partial_rollout="switch"), "partial_rollout must be one of")):
         with pytest.raises(ValueError, match=msg):
             Config.from_flags(**kw)
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2).dapo.over_sample == 2
+    # without --async-steps: the synchronous step's partial rollouts (tests/test_sync_partial.py)
+    assert Config.from_flags(partial_rollout="abort", over_sample=2).pipeline.async_steps == 0
     assert Config.from_flags(async_steps=1, partial_rollout="abort", over_sample=2,
                              engine="vllm").engine == "vllm"
     # --env: its episodes are aborted at a turn boundary and resumed at their next turn
