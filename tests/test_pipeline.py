@@ -270,8 +270,8 @@ def test_worker_error_is_raised_in_the_trainer(task, tmp_path, monkeypatch):
 
 
 def test_config_rejects_what_async_cannot_do():
-    for kw, msg in ((dict(partial_rollout="abort", over_sample=2), "partial_rollout needs async_steps"),
-                    (dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
+    # (--partial-rollout abort without --async-steps runs in the synchronous step: tests/test_sync_partial.py)
+    for kw, msg in ((dict(async_steps=1, mask_offpolicy_in_partial_rollout=True), "needs partial_rollout"),
                     (dict(rollout_device="cpu"), "rollout_device needs async_steps"),
                     (dict(async_steps=1, rollout_device="tpu0"), "is not a device"),
                     (dict(async_steps=-1), "async_steps must be >= 0")):
