@@ -243,8 +243,6 @@ MOVED_CHECKS = [
     (dict(async_steps=1, rollout_device="tpu0"), "rollout_device 'tpu0' is not a device"),
     (dict(async_steps=1, partial_rollout="abort", over_sample=2, advantage="remax"),
      "--partial-rollout with --advantage remax"),
-    (dict(async_steps=1, partial_rollout="abort", over_sample=2, env="calc", max_new_tokens=12),
-     "--partial-rollout with --env"),
     # from plugins.check_config: the forms of the plug-in flags
     (dict(reward_postprocess="nope"), "reward_postprocess must be module:function"),
     (dict(reward_postprocess="m:f", advantage="remax"), "reward_postprocess with advantage remax"),
@@ -274,4 +272,7 @@ def test_the_moved_checks_pass_what_is_allowed():
     # without --async-steps: partial rollouts in the synchronous step (nanorl/sources.py Partial)
     cfg = Config.from_flags(partial_rollout="abort", over_sample=2, mask_offpolicy_in_partial_rollout=True)
     assert cfg.pipeline.async_steps == 0 and cfg.pipeline.partial_rollout == "abort"
+    # --env's episodes are aborted and resumed too (nanorl/episodes.py), with or without --async-steps
+    cfg = Config.from_flags(partial_rollout="abort", over_sample=2, env="calc", max_new_tokens=12)
+    assert cfg.env == "calc"
     assert Config.from_flags(reward_postprocess="m:f", log_metadata="a, b/").log_metadata == "a, b/"
