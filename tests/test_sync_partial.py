@@ -1,7 +1,8 @@
 """slime's partial rollouts without --async-steps (--partial-rollout abort in the synchronous loop,
 nanorl/sources.py Partial): each step over-samples on the trainer's engine, trains the first groups that
 finish and buffers the rest unfinished; the next step resumes them first under its new weights, per
-token versioned; the buffer survives a checkpoint.   python -m pytest tests/test_sync_partial.py -q
+token versioned (--env episodes too); the buffer survives a checkpoint.
+    python -m pytest tests/test_sync_partial.py -q
 """
 import copy
 import os
@@ -14,7 +15,11 @@ from test_async_dapo import (
     run_args,
 )
 from test_dapo import assert_full
-from test_partial_rollout import every_step
+from test_partial_rollout import (
+    calc_args,
+    calc_task as calc_task,  # the --env calc task fixture, shared
+    every_step,
+)
 from test_pipeline import (
     args,
     logprobs_under,
@@ -117,6 +122,31 @@ def test_resume_with_a_buffer_is_the_uninterrupted_run(task, tmp_path):
     la, lb = every_step(a), every_step(b)
     assert [x["step"] for x in lb] == list(range(k + 1, 5)) and la[k:] == lb
     assert lb[0]["rollout/async/resumed_groups"] == len(buffer)
+    wa, wb = weights(a, 4), weights(b, 4)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+def test_env_episodes_abort_resume_and_survive_a_checkpoint(calc_task, tmp_path):
+    """--env calc in the synchronous loop: episodes still going once the step has its groups are aborted
+    (between turns or inside one) and resumed by the next step at their next turn; 4 steps saved every
+    step, and the run resumed from the first checkpoint whose buffer holds an aborted episode logs the
+    very steps after it and ends on the same weights."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("--steps", "4", "--partial-rollout", "abort", "--over-sample", "2", "--save-every", "1",
+             "--keep-checkpoints", "5", "--mask-offpolicy-in-partial-rollout")
+    train.main(calc_args(calc_task, a, *extra))
+    lines = every_step(a)
+    assert sum(x["rollout/async/resumed_groups"] for x in lines) > 0
+    assert all(x["rollout/async/staleness_max"] <= 1 and x["rollout/env/turns_mean"] >= 1 for x in lines)
+    for k in range(1, 4):
+        ck = os.path.join(a, "checkpoints", f"step_{k:06d}")
+        buffer = torch.load(os.path.join(ck, sources.Partial.FILE), weights_only=True)["buffer"]
+        if any(s["status"] == "aborted" and s["response_ids"] for g in buffer for s in g["samples"]):
+            break
+    else:
+        pytest.fail("no checkpoint holds an aborted episode with tokens")
+    train.main(calc_args(calc_task, b, *extra, "--resume", ck))
+    assert every_step(a)[k:] == every_step(b)
     wa, wb = weights(a, 4), weights(b, 4)
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
 
