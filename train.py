@@ -190,8 +190,6 @@ def partial_source(run: Run) -> sources.Partial:
     if run.world > 1:  # each rank would hold a buffer of its own, and a checkpoint saves rank 0's
         raise ConfigError(f"--partial-rollout abort without --async-steps on {run.world} ranks is not "
                           "supported: add --async-steps 1 (one worker's buffer for every rank)")
-    if cfg.agent:  # at start-up, not at the first step's abort (sources.Agents.start)
-        raise ConfigError(sources.NO_AGENT_ABORT)
     inner = run.source  # the engine's, or --env's episodes: what is aborted and resumed
     rollout = AbortingRollout(inner, run.engine, run.rewards, run.tokenizer, run.loader, cfg.prompts_per_step,
                               cfg.samples_per_prompt, cfg.dapo.over_sample)

@@ -180,5 +180,5 @@ def check_estimator(cfg, fn) -> None:
          f"reward_postprocess with advantage {cfg.advantage} is not supported: the greedy baseline "
          "response is scored by --reward alone, outside any group")
     need(not (cfg.pipeline.partial_rollout and "baselines" in named),
-         f"--partial-rollout with --advantage {cfg.advantage} is not supported: the worker's greedy "
-         "baseline would be sampled from a newer version than the samples it is the baseline of")
+         f"--partial-rollout with --advantage {cfg.advantage} is not supported: the greedy baseline "
+         "would be sampled from a newer version than the resumed samples it is the baseline of")

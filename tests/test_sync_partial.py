@@ -5,6 +5,7 @@ token versioned (--env episodes too); the buffer survives a checkpoint.
     python -m pytest tests/test_sync_partial.py -q
 """
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -30,7 +31,7 @@ from test_pipeline import (
 
 import train
 from nanorl import sources, stages
-from nanorl.config import Config
+from nanorl.config import Config, ConfigError
 from nanorl.logger import PhaseTimer
 from nanorl.trajectory import collate
 
@@ -168,6 +169,19 @@ def test_filter_groups_aborts_once_the_step_has_kept_groups(task, half, tmp_path
     assert sum(logged(tmp_path, "rollout/async/resumed_groups")) > 0
     assert max(logged(tmp_path, "rollout/async/staleness_max")) <= 1
     assert any(f < 1 for f in logged(tmp_path, "rollout/groups_kept_frac"))  # the filter dropped some
+
+
+def test_setup_refuses_what_one_buffer_cannot_hold(task, tmp_path):
+    """Synchronous --partial-rollout abort on several ranks (each would hold a buffer, a checkpoint saves
+    rank 0's) fails at start-up; --agent never gets there (the config refuses its --over-sample)."""
+    run = setup_run(task, tmp_path, partial_rollout="abort", over_sample=2)
+    try:
+        with pytest.raises(ConfigError, match="on 2 ranks is not supported: add --async-steps 1"):
+            train.partial_source(dataclasses.replace(run, world=2))
+        with pytest.raises(ConfigError, match="--agent with --over-sample is not supported"):
+            run.cfg.replace(agent="agent.py:fn")
+    finally:
+        run.logger.close()
 
 
 def test_config_takes_abort_without_async_steps():
