@@ -1,4 +1,5 @@
-"""slime's partial rollouts with abort (--partial-rollout abort), inside the async rollout worker.
+"""slime's partial rollouts with abort (--partial-rollout abort), inside the async rollout worker, or
+without --async-steps in the synchronous step (K = 0: nanorl/sources.py Partial, the same batches).
 
 Each batch keeps F × G groups in flight (G = --prompts-per-step, F = --over-sample): first the groups a
 previous batch aborted (the buffer, oldest first), each unfinished sample resumed from prompt + its
@@ -22,7 +23,7 @@ are the first of its G), so no token is more than K + 1 versions old; the buffer
 worker draws its own prompts (how many depends on the buffer), and the buffer, the prompts drawn but
 not started and the loader's position go into each batch's payload, so a checkpoint resumes the very
 run. The HF engine aborts between its decode steps, vLLM through its request loop (VLLMEngine._until).
-Test: python -m pytest tests/test_partial_rollout.py -q
+Test: python -m pytest tests/test_partial_rollout.py tests/test_sync_partial.py -q
 """
 from __future__ import annotations
 
