@@ -185,13 +185,16 @@ def setup(cfg: Config) -> Run:
 def partial_source(run: Run) -> sources.Partial:
     """Synchronous --partial-rollout abort over the run's source (the engine's, or --env's episodes) and
     loader (sources.Partial); with --filter-groups each step's groups are judged as they finish by a
-    GroupFilter over that source (rounds.score reads it: the engine's samples are scored by --reward)."""
+    GroupFilter over that source; scored as a step scores (rounds.score: --reward, reward model, judge)."""
     cfg = run.cfg
     if run.world > 1:  # each rank would hold a buffer of its own, and a checkpoint saves rank 0's
         raise ConfigError(f"--partial-rollout abort without --async-steps on {run.world} ranks is not "
                           "supported: add --async-steps 1 (one worker's buffer for every rank)")
     inner = run.source  # the engine's, or --env's episodes: what is aborted and resumed
-    rollout = AbortingRollout(inner, run.engine, run.rewards, run.tokenizer, run.loader, cfg.prompts_per_step,
+
+    def score(prompts, samples) -> list:  # as the step scores (--reward, reward model, judge)
+        return rounds.score(dataclasses.replace(sampler_of(run), source=inner), prompts, samples)
+    rollout = AbortingRollout(inner, run.engine, score, run.loader, cfg.prompts_per_step,
                               cfg.samples_per_prompt, cfg.dapo.over_sample)
     keep = None
     if cfg.dapo.filter_groups:

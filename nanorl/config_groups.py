@@ -139,8 +139,6 @@ class Scorers(Group):
              "the --reward-model / --judge components, and this run has neither: drop --reward-weights, "
              "or add one")
         need(not (scorer and cfg.env), f"{scorer} with --env is not supported: the environment scores")
-        need(not (scorer and cfg.pipeline.partial_rollout == "abort"), f"{scorer} with "
-             "--partial-rollout abort is not supported: its resumed samples are scored by --reward alone")
 
 
 @dataclass
@@ -362,9 +360,10 @@ class DAPO(Group):
         need(self.over_sample >= 1, f"over_sample must be >= 1, got {self.over_sample}")
         need(self.over_sample == 1 or self.filter_groups or abort, "over_sample needs filter_groups (it "
              "aborts once the step has enough groups with reward variance) or --partial-rollout abort")
-        need(self.over_sample == 1 or not (cfg.env or cfg.memory.routing_replay) or abort,
-             "over_sample with --env or --routing-replay is not supported (an episode is several engine "
-             "calls; an aborted request's routing is still open)")
+        need(self.over_sample == 1 or not cfg.env or abort, "over_sample with --env needs --partial-rollout "
+             "abort (an episode is several engine calls: only abort stops and resumes it between turns)")
+        need(self.over_sample == 1 or not cfg.memory.routing_replay, "over_sample with --routing-replay is "
+             "not supported, --partial-rollout abort included: an aborted request's routing is still open")
         need(0 <= self.overlong_buffer < 1, f"overlong_buffer is a share of max_new_tokens in [0, 1), got "
              f"{self.overlong_buffer}")
         need(self.overlong_penalty > 0, "overlong_penalty must be > 0")

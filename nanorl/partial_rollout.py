@@ -32,7 +32,6 @@ import itertools
 
 from nanorl import dapo, rounds
 from nanorl.data import Prompt
-from nanorl.rewards import score_samples
 from nanorl.trajectory import Sample
 
 
@@ -40,11 +39,12 @@ class AbortingRollout:
     """The worker's batches under --partial-rollout abort: `batch` makes one, `state_dict` is what a
     checkpoint needs to make the next ones as an uninterrupted run would."""
 
-    def __init__(self, source, engine, rewards, tokenizer, loader, groups: int, n: int, over_sample: int):
+    def __init__(self, source, engine, score, loader, groups: int, n: int, over_sample: int):
         # source (nanorl/sources.py): single responses over the engine, or --env's episodes (aborted at a
-        # turn boundary, resumed at their next turn); its start / resume are the only generation here
-        self.source, self.engine = source, engine
-        self.rewards, self.tokenizer, self.loader = rewards, tokenizer, loader
+        # turn boundary, resumed at their next turn); its start / resume are the only generation here.
+        # score(prompts, samples) -> rewards: as the synchronous step scores (rounds.score: --reward with
+        # the reward model's / judge's components beside it; an environment's episodes come scored)
+        self.source, self.engine, self.score, self.loader = source, engine, score, loader
         self.G, self.n, self.F = groups, n, over_sample
         self.buffer: list[tuple[Prompt, list[Sample]]] = []  # aborted groups, oldest first
         self.pending: list[Prompt] = []  # drawn from the loader, not started yet
@@ -78,8 +78,8 @@ class AbortingRollout:
         prompts, out = [p for p, _ in done], []
         for gid, (_, g) in enumerate(done):
             out += [dataclasses.replace(s, group_id=gid) for s in g]
-        if keep is None and not self.source.rewarded:  # the filter (or the environment) scored them
-            for s, r in zip(out, score_samples(self.rewards, self.tokenizer, prompts, out)):
+        if keep is None:  # the filter scored each group as it finished
+            for s, r in zip(out, self.score(prompts, out)):
                 s.reward = r
         metrics = {"async/resumed_groups": len(carried),
                    "async/resumed_tokens": sum(len(s.response_ids) for _, g in carried for s in g),

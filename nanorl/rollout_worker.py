@@ -148,7 +148,9 @@ class Worker:
         self.engine.version = -1  # nothing loaded yet
         self.partial = None  # --partial-rollout abort: the buffer of aborted groups and the prompt stream
         if cfg.pipeline.partial_rollout == "abort":
-            self.partial = AbortingRollout(self.source, self.engine, self.rewards, self.tokenizer,
+            # scored as rounds.scored scores: --reward, the reward model's and judge's components
+            self.partial = AbortingRollout(self.source, self.engine,
+                                           lambda p, s: rounds.score(self.sampler(-1, {}, []), p, s),
                                            spec.loader, cfg.prompts_per_step, cfg.samples_per_prompt,
                                            cfg.dapo.over_sample)
             if spec.carry is not None:

@@ -267,3 +267,21 @@ def test_an_async_reward_model_run_resumes_mid_flight_as_the_uninterrupted_run(t
     def evals(res):
         return {k: v for k, v in res["after"].items() if not k.startswith("perf/")}
     assert evals(a) == evals(b) and "eval/test/reward/rm" in b["after"]
+
+
+@pytest.mark.parametrize("K", [0, pytest.param(1, marks=pytest.mark.slow)])
+def test_partial_rollouts_are_scored_by_the_reward_model(task, tmp_path, K):
+    """--partial-rollout abort --over-sample 2 with --reward-model, synchronous (K = 0: sources.Partial)
+    and in the async worker (K = 1): every batch, the groups resumed from the buffer included, carries
+    the reward model's component, and with --reward-weights correct=0,rm=1 the reward the advantage reads
+    is the RM's (red when the aborting rollout scores by --reward alone, as it did)."""
+    tiny_rm(tmp_path / "rm")
+    res = train.main(args(task, tmp_path / "run", "--steps", "4", "--async-steps", str(K),
+                          "--partial-rollout", "abort", "--over-sample", "2", "--reward-model",
+                          str(tmp_path / "rm"), "--reward-weights", "correct=0,rm=1"))
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "train/loss" in line]
+    assert res["step"] == 4 and len(rows) == 4
+    assert sum(r["rollout/async/resumed_groups"] for r in rows) > 0  # the buffer was resumed
+    for row in rows:
+        assert row["rollout/reward/rm"] != 0.0
+        assert row["rollout/reward_mean"] == pytest.approx(row["rollout/reward/rm"], rel=1e-5)
