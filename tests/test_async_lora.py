@@ -5,13 +5,17 @@ trainer's, a train.py run trains only the adapters, and a resume from a mid-flig
 uninterrupted run.   python -m pytest tests/test_async_lora.py -q
 """
 import copy
-import json
 import os
 import pickle
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_pipeline import (
+    TINY as PIPELINE_TINY,
+    step_lines,
+    task as task,  # the trained task fixture, shared (pytest finds it by name)
+)
 
 import train
 from nanorl import checkpoint, lora, pipeline, scoring, sources, weight_broadcast
@@ -20,27 +24,13 @@ from nanorl.policy import response_logprobs
 from nanorl.shared_weights import slot_layout
 from nanorl.trajectory import collate
 
-TINY = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "8",
-        "--quiet", "--pass-k", "2", "--threads", "1", "--schedule", "constant", "--lora-rank", "8",
-        "--lr", "3e-3"]
-
-
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    from nanorl.task import make_default
-    # the warm start tests/test_pipeline.py uses: answers of 1 to 3 digits, rewards with variance
-    return make_default(str(tmp_path_factory.mktemp("task")), seed=0, sft_steps=60)
+# the pipeline tests' run (their 60-step warm start, 4 x 4 samples), with rank-8 adapters
+TINY = [*PIPELINE_TINY, "--lora-rank", "8", "--lr", "3e-3"]
 
 
 def args(task, out, *extra):
     return ["--model", task["model"], "--train-data", task["train"], "--test-data", task["test"],
             "--out-dir", str(out), *TINY, *extra]
-
-
-def step_lines(out) -> list[dict]:
-    """Every logged training step, without the wall-clock figures (they differ run to run)."""
-    lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
-    return [{k: v for k, v in x.items() if not k.startswith("perf/")} for x in lines if "train/loss" in x]
 
 
 def adapters_at(out, step) -> dict:
