@@ -7,7 +7,7 @@ tokens so far under this batch's weights; then fresh prompts. Once G groups have
 still running are aborted: their groups go to the buffer with every token they had, its rollout logprob
 and its version (Sample.token_versions), and the next batch resumes them first. TIS / MIS correct
 the old tokens per token through their own rollout logprobs; --mask-offpolicy-in-partial-rollout masks
-them instead (rollout_worker.mask_older_tokens). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
+them instead (`mask_older_tokens`). Kimi k1.5 §2.6.2 (arXiv:2501.12599); slime's buffer.
 
 The generation is the worker's sample source's (`Source.start` / `Source.resume`, nanorl/sources.py): a
 response over the engine, or with --env an episode (aborted between turns or inside one, resumed at its
@@ -30,9 +30,42 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+import torch
+
 from nanorl import dapo, rounds
 from nanorl.data import Prompt
 from nanorl.trajectory import Sample
+
+
+def mask_older_tokens(s: Sample) -> None:
+    """--mask-offpolicy-in-partial-rollout: loss mask 0 on the tokens sampled under an older version
+    than the sample's newest (combined with any mask it has)."""
+    versions = s.token_versions
+    newest, old = max(versions), s.loss_mask or [1] * len(versions)
+    s.loss_mask = [int(m and v == newest) for m, v in zip(old, versions)]
+
+
+def staleness_metrics(samples: list[Sample], step: int) -> dict:
+    """How far behind the trainer (version `step`) a batch is: per sample and per token. No metric for
+    a batch (or a rank's shard) with no sample, which DAPO's refill can leave when its rounds run out."""
+    if not samples:
+        return {}
+    ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]
+    tokens = [v for s in samples
+              for v in s.token_versions or [s.weight_version] * s.response_length]
+    off = torch.tensor([v < step for v in tokens], dtype=torch.float)  # [tokens]
+    m = {"async/staleness_mean": float(ages.mean()), "async/staleness_max": float(ages.max()),
+         "async/offpolicy_token_frac": float(off.mean()) if len(off) else 0.0}
+    if any(s.token_versions is not None for s in samples):
+        spanning = sum(len(set(s.token_versions)) > 1 for s in samples)
+        m["async/partial_frac"] = spanning / len(samples)
+        masked = sum(s.response_length - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
+        m["async/masked_token_frac"] = masked / max(1, len(tokens))
+    routed = [step - s.routing_version for s in samples if s.routing_version is not None]
+    if routed:  # --routing-replay: versions behind the trainer of the routing it replays (check_routing)
+        m["async/staleness_routing_mean"] = sum(routed) / len(routed)
+        m["async/staleness_routing_max"] = float(max(routed))
+    return m
 
 
 class AbortingRollout:

@@ -35,6 +35,7 @@ import torch.multiprocessing as mp
 
 from nanorl import build, precision, weight_broadcast
 from nanorl.distributed import full_tensors
+from nanorl.partial_rollout import staleness_metrics
 from nanorl.rollout import SamplingConfig, stop_token_ids
 from nanorl.rollout_worker import WorkerSpec, _worker_main, sampled_from
 from nanorl.shared_weights import SharedWeights, slot_layout
@@ -415,29 +416,6 @@ class WorkerScored:
 
     def close(self) -> None:
         """Nothing held here."""
-
-
-def staleness_metrics(samples: list[Sample], step: int) -> dict:
-    """How far behind the trainer (version `step`) a batch is: per sample and per token. No metric for
-    a batch (or a rank's shard) with no sample, which DAPO's refill can leave when its rounds run out."""
-    if not samples:
-        return {}
-    ages = torch.tensor([step - s.weight_version for s in samples], dtype=torch.float)  # [N]
-    tokens = [v for s in samples
-              for v in s.token_versions or [s.weight_version] * s.response_length]
-    off = torch.tensor([v < step for v in tokens], dtype=torch.float)  # [tokens]
-    m = {"async/staleness_mean": float(ages.mean()), "async/staleness_max": float(ages.max()),
-         "async/offpolicy_token_frac": float(off.mean()) if len(off) else 0.0}
-    if any(s.token_versions is not None for s in samples):
-        spanning = sum(len(set(s.token_versions)) > 1 for s in samples)
-        m["async/partial_frac"] = spanning / len(samples)
-        masked = sum(s.response_length - sum(s.loss_mask) for s in samples if s.loss_mask is not None)
-        m["async/masked_token_frac"] = masked / max(1, len(tokens))
-    routed = [step - s.routing_version for s in samples if s.routing_version is not None]
-    if routed:  # --routing-replay: versions behind the trainer of the routing it replays (check_routing)
-        m["async/staleness_routing_mean"] = sum(routed) / len(routed)
-        m["async/staleness_routing_max"] = float(max(routed))
-    return m
 
 
 def start(run: Trainer, resumed: str | None = None) -> Pipeline | Follower:

@@ -36,7 +36,7 @@ from nanorl import build, lora, moe_replay, precision, rounds, weight_broadcast
 from nanorl.data import Prompt, PromptFormat
 from nanorl.distributed import Trained
 from nanorl.logger import PhaseTimer
-from nanorl.partial_rollout import AbortingRollout, GroupFilter
+from nanorl.partial_rollout import AbortingRollout, GroupFilter, mask_older_tokens
 from nanorl.plugins import Hooks
 from nanorl.policy import frozen_copy, load_model
 from nanorl.rewards import RewardRunner, load_reward_fn
@@ -294,14 +294,6 @@ class Notes:
 def since(before: dict, now: dict) -> dict:
     """The fault counts added since `before` (a run total's increments, sent to the trainer)."""
     return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
-
-
-def mask_older_tokens(s: Sample) -> None:
-    """--mask-offpolicy-in-partial-rollout: loss mask 0 on the tokens sampled under an older version
-    than the sample's newest (combined with any mask it has)."""
-    versions = s.token_versions
-    newest, old = max(versions), s.loss_mask or [1] * len(versions)
-    s.loss_mask = [int(m and v == newest) for m, v in zip(old, versions)]
 
 
 _PARENT: list[int] = []  # the worker's trainer process

@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 
 from nanorl.env import episode_metrics
-from nanorl.partial_rollout import AbortingRollout, GroupFilter
+from nanorl.partial_rollout import AbortingRollout, GroupFilter, mask_older_tokens, staleness_metrics
 from nanorl.rollout import SamplingConfig, stop_cut
 from nanorl.trajectory import Sample
 
@@ -198,9 +198,6 @@ class Partial(Source):
         if n != self.rollout.n or len(prompts) != self.rollout.G:
             raise ValueError(f"--partial-rollout abort: a step of {len(prompts)} prompts x {n} samples, the "
                              f"buffer holds groups for {self.rollout.G} x {self.rollout.n}")
-        # imported here: pipeline and rollout_worker import build, which imports this module
-        from nanorl.pipeline import staleness_metrics
-        from nanorl.rollout_worker import mask_older_tokens
         self.rollout.pending += prompts
         _, samples, metrics = self.rollout.batch(sampling, self.keep() if self.keep is not None else None)
         if self.mask_older:  # --mask-offpolicy-in-partial-rollout: the previous version's tokens

@@ -22,7 +22,7 @@ from test_pipeline import (
 )
 
 import train
-from nanorl import pipeline, rollout_worker, shared_weights
+from nanorl import partial_rollout, pipeline, rollout_worker, shared_weights
 from nanorl.config import Config
 from nanorl.env import Step
 from nanorl.episodes import EpisodeRunner
@@ -129,7 +129,7 @@ def test_aborted_groups_resume_under_the_new_weights(task, tmp_path, engine):
     assert two.any() and torch.equal(batch.response_mask > 0, real & ~(two & (tv == 0)))
     _, _, rho = is_weights(lp_new, batch.rollout_logprobs, real.float(), tis=(0.0, 2.0))
     assert (rho[tv == 1] - 1).abs().max() < tol and (rho[tv == 0] - 1).abs().max() > 1e-3
-    m = pipeline.staleness_metrics(samples, 2)
+    m = partial_rollout.staleness_metrics(samples, 2)
     assert 0 < m["async/partial_frac"] < 1 and m["async/masked_token_frac"] > 0
 
 
@@ -291,7 +291,7 @@ def test_an_aborted_episode_resumes_at_its_next_turn_with_the_same_tokens():
     assert r.response_ids == whole.response_ids and r.rollout_logprobs == whole.rollout_logprobs
     assert r.loss_mask == whole.loss_mask and r.episode == whole.episode and r.prompt_ids == whole.prompt_ids
     assert r.token_versions == [0] * k + [1] * (L - k) and r.weight_version == 0
-    rollout_worker.mask_older_tokens(r)
+    partial_rollout.mask_older_tokens(r)
     assert r.loss_mask == [m * (t >= k) for t, m in enumerate(whole.loss_mask)] and sum(r.loss_mask) > 0
     # changed weights: the resumed turns are the new weights', the kept ones the old weights'
     old = changed(model)
