@@ -71,3 +71,26 @@ def test_two_rank_resume_is_the_uninterrupted_run(task, tmp_path):
     train(task, tmp_path / "b", *extra, "--resume", ck, ranks=2, port=29633)
     wa, wb = weights(tmp_path / "a", 4), weights(tmp_path / "b", 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_two_ranks_with_a_worker_scored_reward_model_equal_one_process(task, tmp_path):
+    """--async-steps 1 --reward-model on 2 ranks: rank 0's worker scores every rank's samples with the
+    reward model (its component `rm` beside --reward), each rank trains its shard, and the logged
+    rewards and RM components are the one process's; each rank scores its slice of the held-out set with
+    its own copy of the reward model (eval/test/reward/rm at the end, the one process's)."""
+    from test_reward_components import tiny_rm
+    tiny_rm(tmp_path / "rm")
+    extra = ("--steps", "3", "--async-steps", "1", "--reward-model", str(tmp_path / "rm"),
+             "--reward-weights", "correct=1,rm=0.5")
+    train(task, tmp_path / "one", *extra)
+    out = train(task, tmp_path / "two", *extra, ranks=2, port=29647)
+    assert "ranks in sync" in out
+    logged = {}
+    for d in ("one", "two"):
+        rows = [json.loads(x) for x in open(tmp_path / d / "metrics.jsonl")]
+        steps = [v for x in rows if "rollout/reward/rm" in x
+                 for v in (x["rollout/reward_mean"], x["rollout/reward/rm"])]
+        logged[d] = (steps, [x["eval/test/reward/rm"] for x in rows if "eval/test/reward/rm" in x])
+    assert len(logged["one"][0]) == 2 * 3 and len(logged["one"][1]) == 2  # 3 steps; eval before and after
+    assert logged["two"][0] == pytest.approx(logged["one"][0], abs=1e-6)
+    assert logged["two"][1] == pytest.approx(logged["one"][1], abs=1e-6)
