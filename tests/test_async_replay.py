@@ -185,3 +185,27 @@ def test_routing_replay_resume_is_the_uninterrupted_run(task, tmp_path, K):
     wa = checkpoint.load_file(os.path.join(a, "checkpoints", "step_000004", "model.safetensors"))
     wb = checkpoint.load_file(os.path.join(b, "checkpoints", "step_000004", "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+@pytest.mark.slow
+def test_two_ranks_replay_the_workers_routing_as_one_process(task, tmp_path):
+    """torchrun, 2 gloo ranks, --async-steps 1 --routing-replay: rank 0's worker records the experts of
+    every rank's samples, each rank replays its shard's; the logged rewards and routing staleness are the
+    one process's, the routing disagreement within its rank-averaging, and the ranks end in sync
+    (train.py's check)."""
+    from test_lockstep import run as launch
+    extra = ("--steps", "3", "--async-steps", "1", "--lr", "1e-2")
+    logged = {}
+    for d, ranks in (("one", 1), ("two", 2)):
+        proc = launch("train.py", *args(task, tmp_path / d, *extra), ranks=ranks, port=29649)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        rows = step_lines(tmp_path / d)
+        logged[d] = [(r["rollout/reward_mean"], r["rollout/async/staleness_routing_max"],
+                      r["routing/disagreement"]) for r in rows]
+    assert "ranks in sync" in proc.stdout
+    assert len(logged["one"]) == 3 and [x[1] for x in logged["one"]] == [0.0, 1.0, 1.0]
+    # the same samples, their means reduced in another order over 2 ranks
+    for i in range(2):
+        assert [x[i] for x in logged["two"]] == pytest.approx([x[i] for x in logged["one"]], abs=1e-6)
+    # routing/disagreement is each rank's share of its tokens, averaged over the ranks (not pooled)
+    assert [x[2] for x in logged["two"]] == pytest.approx([x[2] for x in logged["one"]], abs=0.01)
