@@ -431,6 +431,26 @@ def test_env_abort_run_trains(calc_task, tmp_path):
     assert all(x["rollout/env/turns_mean"] >= 1 for x in lines)
 
 
+@pytest.mark.slow
+def test_two_ranks_with_env_aborts_equal_one_process(calc_task, tmp_path):
+    """torchrun, 2 gloo ranks: rank 0's worker aborts and resumes every rank's --env episodes (one buffer
+    for all), each rank trains its shard; the logged rewards, turns and abort counts are the one
+    process's, and the ranks end in sync (train.py's check)."""
+    from test_lockstep import run as launch
+    logged = {}
+    for d, ranks in (("one", 1), ("two", 2)):
+        proc = launch("train.py", *calc_args(calc_task, tmp_path / d, "--steps", "4", *ABORT), ranks=ranks,
+                      port=29653)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        keys = ("rollout/reward_mean", "rollout/env/turns_mean", "rollout/async/aborted_groups",
+                "rollout/async/resumed_groups")
+        logged[d] = [tuple(x[k] for k in keys) for x in every_step(tmp_path / d)]
+    assert "ranks in sync" in proc.stdout
+    assert len(logged["one"]) == 4 and sum(x[3] for x in logged["one"]) > 0
+    for i in range(4):  # the same episodes; their means reduced in another order over 2 ranks
+        assert [x[i] for x in logged["two"]] == pytest.approx([x[i] for x in logged["one"]], abs=1e-6)
+
+
 def test_env_resume_with_buffered_aborted_episodes_is_the_uninterrupted_run(calc_task, tmp_path):
     """--env calc, 4 steps, and the same run resumed from its step-2 checkpoint, whose buffer holds
     episodes aborted between turns (their tokens, the tool's answer, their turns) and inside a turn: the
