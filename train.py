@@ -187,20 +187,18 @@ def partial_source(run: Run) -> sources.Partial:
     loader (sources.Partial); with --filter-groups each step's groups are judged as they finish by a
     GroupFilter over that source; scored as a step scores (rounds.score: --reward, reward model, judge)."""
     cfg = run.cfg
-    if run.world > 1:  # each rank would hold a buffer of its own, and a checkpoint saves rank 0's
-        raise ConfigError(f"--partial-rollout abort without --async-steps on {run.world} ranks is not "
-                          "supported: add --async-steps 1 (one worker's buffer for every rank)")
     inner = run.source  # the engine's, or --env's episodes: what is aborted and resumed
 
     def score(prompts, samples) -> list:  # as the step scores (--reward, reward model, judge)
         return rounds.score(dataclasses.replace(sampler_of(run), source=inner), prompts, samples)
-    rollout = AbortingRollout(inner, run.engine, score, run.loader, cfg.prompts_per_step,
+    # several ranks: each its shard of the step's groups, over its own loader shard and buffer
+    rollout = AbortingRollout(inner, run.engine, score, run.loader, cfg.prompts_per_step // run.world,
                               cfg.samples_per_prompt, cfg.dapo.over_sample)
     keep = None
     if cfg.dapo.filter_groups:
         def keep() -> GroupFilter:  # this step's (sampler_of reads run.step), scored as the step scores
             return GroupFilter(dataclasses.replace(sampler_of(run), source=inner), cfg.dapo.max_gen_batches)
-    return sources.Partial(rollout, inner, keep, cfg.pipeline.mask_offpolicy_in_partial_rollout)
+    return sources.Partial(rollout, inner, keep, cfg.pipeline.mask_offpolicy_in_partial_rollout, run.rank)
 
 
 def checkpoint_state(run: Run) -> checkpoint.State:

@@ -69,8 +69,9 @@ class State:
     its `faults` Counter is saved per rank. scorers: the reward model / judge components by name
     (nanorl/build.py make_scorers): their `faults` Counters, per rank too. pipeline: what is in flight
     or None: --async-steps' trainer end (nanorl/pipeline.py: the batches sampled ahead; started after a
-    resume), or synchronous --partial-rollout abort's source (nanorl/sources.py Partial: its buffer,
-    put back by `resume` through its load(path)); save(path, step) writes it. counters: plain counts (restored
+    resume), or synchronous --partial-rollout abort's source (nanorl/sources.py Partial: each rank's
+    buffer, put back by `resume` through its load(path)); every rank's save(path, step) writes its part.
+    counters: plain counts (restored
     by update, in place). step: the steps done. rank, world: this process's rank and the number of
     ranks; every rank calls save and resume."""
     model: torch.nn.Module
@@ -153,6 +154,11 @@ def save(state: State, cfg, logger=None) -> str:
     def write(tmp: str) -> None:
         # collective: State carries the model, trained, critic, optimizer and rank it reads
         sharded = ckpt_sharded.save(state, tmp) if cfg.memory.fsdp else None
+        # what is in flight, on every rank: --async-steps' batches sampled from versions this checkpoint
+        # does not hold (rank 0's pipeline.pt; the others' Follower saves nothing: nanorl/pipeline.py);
+        # synchronous --partial-rollout: each rank's aborted groups (nanorl/sources.py Partial)
+        if state.pipeline is not None:
+            state.pipeline.save(tmp, state.step)
         if state.rank == 0:
             _write_rank0(state, cfg, logger, tmp, ranks, sharded)
     root = os.path.join(cfg.out_dir, "checkpoints")
@@ -186,11 +192,6 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     trainer = {"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
                "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]}
     ckpt_atomic.torch_save(trainer, os.path.join(tmp, "trainer_state.pt"))
-    # --async-steps: the batches in flight, sampled from versions this checkpoint does not hold
-    # (pipeline.pt; what that guarantees is in nanorl/pipeline.py); synchronous --partial-rollout: the
-    # aborted groups the next step resumes (partial_rollout.pt: nanorl/sources.py Partial)
-    if state.pipeline is not None:
-        state.pipeline.save(tmp, state.step)
     # rank 0's metrics.jsonl
     logfile = getattr(logger, "file", None)
     if logfile is not None:

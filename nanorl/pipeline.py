@@ -398,7 +398,8 @@ class Follower:
     ref_logprobs = staticmethod(Pipeline.ref_logprobs)
 
     def save(self, path: str, step: int) -> None:
-        raise RuntimeError("async rollout: only rank 0 saves the batches in flight")
+        """Nothing: rank 0's pipeline.pt holds every rank's batches in flight (checkpoint.save calls
+        every rank's)."""
 
     def close(self) -> None:
         pass

@@ -190,8 +190,11 @@ class Partial(Source):
     FILE = "partial_rollout.pt"  # in a checkpoint directory: the buffer, the prompts not started, the loader
 
     def __init__(self, rollout: AbortingRollout, inner: Source, keep: Callable[[], GroupFilter] | None,
-                 mask_older: bool):
+                 mask_older: bool, rank: int = 0):
         self.rollout, self.inner, self.keep, self.mask_older = rollout, inner, keep, mask_older
+        # several ranks: each aborts and resumes its own prompts' groups (its loader shard), so each
+        # saves its own buffer (rank 0's under FILE, rank r's under partial_rollout.rank<r>.pt)
+        self.file = self.FILE if rank == 0 else f"partial_rollout.rank{rank}.pt"
         self.last: dict[str, float] = {}  # the last step's metrics
 
     def generate(self, step: int, prompts: list, n: int, sampling: SamplingConfig) -> list[Sample]:
@@ -219,13 +222,14 @@ class Partial(Source):
         return {**self.last, **self.inner.metrics(samples)}
 
     def save(self, path: str, step: int) -> None:
-        """The buffer after step `step`, into checkpoint directory `path` (checkpoint.save)."""
-        torch.save(self.rollout.state_dict(), os.path.join(path, self.FILE))
+        """This rank's buffer after step `step`, into checkpoint directory `path` (checkpoint.save)."""
+        torch.save(self.rollout.state_dict(), os.path.join(path, self.file))
 
     def load(self, path: str) -> None:
-        """The buffer a checkpoint directory holds (checkpoint.resume); one saved by a run without it
-        (another mode) has none: the resumed run starts with an empty buffer, as a fresh one would."""
-        file = os.path.join(path, self.FILE)
+        """This rank's buffer in a checkpoint directory (checkpoint.resume); one saved by a run without
+        it (another mode, fewer ranks) has none: this rank starts with an empty buffer, as a fresh run
+        would."""
+        file = os.path.join(path, self.file)
         if os.path.isfile(file):
             self.rollout.load_state_dict(torch.load(file, weights_only=True))  # verified by the manifest
 

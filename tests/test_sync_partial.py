@@ -5,7 +5,6 @@ token versioned (--env episodes too); the buffer survives a checkpoint.
     python -m pytest tests/test_sync_partial.py -q
 """
 import copy
-import dataclasses
 import os
 
 import pytest
@@ -171,17 +170,33 @@ def test_filter_groups_aborts_once_the_step_has_kept_groups(task, half, tmp_path
     assert any(f < 1 for f in logged(tmp_path, "rollout/groups_kept_frac"))  # the filter dropped some
 
 
-def test_setup_refuses_what_one_buffer_cannot_hold(task, tmp_path):
-    """Synchronous --partial-rollout abort on several ranks (each would hold a buffer, a checkpoint saves
-    rank 0's) fails at start-up; --agent never gets there (the config refuses its --over-sample)."""
-    run = setup_run(task, tmp_path, partial_rollout="abort", over_sample=2)
-    try:
-        with pytest.raises(ConfigError, match="on 2 ranks is not supported: add --async-steps 1"):
-            train.partial_source(dataclasses.replace(run, world=2))
-        with pytest.raises(ConfigError, match="--agent with --over-sample is not supported"):
-            run.cfg.replace(agent="agent.py:fn")
-    finally:
-        run.logger.close()
+@pytest.mark.slow
+def test_two_ranks_keep_a_buffer_each_and_resume_exactly(task, tmp_path):
+    """torchrun, 2 gloo ranks: each rank over-samples its shard of the step's groups, aborts and resumes
+    its own (partial_rollout.pt and partial_rollout.rank1.pt in a checkpoint, each with its loader
+    position); the ranks end in sync, and a 2-rank run resumed from its step-2 checkpoint logs the
+    uninterrupted run's steps 3-4 and ends on its weights (red when rank 1 resumes rank 0's buffer)."""
+    from test_lockstep import run as launch
+    a, b = tmp_path / "a", tmp_path / "b"
+    extra = ("--steps", "4", *ABORT, "--save-every", "2", "--keep-checkpoints", "3")
+    for out, more in ((a, ()), (b, ("--resume", str(a / "checkpoints" / "step_000002")))):
+        proc = launch("train.py", *args(task, out, *extra, *more), ranks=2, port=29657)
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        assert "ranks in sync" in proc.stdout
+    ck = a / "checkpoints" / "step_000002"
+    assert {sources.Partial.FILE, "partial_rollout.rank1.pt"} <= set(os.listdir(ck))
+    la, lb = every_step(a), every_step(b)
+    assert sum(x["rollout/async/resumed_groups"] for x in la) > 0
+    assert [x["step"] for x in lb] == [3, 4] and la[2:] == lb
+    wa, wb = weights(a, 4), weights(b, 4)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_agent_never_gets_there():
+    """--agent cannot abort (its episodes run in the user's function): the config refuses its
+    --over-sample before any partial rollout is built."""
+    with pytest.raises(ConfigError, match="--agent with --over-sample is not supported"):
+        Config.from_flags(partial_rollout="abort", over_sample=2, agent="agent.py:fn")
 
 
 def test_config_takes_abort_without_async_steps():
