@@ -24,6 +24,7 @@ from nanorl.sources import Agents
 from nanorl.task import build_model
 from nanorl.tool_envs import build_calc_tokenizer
 from nanorl.trajectory import TRAINS, Sample
+from nanorl.weight_broadcast import free_port  # noqa: E402
 from tests.test_env import bpe_chat_tokenizer
 
 openai = pytest.importorskip("openai", reason="the agents here are plain openai clients: pip install openai")
@@ -264,7 +265,8 @@ def test_two_ranks_each_serve_their_own_endpoint(tmp_path):
     import subprocess
     import sys
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29651",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()),
            "train.py", "--algo", "grpo", "--agent", "examples/agents/calculator_agent.py:run",
            "--max-new-tokens", "12", "--steps", "2", "--prompts-per-step", "4", "--samples-per-prompt", "4",
            "--eval-every", "0", "--eval-limit", "16", "--threads", "1", "--quiet", "--out-dir", str(tmp_path)]

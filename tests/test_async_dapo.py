@@ -20,6 +20,7 @@ from test_pipeline import (
 import train
 from nanorl import pipeline
 from nanorl.config import Config
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 COMMON = ["--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--eval-limit", "2",
           "--eval-every", "0", "--pass-k", "1", "--quiet", "--threads", "1", "--max-new-tokens", "4",
@@ -113,7 +114,7 @@ def test_two_ranks_with_one_worker_equal_one_process_on_the_union(task, half, tm
              "--reward", f"{half}:reward")
     launch(task, tmp_path / "one", *extra)
     launch(task, tmp_path / "split", *extra, "--micro-batch-size", "4")
-    out = launch(task, tmp_path / "two", *extra, ranks=2, port=29641)
+    out = launch(task, tmp_path / "two", *extra, ranks=2, port=free_port())
     assert "ranks in sync" in out
     one, split, two = (weights(tmp_path / d, 3) for d in ("one", "split", "two"))
     floor, diff = gap(one, split), gap(one, two)

@@ -23,6 +23,7 @@ from nanorl.config import Config
 from nanorl.policy import response_logprobs
 from nanorl.shared_weights import slot_layout
 from nanorl.trajectory import collate
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 # the pipeline tests' run (their 60-step warm start, 4 x 4 samples), with rank-8 adapters
 TINY = [*PIPELINE_TINY, "--lora-rank", "8", "--lr", "3e-3"]
@@ -243,7 +244,7 @@ def test_two_ranks_with_lora_take_one_process_steps(task, tmp_path):
                                         "--warmup-steps", "0"), ranks=ranks, port=port)
         assert proc.returncode == 0, proc.stdout[-3000:]
     train_run(tmp_path / "one", 1)
-    train_run(tmp_path / "two", 2, port=29677)
+    train_run(tmp_path / "two", 2, port=free_port())
     rewards = [[x["rollout/reward_mean"] for x in step_lines(tmp_path / d)] for d in ("one", "two")]
     assert len(rewards[0]) == 4 and rewards[0] == pytest.approx(rewards[1], abs=1e-9)
     one, two = adapters_at(tmp_path / "one", 4), adapters_at(tmp_path / "two", 4)

@@ -11,6 +11,7 @@ import torch
 from test_lockstep import run as launch
 
 from nanorl import checkpoint
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
@@ -47,7 +48,7 @@ def test_two_ranks_with_one_worker_equal_one_process_on_the_union(task, tmp_path
     extra = ("--steps", "4", "--async-steps", "1", "--kl-coef", "0.01")
     train(task, tmp_path / "one", *extra)
     train(task, tmp_path / "split", *extra, "--micro-batch-size", "4")
-    out = train(task, tmp_path / "two", *extra, ranks=2, port=29631)
+    out = train(task, tmp_path / "two", *extra, ranks=2, port=free_port())
     assert "ranks in sync" in out
     one, split, two = (weights(tmp_path / d, 4) for d in ("one", "split", "two"))
     init = checkpoint.load_file(os.path.join(task["model"], "model.safetensors"))
@@ -65,10 +66,10 @@ def test_two_rank_resume_is_the_uninterrupted_run(task, tmp_path):
     ahead from version 1, comes from rank 0's pipeline.pt and is sharded again) end on the same
     weights, bit for bit."""
     extra = ("--steps", "4", "--async-steps", "1", "--save-every", "2", "--keep-checkpoints", "3")
-    train(task, tmp_path / "a", *extra, ranks=2, port=29632)
+    train(task, tmp_path / "a", *extra, ranks=2, port=free_port())
     ck = os.path.join(tmp_path / "a", "checkpoints", "step_000002")
     assert "pipeline.pt" in checkpoint.verify(ck)["files"]
-    train(task, tmp_path / "b", *extra, "--resume", ck, ranks=2, port=29633)
+    train(task, tmp_path / "b", *extra, "--resume", ck, ranks=2, port=free_port())
     wa, wb = weights(tmp_path / "a", 4), weights(tmp_path / "b", 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
@@ -83,7 +84,7 @@ def test_two_ranks_with_a_worker_scored_reward_model_equal_one_process(task, tmp
     extra = ("--steps", "3", "--async-steps", "1", "--reward-model", str(tmp_path / "rm"),
              "--reward-weights", "correct=1,rm=0.5")
     train(task, tmp_path / "one", *extra)
-    out = train(task, tmp_path / "two", *extra, ranks=2, port=29647)
+    out = train(task, tmp_path / "two", *extra, ranks=2, port=free_port())
     assert "ranks in sync" in out
     logged = {}
     for d in ("one", "two"):

@@ -15,6 +15,7 @@ import torch
 import train
 from nanorl import moe_replay, pipeline, rollout, shared_weights, stages
 from nanorl.config import Config
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 TINY = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "4",
         "--quiet", "--pass-k", "2", "--threads", "1", "--schedule", "constant", "--max-new-tokens", "4",
@@ -197,7 +198,7 @@ def test_two_ranks_replay_the_workers_routing_as_one_process(task, tmp_path):
     extra = ("--steps", "3", "--async-steps", "1", "--lr", "1e-2")
     logged = {}
     for d, ranks in (("one", 1), ("two", 2)):
-        proc = launch("train.py", *args(task, tmp_path / d, *extra), ranks=ranks, port=29649)
+        proc = launch("train.py", *args(task, tmp_path / d, *extra), ranks=ranks, port=free_port())
         assert proc.returncode == 0, proc.stdout[-3000:]
         rows = step_lines(tmp_path / d)
         logged[d] = [(r["rollout/reward_mean"], r["rollout/async/staleness_routing_max"],

@@ -18,6 +18,7 @@ from nanorl.advantage import compute_advantages, grpo, reverse_kl_advantage
 from nanorl.config import parse_args
 from nanorl.plan import make_plan
 from nanorl.policy import load_model
+from nanorl.weight_broadcast import free_port
 
 
 def make_world(root, teacher_steps: int) -> dict:
@@ -170,14 +171,11 @@ def test_two_ranks_with_a_sharded_teacher(world, tmp_path):
     """--fsdp over 2 CPU ranks (gloo): the teacher is sharded like the reference, so its scoring pass is
     a collective every rank runs in lockstep; the run completes with the ranks in sync and a teacher
     KL logged every step — the same values as DDP's (the teacher's forward does not depend on sharding)."""
-    import socket
     import subprocess
     import sys
     logged = {}
     for mode in ("ddp", "fsdp"):
-        with socket.socket() as s:  # a free port: the machine is shared
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()  # tests run side by side: never a fixed port
         out = tmp_path / mode
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                str(port), "train.py", *argv(world, out, "--algo", "distill", "--teacher", world["teacher"],

@@ -17,6 +17,7 @@ from nanorl.rewards import RewardRunner, exact
 from nanorl.rollout import RolloutEngine, stop_token_ids
 from nanorl.task import make_default
 from nanorl.trajectory import Sample
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -146,7 +147,8 @@ def test_train_logs_every_set_and_shards_over_two_ranks(task, tmp_path):
     assert {"eval/held/accuracy", "eval/sums/accuracy", "eval/held/pass@2", "eval/sums/response_length_mean",
             "eval/accuracy"} <= set(one)
     assert 0 < one["eval/held/accuracy"] < 1  # the warm-started model: partly right
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29561",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()),
            "train.py", *run_args(task, tmp_path / "two", sets)]
     res = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
                          text=True,

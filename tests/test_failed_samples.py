@@ -14,6 +14,7 @@ import pytest
 
 import train
 from nanorl import rounds
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -127,7 +128,8 @@ def test_sample_filter_on_two_ranks_with_unequal_drops(task, tmp_path):
     joins each update with zero-weight rows, and the counts are the pooled ones."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29671",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()),
            os.path.join(ROOT, "train.py"), *args(task, out, "--steps", "2", "--sample-filter", task["keep"],
                                                "--kl-coef", "0")]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -29,6 +29,8 @@ from nanorl.trajectory import Sample, collate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import p3_rank_check  # noqa: E402
 
+from nanorl.weight_broadcast import free_port  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -142,7 +144,7 @@ def test_fsdp_check_sync_runs_the_same_probe_forwards_on_every_rank():
     generate call) both finish check_sync with the same number of trainer forwards, and in sync with
     the engine. Before the fix: 9 forwards against 3 — under NCCL a hang in the all-gathers; gloo
     even let them pair with rank 1's later collectives, so the counts are what is asserted."""
-    out = torchrun("probes", port=29561)
+    out = torchrun("probes", port=free_port())
     found = re.findall(r"probes rank (\d) forwards (\d+) max_diff ([0-9.e+-]+)", out)
     assert sorted(r for r, _, _ in found) == ["0", "1"], out
     assert len({f for _, f, _ in found}) == 1, out
@@ -158,7 +160,8 @@ def test_two_fsdp_ranks_with_env_calc_and_vllm_finish(tmp_path):
     hang). --no-skip-zero-advantage: a rank whose rows all have zero advantage logs no loss metrics,
     and reduce_metrics then all-reduces key lists of different lengths (a separate bug, reported)."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29563",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()),
            "train.py", "--env", "calc", "--engine", "vllm", "--fsdp", "--steps", "3",
            "--no-skip-zero-advantage", "--max-new-tokens", "16", "--prompts-per-step", "4",
            "--samples-per-prompt", "2", "--eval-every", "0", "--eval-limit", "8", "--quiet", "--threads", "1",
@@ -248,7 +251,7 @@ def test_bf16_weight_gradient_accumulates_in_fp32(backend):
 def test_fp16_overflow_on_one_rank_skips_on_every_rank():
     """Rank 1 alone sees an inf gradient: both ranks skip that step, halve the loss scale together,
     then take the same finite step — equal scales, equal skip counts, equal weights."""
-    out = torchrun("scaler", port=29562)
+    out = torchrun("scaler", port=free_port())
     found = re.findall(r"scaler rank (\d) scale ([0-9.e+-]+) skipped (\d+) weights ([0-9.e+-]+)", out)
     assert sorted(r for r, *_ in found) == ["0", "1"], out
     (_, s0, k0, w0), (_, s1, k1, w1) = sorted(found)

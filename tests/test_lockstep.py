@@ -20,6 +20,7 @@ import torch
 
 from nanorl import batching, scoring, update
 from nanorl.config import Config
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
@@ -123,7 +124,7 @@ def test_unequal_ranks_finish_and_equal_one_process_on_the_union(task, tmp_path)
     args = ["tests/lockstep_check.py", task["model"], task["train"], str(tmp_path), *CASES]
     ref = run(*args, ranks=1, port=0)
     assert ref.returncode == 0, ref.stdout[-3000:]
-    two = run(*args, ranks=2, port=29621)
+    two = run(*args, ranks=2, port=free_port())
     assert two.returncode == 0, two.stdout[-3000:]
     found = {(c, int(r)): (int(k), int(n), int(s), int(u)) for c, r, k, n, s, u in re.findall(
         r"case (\w+) rank (\d) kept (\d+) reductions (\d+) steps (\d+) units (\d+)", two.stdout)}
@@ -168,7 +169,7 @@ def test_fsdp_checkpoint_resumes_resharded_with_memory_bounded_by_a_shard(tmp_pa
     data = tmp_path / "train.jsonl"
     data.write_text("".join(__import__("json").dumps(r) + "\n" for r in tk.problems()[0][:32]))
     args = [str(tmp_path / "model"), str(data), str(tmp_path / "out")]
-    saved = run("tests/ckpt_check.py", "save", *args, ranks=2, port=29622)
+    saved = run("tests/ckpt_check.py", "save", *args, ranks=2, port=free_port())
     assert saved.returncode == 0, saved.stdout[-3000:]
     figures = re.findall(r"rank (\d) resume_peak_mib (\S+) anon_peak_mib (\S+) shard_mib (\S+) "
                          r"full_mib (\S+)",
@@ -217,7 +218,7 @@ def test_an_error_on_one_rank_ends_every_rank_with_it(task, tmp_path):
     script.write_text(FAILING.format(repo=REPO))
     res = run(str(script), "--model", task["model"], "--train-data", task["train"], "--steps", "3",
               "--prompts-per-step", "4", "--samples-per-prompt", "2", "--eval-every", "0", "--quiet",
-              "--threads", "1", "--out-dir", str(tmp_path / "out"), ranks=2, port=29623, timeout=180)
+              "--threads", "1", "--out-dir", str(tmp_path / "out"), ranks=2, port=free_port(), timeout=180)
     ended = time.time()
     assert res.returncode != 0
     planted = float(re.search(r"PLANTED (\S+)", res.stdout).group(1))
@@ -261,7 +262,7 @@ def test_a_collective_error_no_python_code_sees_ends_every_rank_with_it(task, tm
     script.write_text(HUNG.format(repo=REPO))
     res = run(str(script), "--model", task["model"], "--train-data", task["train"], "--steps", "3",
               "--prompts-per-step", "4", "--samples-per-prompt", "2", "--eval-every", "0", "--quiet",
-              "--threads", "1", "--out-dir", str(tmp_path / "out"), ranks=2, port=29627, timeout=120)
+              "--threads", "1", "--out-dir", str(tmp_path / "out"), ranks=2, port=free_port(), timeout=120)
     ended = time.time()
     assert res.returncode != 0
     planted = float(re.search(r"PLANTED (\S+)", res.stdout).group(1))

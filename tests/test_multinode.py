@@ -18,6 +18,7 @@ from test_lockstep import FAILING
 from test_multirank import launch, train_args
 
 from nanorl.task import make_default
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
@@ -74,9 +75,9 @@ def weights(out, step: int = 2) -> dict:
 @pytest.mark.parametrize("extra", [["--algo", "grpo"], ["--algo", "ppo", "--fsdp"]])
 def test_two_nodes_equal_one_node_with_two_ranks(task, tmp_path, extra):
     one, two = tmp_path / "one_node", tmp_path / "two_nodes"
-    res = launch(*train_args(task, one, "--steps", "2", *extra), port=29671)
+    res = launch(*train_args(task, one, "--steps", "2", *extra), port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
-    nodes = two_nodes([train_args(task, two, "--steps", "2", *extra)] * 2, port=29672)
+    nodes = two_nodes([train_args(task, two, "--steps", "2", *extra)] * 2, port=free_port())
     for rc, text in nodes:
         assert rc == 0, text[-3000:]
     # rank 0 (node 0) prints the run's lines; node 1's rank logs nothing of its own
@@ -94,7 +95,7 @@ def test_a_node_local_out_dir_is_refused_on_every_rank(task, tmp_path):
     stop at start-up with the same message, naming the rank that cannot see rank 0's files."""
     args = [train_args(task, tmp_path / "shared", "--steps", "1"),
             train_args(task, tmp_path / "local1", "--steps", "1")]
-    nodes = two_nodes(args, port=29673, timeout=300)
+    nodes = two_nodes(args, port=free_port(), timeout=300)
     for rc, text in nodes:
         assert rc != 0
         assert "is not shared by every node (rank 1 on" in text, text[-3000:]
@@ -106,7 +107,7 @@ def test_an_error_on_node_1_ends_node_0(task, tmp_path):
     script = tmp_path / "failing.py"
     script.write_text(FAILING.format(repo=REPO))
     args = [str(script), *train_args(task, tmp_path / "out", "--steps", "3")[1:]]
-    nodes = two_nodes([args, args], port=29674, timeout=300)
+    nodes = two_nodes([args, args], port=free_port(), timeout=300)
     assert all(rc != 0 for rc, _ in nodes)
     assert "rank 1 failed: RuntimeError: planted failure" in nodes[1][1], nodes[1][1][-3000:]
     assert "rank 0 stops: rank 1 failed: RuntimeError: planted failure" in nodes[0][1] or \
@@ -135,7 +136,7 @@ def test_a_checkpoint_rank_0_wrote_where_a_node_cannot_see_it_fails_clearly(task
     script = tmp_path / "unchecked.py"
     script.write_text(UNCHECKED.format(repo=REPO))
     args = [[str(script), *train_args(task, tmp_path / "out", "--steps", "1")[1:]]] * 2
-    nodes = two_nodes(args, port=29675, timeout=300)
+    nodes = two_nodes(args, port=free_port(), timeout=300)
     for rc, text in nodes:
         assert rc != 0
         assert "is not visible on rank 1: --out-dir must be shared" in text, text[-3000:]

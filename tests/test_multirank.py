@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from nanorl.task import make_default
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 
@@ -51,7 +52,7 @@ def train_args(task, out, *extra):
                                    ["--algo", "grpo", "--lora-rank", "4", "--kl-coef", "0.05"]])
 def test_gradient_over_two_ranks_equals_one_rank_gradient(task, tmp_path, extra):
     res = launch("tests/ddp_check.py", task["model"], task["train"], task["test"], str(tmp_path), *extra,
-                 port=29534)
+                 port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     found = re.findall(r"rank (\d) max\|Δgrad\| (\S+) max\|grad\| (\S+) held ([0-9.]+)", res.stdout)
     assert sorted(r for r, *_ in found) == ["0", "1"], res.stdout
@@ -68,7 +69,7 @@ def test_fsdp_in_bf16_over_two_ranks(task, tmp_path):
     non-zero gradient, and the saved weights are the fp32 masters."""
     res = launch(*train_args(task, tmp_path, "--algo", "ppo", "--fsdp", "--dtype", "bfloat16", "--steps",
                              "2"),
-                 port=29541)
+                 port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ranks in sync" in res.stdout
     steps = [json.loads(x) for x in open(tmp_path / "metrics.jsonl") if '"train/loss"' in x]
@@ -92,7 +93,7 @@ def test_moe_gradient_over_two_ranks_with_routing_replay(tmp_path):
     data = make_default_data(tmp_path)
     res = launch("tests/ddp_check.py", str(tmp_path / "moe"), data, data, str(tmp_path / "out"),
                  "--routing-replay",
-                 port=29538)
+                 port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     found = re.findall(r"rank (\d) max\|Δgrad\| (\S+) max\|grad\| (\S+) held ([0-9.]+)", res.stdout)
     assert len(found) == 2 and all(float(d) <= 1e-5 * max(1.0, float(g)) for _, d, g, _ in found), res.stdout
@@ -109,7 +110,7 @@ def make_default_data(tmp_path) -> str:
 def test_fsdp_checkpoint_resumes_exactly(task, tmp_path):
     """3 FSDP steps == 2 steps + resume + 1 step, metric by metric; the saved model is whole."""
     out = tmp_path / "run"
-    res = launch(*train_args(task, out, "--fsdp", "--algo", "ppo", "--save-every", "1"), port=29536)
+    res = launch(*train_args(task, out, "--fsdp", "--algo", "ppo", "--save-every", "1"), port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ranks in sync: parameters identical on 2 ranks" in res.stdout
     first = {x["step"]: x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x}
@@ -119,7 +120,7 @@ def test_fsdp_checkpoint_resumes_exactly(task, tmp_path):
     assert saved.model.embed_tokens.weight.shape[0] == saved.config.vocab_size
     shutil.rmtree(out / "checkpoints" / "step_000003")
     res = launch(*train_args(task, out, "--fsdp", "--algo", "ppo", "--save-every", "1", "--resume", "latest"),
-                 port=29536)
+                 port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     assert "resumed from" in res.stdout and "at step 2" in res.stdout
     again = {x["step"]: x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x}
@@ -148,7 +149,7 @@ def test_fsdp_reads_the_checkpoint_on_rank_0_alone(tmp_path):
     (tests/fsdp_load_check.py)."""
     model, data, out = tiny_model(tmp_path), make_default_data(tmp_path), tmp_path / "out"
     res = launch("tests/fsdp_load_check.py", model, data, str(out), "--algo", "ppo", "--kl-coef", "0.05",
-                 "--dtype", "bfloat16", port=29542, timeout=120)
+                 "--dtype", "bfloat16", port=free_port(), timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     for rank in (0, 1):
         r = json.loads((out / f"fsdp_load_rank{rank}.json").read_text())
@@ -186,7 +187,7 @@ def test_fsdp_run_equals_every_rank_reading_the_checkpoint(tmp_path):
             "--threads", "1", "--fsdp", "--algo", "ppo", "--kl-coef", "0.05"]
     runs = {}
     for name, program in (("rank0", "train.py"), ("every", str(script))):
-        res = launch(program, *args, "--out-dir", str(tmp_path / name), port=29543, timeout=120)
+        res = launch(program, *args, "--out-dir", str(tmp_path / name), port=free_port(), timeout=120)
         assert res.returncode == 0, res.stderr[-3000:]
         assert "ranks in sync: parameters identical on 2 ranks" in res.stdout
         runs[name] = [json.loads(x) for x in open(tmp_path / name / "metrics.jsonl")]
@@ -206,7 +207,7 @@ def test_fsdp_run_equals_every_rank_reading_the_checkpoint(tmp_path):
 def test_two_ranks_with_vllm_engines(task, tmp_path, extra):
     """One in-process vLLM engine per rank, synced and checked (≤ 1e-3) after every step."""
     out = tmp_path / "run"
-    res = launch(*train_args(task, out, "--engine", "vllm", *extra), port=29537, timeout=900)
+    res = launch(*train_args(task, out, "--engine", "vllm", *extra), port=free_port(), timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "ranks in sync: parameters identical on 2 ranks" in res.stdout
     steps = [x for x in map(json.loads, open(out / "metrics.jsonl")) if "train/loss" in x]
@@ -245,7 +246,8 @@ def test_two_ranks_accelerate_launch(task, tmp_path):
     # On a CPU-only machine accelerate spawns N processes only with --multi_gpu (nanorl/distributed.py).
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-           "29535", str(script), "--model", task["model"], "--train-data", task["train"], "--test-data",
+           str(free_port()), str(script), "--model", task["model"], "--train-data", task["train"],
+           "--test-data",
            task["test"], "--steps", "3", "--prompts-per-step", "8", "--samples-per-prompt", "4",
            "--eval-every",
            "0", "--eval-limit", "16", "--quiet", "--threads", "1", "--out-dir", str(out)]

@@ -17,6 +17,8 @@ import sys
 import pytest
 import torch
 
+from nanorl.weight_broadcast import free_port  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}
 for _k in list(ENV):  # a test's own accelerate settings only
@@ -90,14 +92,14 @@ def torchrun(mode: str, port: int, timeout: int = 300) -> subprocess.CompletedPr
 
 @pytest.mark.slow
 def test_stream_in_engine_dtype_on_two_fsdp_ranks():
-    res = torchrun("stream", port=29651)
+    res = torchrun("stream", port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(res.stdout.count(f"rank {r} stream ok") for r in (0, 1)) == [1, 1], res.stdout
 
 
 @pytest.mark.slow
 def test_rank_check_streams_and_catches_a_planted_difference():
-    res = torchrun("ranks", port=29652)
+    res = torchrun("ranks", port=free_port())
     assert res.returncode == 0, res.stderr[-3000:]
     for r in (0, 1):
         assert f"rank {r} identical: passed" in res.stdout, res.stdout

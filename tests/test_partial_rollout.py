@@ -33,6 +33,7 @@ from nanorl.sources import Episodes
 from nanorl.task import build_model
 from nanorl.tool_envs import make_calc_task
 from nanorl.trajectory import collate
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 ABORT = ("--async-steps", "1", "--partial-rollout", "abort", "--over-sample", "2")
 
@@ -440,7 +441,7 @@ def test_two_ranks_with_env_aborts_equal_one_process(calc_task, tmp_path):
     logged = {}
     for d, ranks in (("one", 1), ("two", 2)):
         proc = launch("train.py", *calc_args(calc_task, tmp_path / d, "--steps", "4", *ABORT), ranks=ranks,
-                      port=29653)
+                      port=free_port())
         assert proc.returncode == 0, proc.stdout[-3000:]
         keys = ("rollout/reward_mean", "rollout/env/turns_mean", "rollout/async/aborted_groups",
                 "rollout/async/resumed_groups")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from nanorl import task
 from nanorl.reward_models import RewardModel
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 
 def wrong_sum(item: dict, rng: random.Random) -> str:
@@ -365,7 +366,7 @@ def test_a_sharded_rm_scores_as_the_whole_one_with_unequal_ranks(tmp_path):
     tokenizer.save_pretrained(tmp_path / "rm")
     repo = Path(__file__).resolve().parent.parent
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", "29561", "tests/rm_shard_check.py", str(tmp_path / "rm")],
+                          "--master_port", str(free_port()), "tests/rm_shard_check.py", str(tmp_path / "rm")],
                          cwd=repo, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                          timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -33,6 +33,7 @@ from nanorl import sources, stages
 from nanorl.config import Config, ConfigError
 from nanorl.logger import PhaseTimer
 from nanorl.trajectory import collate
+from nanorl.weight_broadcast import free_port  # noqa: E402
 
 ABORT = ("--partial-rollout", "abort", "--over-sample", "2", "--max-new-tokens", "6")
 
@@ -180,7 +181,7 @@ def test_two_ranks_keep_a_buffer_each_and_resume_exactly(task, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     extra = ("--steps", "4", *ABORT, "--save-every", "2", "--keep-checkpoints", "3")
     for out, more in ((a, ()), (b, ("--resume", str(a / "checkpoints" / "step_000002")))):
-        proc = launch("train.py", *args(task, out, *extra, *more), ranks=2, port=29657)
+        proc = launch("train.py", *args(task, out, *extra, *more), ranks=2, port=free_port())
         assert proc.returncode == 0, proc.stdout[-3000:]
         assert "ranks in sync" in proc.stdout
     ck = a / "checkpoints" / "step_000002"
