@@ -237,31 +237,23 @@ def micro_step(learner: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: floa
     return loss, m
 
 
-# Metrics of total_loss: loss contributions are summed over micro-batches, *_max are maxed, the rest
-# are token means weighted by each micro-batch's token count.
-SUMMED = ("loss", "pg_loss", "kl_loss", "vf_loss")
+# Metrics of total_loss: loss contributions and counts are summed over micro-batches, *_max are maxed,
+# the rest are token means weighted by each micro-batch's token count.
+SUMMED = ("loss", "pg_loss", "kl_loss", "vf_loss", "num_tokens", "num_seqs")
 
 
 def accumulate(stats: dict, m: dict) -> None:
     w_tok = float(m["num_tokens"])
     for k, v in m.items():
-        v = float(v)
-        if k in SUMMED or k in ("num_tokens", "num_seqs"):
-            stats[k] = stats.get(k, 0.0) + v
-        elif k.endswith("_max"):
-            stats[k] = max(stats.get(k, -math.inf), v)
+        if k.endswith("_max"):
+            stats[k] = max(stats.get(k, -math.inf), float(v))
         else:
-            stats[k] = stats.get(k, 0.0) + v * w_tok
+            stats[k] = stats.get(k, 0.0) + (float(v) if k in SUMMED else float(v) * w_tok)
 
 
 def finish(stats: dict) -> dict:
-    out = {}
-    for k, v in stats.items():
-        if k in SUMMED or k.endswith("_max") or k in ("num_tokens", "num_seqs"):
-            out[k] = v
-        else:
-            out[k] = v / max(stats["num_tokens"], 1.0)
-    return out
+    n_tok = max(stats["num_tokens"], 1.0)
+    return {k: v if k in SUMMED or k.endswith("_max") else v / n_tok for k, v in stats.items()}
 
 
 def sync_and_step(learner: Learner, params) -> float:
