@@ -71,9 +71,8 @@ class State:
     or None: --async-steps' trainer end (nanorl/pipeline.py: the batches sampled ahead; started after a
     resume), or synchronous --partial-rollout abort's source (nanorl/sources.py Partial: each rank's
     buffer, put back by `resume` through its load(path)); every rank's save(path, step) writes its part.
-    counters: plain counts (restored
-    by update, in place). step: the steps done. rank, world: this process's rank and the number of
-    ranks; every rank calls save and resume."""
+    counters: plain counts (restored by update, in place). step: the steps done. rank, world: this
+    process's rank and the number of ranks; every rank calls save and resume."""
     model: torch.nn.Module
     tokenizer: object
     optimizer: torch.optim.Optimizer

@@ -30,7 +30,13 @@ from torch.distributed.tensor import DTensor
 from nanorl.precision import autocast, fsdp_policy
 
 # a rank's process: join, fail together, end (nanorl/rank_lifecycle.py); called as distributed.<name>
-from nanorl.rank_lifecycle import check_accelerate_env, end_process, fail_together, init, shutdown  # noqa: F401
+from nanorl.rank_lifecycle import (  # noqa: F401
+    check_accelerate_env,
+    end_process,
+    fail_together,
+    init,
+    shutdown,
+)
 
 
 def local_world_size(world: int) -> int:

@@ -20,7 +20,13 @@ from typing import Callable, NamedTuple
 import torch
 
 # triton: the module or None (gpu_check.py reports its version)
-from nanorl.entropy_triton import HAS_TRITON, TRITON_INTERPRETED, triton, triton_backward, triton_forward  # noqa: F401
+from nanorl.entropy_triton import (  # noqa: F401
+    HAS_TRITON,
+    TRITON_INTERPRETED,
+    triton,
+    triton_backward,
+    triton_forward,
+)
 
 # torch path: fp32 temporaries per row chunk (~4 live [rows, V])
 _ROW_BUDGET_BYTES = 64 << 20

@@ -24,7 +24,7 @@ from nanorl.sources import Agents
 from nanorl.task import build_model
 from nanorl.tool_envs import build_calc_tokenizer
 from nanorl.trajectory import TRAINS, Sample
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 from tests.test_env import bpe_chat_tokenizer
 
 openai = pytest.importorskip("openai", reason="the agents here are plain openai clients: pip install openai")

@@ -20,7 +20,7 @@ from test_pipeline import (
 import train
 from nanorl import pipeline
 from nanorl.config import Config
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 COMMON = ["--algo", "dapo", "--prompts-per-step", "2", "--samples-per-prompt", "8", "--eval-limit", "2",
           "--eval-every", "0", "--pass-k", "1", "--quiet", "--threads", "1", "--max-new-tokens", "4",

@@ -10,13 +10,14 @@ a run resumed mid-flight from its sharded checkpoint is the uninterrupted run (s
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from nanorl.weight_broadcast import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -167,11 +168,8 @@ def task(tmp_path_factory):
 def train(task, out, *extra) -> str:
     """train.py on 2 gloo ranks under torchrun, under a timeout (test_lockstep.run kills a hang)."""
     from test_lockstep import run as launch
-    with socket.socket() as s:  # a free port: the machine is shared
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     proc = launch("train.py", "--model", task["model"], "--train-data", task["train"], "--test-data",
-                  task["test"], "--out-dir", str(out), *BASE, *extra, ranks=2, port=port, timeout=480)
+                  task["test"], "--out-dir", str(out), *BASE, *extra, ranks=2, port=free_port(), timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:]
     return proc.stdout
 

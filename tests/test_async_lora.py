@@ -23,7 +23,7 @@ from nanorl.config import Config
 from nanorl.policy import response_logprobs
 from nanorl.shared_weights import slot_layout
 from nanorl.trajectory import collate
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 # the pipeline tests' run (their 60-step warm start, 4 x 4 samples), with rank-8 adapters
 TINY = [*PIPELINE_TINY, "--lora-rank", "8", "--lr", "3e-3"]

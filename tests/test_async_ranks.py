@@ -11,7 +11,7 @@ import torch
 from test_lockstep import run as launch
 
 from nanorl import checkpoint
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 

@@ -15,7 +15,7 @@ import torch
 import train
 from nanorl import moe_replay, pipeline, rollout, shared_weights, stages
 from nanorl.config import Config
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 TINY = ["--prompts-per-step", "4", "--samples-per-prompt", "4", "--eval-every", "0", "--eval-limit", "4",
         "--quiet", "--pass-k", "2", "--threads", "1", "--schedule", "constant", "--max-new-tokens", "4",

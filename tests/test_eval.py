@@ -17,7 +17,7 @@ from nanorl.rewards import RewardRunner, exact
 from nanorl.rollout import RolloutEngine, stop_token_ids
 from nanorl.task import make_default
 from nanorl.trajectory import Sample
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -14,7 +14,7 @@ import pytest
 
 import train
 from nanorl import rounds
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -29,7 +29,7 @@ from nanorl.trajectory import Sample, collate
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import p3_rank_check  # noqa: E402
 
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

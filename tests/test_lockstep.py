@@ -20,7 +20,7 @@ import torch
 
 from nanorl import batching, scoring, update
 from nanorl.config import Config
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 

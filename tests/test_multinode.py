@@ -18,7 +18,7 @@ from test_lockstep import FAILING
 from test_multirank import launch, train_args
 
 from nanorl.task import make_default
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 pytestmark = pytest.mark.slow  # the slow tier (README): CI runs it, `-m slow`
 

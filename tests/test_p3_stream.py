@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO}

@@ -33,7 +33,7 @@ from nanorl.sources import Episodes
 from nanorl.task import build_model
 from nanorl.tool_envs import make_calc_task
 from nanorl.trajectory import collate
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 ABORT = ("--async-steps", "1", "--partial-rollout", "abort", "--over-sample", "2")
 

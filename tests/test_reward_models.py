@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from nanorl import task
 from nanorl.reward_models import RewardModel
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 
 def wrong_sum(item: dict, rng: random.Random) -> str:

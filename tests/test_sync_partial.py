@@ -33,7 +33,7 @@ from nanorl import sources, stages
 from nanorl.config import Config, ConfigError
 from nanorl.logger import PhaseTimer
 from nanorl.trajectory import collate
-from nanorl.weight_broadcast import free_port  # noqa: E402
+from nanorl.weight_broadcast import free_port
 
 ABORT = ("--partial-rollout", "abort", "--over-sample", "2", "--max-new-tokens", "6")
 
