@@ -40,15 +40,16 @@ def with_task_files(cfg: Config, rank: int, world: int) -> Config:
     (--plugin's make_task, else --env calc's or --agent's tool-using variant, else the arithmetic task)."""
     if cfg.model and cfg.train_data:
         return cfg
-    make = plugin_task(cfg.plugin) or (make_calc_task if cfg.env == "calc" or cfg.agent else make_default)
+    make = make_calc_task if cfg.env == "calc" or cfg.agent else make_default
+    if cfg.plugin:
+        make = plugin_task(cfg.plugin) or make
     default = make(os.path.join(cfg.out_dir, "task")) if rank == 0 else None
     if world > 1:  # rank 0 builds, the others read the same files
         box = [default]
         torch.distributed.broadcast_object_list(box, src=0)
         default = box[0]
-    return cfg.replace(model=cfg.model or default["model"],
-                               train_data=cfg.train_data or default["train"],
-                               test_data=cfg.test_data or default["test"])
+    return cfg.replace(model=cfg.model or default["model"], train_data=cfg.train_data or default["train"],
+                       test_data=cfg.test_data or default["test"])
 
 
 def load_policy(cfg: Config, device, dtype):
@@ -249,8 +250,7 @@ def make_trained(cfg: Config, model, device, dtype):
         ref = distributed.shard(ref, device, from_rank0=once)
     accelerator = distributed.make_accelerator(find_unused_parameters=moe_replay.is_moe(model))
     return critic, ref, distributed.wrap(accelerator, Trained(model, critic, score, dtype),
-                                         fsdp=cfg.memory.fsdp,
-                                         from_rank0=once)
+                                         fsdp=cfg.memory.fsdp, from_rank0=once)
 
 
 def make_optimizer(cfg: Config, model, critic):

@@ -89,13 +89,13 @@ def lookup(row: dict, key: str, source: str, i: int):
     """`row[key]`; a dotted key reaches into nested dicts and a comma list takes the first present.
     A missing key names itself and the keys that are there."""
     for candidate in key.split(","):
-        value, found = row, True
+        value = row
         for part in candidate.strip().split("."):
             if not isinstance(value, dict) or part not in value:
-                found = False
                 break
             value = value[part]
-        if found:
+        # every part was there
+        else:
             return value
     raise DataError(f"{source}: row {i + 1} has no key {key!r}; keys present: {sorted(row)} "
                     f"(set --input-key / --label-key; a.b reads a nested column, a,b the first present)")
@@ -159,8 +159,7 @@ class PromptFormat:
             raise DataError(f"{where}: {len(msgs)} chat messages need a chat template to become one prompt "
                             "(the tokenizer has none, or --no-chat-template)")
         # a base model: [system text, blank line,] the user's text
-        raw = "\n\n".join(m["content"] for m in msgs)
-        return tokenizer(raw, add_special_tokens=False)["input_ids"], text
+        return tokenizer("\n\n".join(m["content"] for m in msgs), add_special_tokens=False)["input_ids"], text
 
 
 def render_prompt(text: str, tokenizer) -> list[int]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from nanorl import checkpoint, distributed, reasoning_tasks
 from nanorl.data import PromptFormat, build_prompts, load_rows, parse_source
-from nanorl.plugins import metadata_sums, pooled_means
+from nanorl.plugins import all_gather, metadata_sums, pooled_means
 from nanorl.rewards import correct, score_samples
 from nanorl.rollout import SamplingConfig
 from nanorl.rounds import scored_components
@@ -114,8 +114,8 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
         slices = [_score_slice(scorer, sampling, s.prompts[rank::world]) for s in sets]
     # [S, 7] summed over ranks
     counts = distributed.all_reduce(torch.stack([c for c, _ in slices]))
-    fields = [f for _, f in slices]
-    parts = _all_gather(fields)  # components and metadata: their keys may differ by rank
+    # components and metadata: their keys may differ by rank
+    parts = all_gather([f for _, f in slices])
     k, out, env = sampling.pass_k, {}, episodes is not None
     for i, (s, row) in enumerate(zip(sets, counts.tolist())):
         n, greedy, passed, length, tools, truncated, reward = row
@@ -136,15 +136,6 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
     seconds = distributed.all_reduce(torch.tensor([time.perf_counter() - start]), dist.ReduceOp.MAX)
     pooled = {"eval/accuracy": greedy / n, f"eval/pass@{k}": passed / n}
     return {**pooled, **out, "perf/time/eval": float(seconds)}
-
-
-def _all_gather(local: list) -> list:
-    """Every rank's `local`, in rank order; [local] in a single process (as distributed.all_reduce)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [local]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return out
 
 
 @dataclass

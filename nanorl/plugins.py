@@ -151,10 +151,8 @@ def plugin_values(path: str) -> dict:
 
 
 def plugin_task(path: str):
-    """A --plugin module's `make_task(out_dir) -> {"model", "train", "test"}`, or None: the task
-    (model and data) built in code when --model / --train-data are not given."""
-    if not path:
-        return None
+    """The --plugin module `path`'s `make_task(out_dir) -> {"model", "train", "test"}`, or None: the
+    task (model and data) built in code when --model / --train-data are not given."""
     make = getattr(_plugin_module(path), "make_task", None)
     if make is not None:
         check_call(make, f"--plugin {path}: make_task", "make_task(out_dir) -> dict(model, train, test)",
@@ -168,30 +166,36 @@ def apply(cfg):
     checked, before any model is loaded. A field that a flag or the --algo preset set to something else
     is an error (drop one of the two). Returns a new, validated Config where the plug-in filled fields,
     else `cfg` itself; applying it twice changes nothing."""
-    values = {}
     if cfg.plugin:
-        defaults, mine_all = type(cfg)().as_flags(), cfg.as_flags()
-        # -1 (the default) was resolved for the reward before the plug-in's: resolve it again
-        auto_timeout = getattr(cfg, "_auto_reward_timeout", False)
-        for name, value in plugin_values(cfg.plugin).items():
-            if name not in defaults:
-                raise ValueError(f"config: --plugin {cfg.plugin}: CONFIG names {name!r}, which is not a "
-                                 "Config field")
-            mine = mine_all[name]
-            if mine not in (defaults[name], value) and not (name == "reward_timeout" and auto_timeout):
-                raise ValueError(f"config: --plugin {cfg.plugin} sets {name}={value!r}, but {name} is "
-                                 f"already {mine!r} (a flag or the --algo preset): drop one of the two")
-            values[name] = value
-        if auto_timeout:
-            values.setdefault("reward_timeout", -1.0)
-        plugin_task(cfg.plugin)
-    cfg = cfg.replace(**values) if values else cfg
+        cfg = with_plugin(cfg)
     for name in USER_FUNCTIONS:
         if ":" in getattr(cfg, name):
             fn = load_checked(getattr(cfg, name), name)
             if name == "advantage":  # what it declares against the flags, as a built-in's at parse time
                 cfg.check_estimator(fn)
     return cfg
+
+
+def with_plugin(cfg):
+    """`cfg` with the fields its --plugin module supplies (`apply`, the rules above), its make_task
+    checked."""
+    values = {}
+    defaults, mine_all = type(cfg)().as_flags(), cfg.as_flags()
+    # -1 (the default) was resolved for the reward before the plug-in's: resolve it again
+    auto_timeout = getattr(cfg, "_auto_reward_timeout", False)
+    for name, value in plugin_values(cfg.plugin).items():
+        if name not in defaults:
+            raise ValueError(f"config: --plugin {cfg.plugin}: CONFIG names {name!r}, which is not a "
+                             "Config field")
+        mine = mine_all[name]
+        if mine not in (defaults[name], value) and not (name == "reward_timeout" and auto_timeout):
+            raise ValueError(f"config: --plugin {cfg.plugin} sets {name}={value!r}, but {name} is "
+                             f"already {mine!r} (a flag or the --algo preset): drop one of the two")
+        values[name] = value
+    if auto_timeout:
+        values.setdefault("reward_timeout", -1.0)
+    plugin_task(cfg.plugin)
+    return cfg.replace(**values) if values else cfg
 
 
 # ----------------------------------------------------------------------------- the step's hooks
@@ -237,21 +241,19 @@ class Hooks:
         already a metric of the step raises: rename the field). Every rank calls it: the fields are
         pooled over ranks first (one all_gather_object), so all ranks log the same keys — a key only
         some ranks had would misalign the metric all-reduce (nanorl/distributed.py reduce_metrics)."""
-        extra = metadata_metrics(samples, self.log_metadata, gather=_all_gather if _world() > 1 else None)
+        extra = metadata_metrics(samples, self.log_metadata, gather=all_gather)
         clash = sorted(set(extra) & set(metrics))
         if clash:
             raise ValueError(f"Sample.metadata fields {clash} are also metric names of the step: rename them")
         return {**metrics, **extra}
 
 
-def _world() -> int:
-    """The number of ranks (1 without torch.distributed: one process has nothing to pool)."""
+def all_gather(local) -> list:
+    """Every rank's `local`, in rank order; [local] in one process (nothing to pool), as
+    nanorl/distributed.py all_reduce."""
     import torch.distributed as dist
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _all_gather(local: dict) -> list[dict]:
-    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return [local]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, local)
     return out

@@ -23,6 +23,7 @@ import random
 import shutil
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 PAD, EOS = "<pad>", "<eos>"
 # No space character: AutoTokenizer reloads a saved character-level tokenizer as the model type's
@@ -69,20 +70,18 @@ def warm_start(model, tokenizer, items: list[dict], steps: int = 40, batch_size:
                lr: float = 1e-3, seed: int = 0) -> None:
     """Supervised fine-tuning on (prompt, answer+EOS): cross-entropy on the answer tokens only."""
     gen = torch.Generator().manual_seed(seed)
-    rows = [tokenizer(x["prompt"])["input_ids"] + tokenizer(x["answer"])["input_ids"] +
-            [tokenizer.eos_token_id] for x in items]
-    plen = [len(tokenizer(x["prompt"])["input_ids"]) for x in items]
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # [N, S] right-padded
-    labels = torch.full((len(rows), width), -100)  # [N, S] -100 = not trained on
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        # the answer and its EOS only
-        labels[i, plen[i]:len(r)] = torch.tensor(r[plen[i]:])
+    eos = [tokenizer.eos_token_id]
+    pairs = [(tokenizer(x["prompt"])["input_ids"], tokenizer(x["answer"])["input_ids"] + eos) for x in items]
+    # [N, S] right-padded
+    ids = pad_sequence([torch.tensor(p + a) for p, a in pairs], batch_first=True,
+                       padding_value=tokenizer.pad_token_id)
+    # [N, S] the answer and its EOS only: -100 = not trained on
+    labels = pad_sequence([torch.tensor([-100] * len(p) + a) for p, a in pairs], batch_first=True,
+                          padding_value=-100)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     model.train()
     for _ in range(steps):
-        pick = torch.randint(len(rows), (batch_size,), generator=gen)
+        pick = torch.randint(len(ids), (batch_size,), generator=gen)
         loss = model(input_ids=ids[pick], attention_mask=(ids[pick] != tokenizer.pad_token_id).long(),
                      labels=labels[pick]).loss
         opt.zero_grad()
