@@ -126,15 +126,15 @@ class PromptFormat:
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in prompt):
             msgs = [{"role": m["role"], "content": m["content"]} for m in prompt]
+            if not any(m["role"] == "user" for m in msgs):
+                raise DataError(f"{where}: the messages have no 'user' turn "
+                                f"(roles: {[m['role'] for m in msgs]})")
         else:
             raise DataError(f"{where}: the prompt must be a string or a non-empty list of "
                             f"{{'role': str, 'content': str}} messages, got {str(prompt)[:120]!r}")
-        users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
-        if not users:
-            raise DataError(f"{where}: the messages have no 'user' turn (roles: {[m['role'] for m in msgs]})")
         # the instruction goes around the (last) user turn, as verl's preprocessing does
         if self.template:
-            last = msgs[users[-1]]
+            last = [m for m in msgs if m["role"] == "user"][-1]
             last["content"] = self.template.replace("{prompt}", last["content"])
         if self.system_prompt:
             if msgs[0]["role"] == "system":

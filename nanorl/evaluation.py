@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from nanorl import checkpoint, distributed, reasoning_tasks
 from nanorl.data import PromptFormat, build_prompts, load_rows, parse_source
-from nanorl.plugins import all_gather, metadata_sums, pooled_means
+from nanorl.plugins import all_gather, metadata_sums, pooled_means, with_fields
 from nanorl.rewards import correct, score_samples
 from nanorl.rollout import SamplingConfig
 from nanorl.rounds import scored_components
@@ -126,10 +126,7 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
         if env:
             mine[f"eval/{s.name}/tool_use_rate"] = tools / n
         extra = {f"eval/{s.name}/{f}": v for f, v in pooled_means([p[i] for p in parts]).items()}
-        clash = sorted(set(extra) & set(mine))
-        if clash:
-            raise ValueError(f"Sample.metadata fields {clash} are also eval metric names: rename them")
-        out.update({**mine, **extra})
+        out.update(with_fields(mine, extra, "eval metric names"))
     n, greedy, passed, _, tools, _, _ = counts.sum(0).tolist()
     if env:
         out["eval/tool_use_rate"] = tools / n
@@ -184,17 +181,16 @@ def _score_slice(scorer: Scorer, sampling: EvalSampling, prompts) -> tuple[torch
     if not prompts:
         scorer.add_components([], [])
         return torch.zeros(7, dtype=torch.float64), {}
-    stop, max_new, k = sampling.stop_token_ids, sampling.max_new_tokens, sampling.pass_k
-    greedy, truncated = scorer.scored(prompts, 1, SamplingConfig(temperature=0.0, max_new_tokens=max_new,
-                                                      stop_token_ids=stop))
+    greedy, truncated = scorer.scored(prompts, 1, SamplingConfig(
+        temperature=0.0, max_new_tokens=sampling.max_new_tokens, stop_token_ids=sampling.stop_token_ids))
     # accuracy reads --reward's own verdict, before the reward model / judge components join it
     right = [correct(s.reward) >= 1.0 for s in greedy]
     scorer.add_components(prompts, greedy)
-    sampled, _ = scorer.scored(prompts, k, SamplingConfig(
+    sampled, _ = scorer.scored(prompts, sampling.pass_k, SamplingConfig(
         temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-        max_new_tokens=max_new, stop_token_ids=stop))
+        max_new_tokens=sampling.max_new_tokens, stop_token_ids=sampling.stop_token_ids))
     # [prompts, k]
-    hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled]).view(len(prompts), k)
+    hits = torch.tensor([correct(s.reward) >= 1.0 for s in sampled]).view(len(prompts), sampling.pass_k)
     length = sum(s.response_length for s in greedy)
     tools = sum((s.episode or {}).get("tool_calls", 0) > 0 for s in greedy)
     counts = [len(prompts), sum(right), float(hits.any(1).sum()), length, tools,

@@ -242,10 +242,16 @@ class Hooks:
         pooled over ranks first (one all_gather_object), so all ranks log the same keys — a key only
         some ranks had would misalign the metric all-reduce (nanorl/distributed.py reduce_metrics)."""
         extra = metadata_metrics(samples, self.log_metadata, gather=all_gather)
-        clash = sorted(set(extra) & set(metrics))
-        if clash:
-            raise ValueError(f"Sample.metadata fields {clash} are also metric names of the step: rename them")
-        return {**metrics, **extra}
+        return with_fields(metrics, extra, "metric names of the step")
+
+
+def with_fields(metrics: dict, extra: dict, what: str) -> dict:
+    """`metrics` plus the metadata metrics `extra`; a field named like one of `metrics` (`what` they
+    are) raises: rename the field."""
+    clash = sorted(set(extra) & set(metrics))
+    if clash:
+        raise ValueError(f"Sample.metadata fields {clash} are also {what}: rename them")
+    return {**metrics, **extra}
 
 
 def all_gather(local) -> list:
