@@ -241,8 +241,7 @@ class Hooks:
         already a metric of the step raises: rename the field). Every rank calls it: the fields are
         pooled over ranks first (one all_gather_object), so all ranks log the same keys — a key only
         some ranks had would misalign the metric all-reduce (nanorl/distributed.py reduce_metrics)."""
-        extra = metadata_metrics(samples, self.log_metadata, gather=all_gather)
-        return with_fields(metrics, extra, "metric names of the step")
+        return with_fields(metrics, metadata_metrics(samples, self.log_metadata), "metric names of the step")
 
 
 def with_fields(metrics: dict, extra: dict, what: str) -> dict:
@@ -265,14 +264,14 @@ def all_gather(local) -> list:
     return out
 
 
-def metadata_metrics(samples: list, patterns: list[str], gather=None) -> dict:
+def metadata_metrics(samples: list, patterns: list[str], gather=all_gather) -> dict:
     """Mean of every numeric Sample.metadata field that a pattern names (exactly, or by prefix when
     the pattern ends in "/") or that the reward returned as log-only (listed in metadata["logged"]:
     nanorl/rewards.py), over the samples that have it, logged under the field's own name.
     Non-finite values are left out of the mean (and counted in `<name>/nonfinite`): a NaN from one
-    sample never reaches a metric. `gather` pools the per-field sums over ranks (list of dicts)."""
-    sums = metadata_sums(samples, patterns)
-    return pooled_means(gather(sums) if gather is not None else [sums])
+    sample never reaches a metric. `gather` pools the per-field sums over ranks (list of dicts; by
+    default every rank's, so every rank calls it)."""
+    return pooled_means(gather(metadata_sums(samples, patterns)))
 
 
 def metadata_sums(samples: list, patterns: list[str]) -> dict[str, list]:
