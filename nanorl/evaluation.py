@@ -119,14 +119,13 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
     k, out, env = sampling.pass_k, {}, episodes is not None
     for i, (s, row) in enumerate(zip(sets, counts.tolist())):
         n, greedy, passed, length, tools, truncated, reward = row
-        mine = {f"eval/{s.name}/accuracy": greedy / n, f"eval/{s.name}/pass@{k}": passed / n,
-                f"eval/{s.name}/response_length_mean": length / n, f"eval/{s.name}/reward_mean": reward / n,
-                f"eval/{s.name}/truncated_frac": truncated / n}
+        mine = {"accuracy": greedy / n, f"pass@{k}": passed / n, "response_length_mean": length / n,
+                "reward_mean": reward / n, "truncated_frac": truncated / n}
         # --env: the share of greedy episodes that called a tool
         if env:
-            mine[f"eval/{s.name}/tool_use_rate"] = tools / n
-        extra = {f"eval/{s.name}/{f}": v for f, v in pooled_means([p[i] for p in parts]).items()}
-        out.update(with_fields(mine, extra, "eval metric names"))
+            mine["tool_use_rate"] = tools / n
+        fields = with_fields(mine, pooled_means([p[i] for p in parts]), "eval metric names")
+        out.update({f"eval/{s.name}/{f}": v for f, v in fields.items()})
     n, greedy, passed, _, tools, _, _ = counts.sum(0).tolist()
     if env:
         out["eval/tool_use_rate"] = tools / n
