@@ -160,25 +160,8 @@ def plugin_task(path: str):
     return make
 
 
-def apply(cfg):
-    """`cfg` at set-up (train.py, right after parsing): the fields a --plugin module supplies filled in
-    where they were left at their defaults, and every user function loaded once and its signature
-    checked, before any model is loaded. A field that a flag or the --algo preset set to something else
-    is an error (drop one of the two). Returns a new, validated Config where the plug-in filled fields,
-    else `cfg` itself; applying it twice changes nothing."""
-    if cfg.plugin:
-        cfg = with_plugin(cfg)
-    for name in USER_FUNCTIONS:
-        if ":" in getattr(cfg, name):
-            fn = load_checked(getattr(cfg, name), name)
-            if name == "advantage":  # what it declares against the flags, as a built-in's at parse time
-                cfg.check_estimator(fn)
-    return cfg
-
-
 def with_plugin(cfg):
-    """`cfg` with the fields its --plugin module supplies (`apply`, the rules above), its make_task
-    checked."""
+    """`cfg` with the fields its --plugin module supplies (the rules: `apply`), its make_task checked."""
     values = {}
     defaults, mine_all = type(cfg)().as_flags(), cfg.as_flags()
     # -1 (the default) was resolved for the reward before the plug-in's: resolve it again
@@ -196,6 +179,22 @@ def with_plugin(cfg):
         values.setdefault("reward_timeout", -1.0)
     plugin_task(cfg.plugin)
     return cfg.replace(**values) if values else cfg
+
+
+def apply(cfg):
+    """`cfg` at set-up (train.py, right after parsing): the fields a --plugin module supplies filled in
+    where they were left at their defaults, and every user function loaded once and its signature
+    checked, before any model is loaded. A field that a flag or the --algo preset set to something else
+    is an error (drop one of the two). Returns a new, validated Config where the plug-in filled fields,
+    else `cfg` itself; applying it twice changes nothing."""
+    if cfg.plugin:
+        cfg = with_plugin(cfg)
+    for name in USER_FUNCTIONS:
+        if ":" in getattr(cfg, name):
+            fn = load_checked(getattr(cfg, name), name)
+            if name == "advantage":  # what it declares against the flags, as a built-in's at parse time
+                cfg.check_estimator(fn)
+    return cfg
 
 
 # ----------------------------------------------------------------------------- the step's hooks
