@@ -144,8 +144,8 @@ def save(state: State, cfg, logger=None) -> str:
     None; its `file` (rank 0's metrics.jsonl) is flushed and its length saved, for the resume to cut
     back to. FSDP: each rank writes its own shards (nanorl/ckpt_sharded.py). Else rank 0 writes the
     one copy (DDP replicas are identical). Every rank hashes a share of the files."""
-    faults = dict(state.rewards.faults) if state.rewards is not None else {}
-    local = {"rng": rng_state(state.engine), "reward_faults": faults,
+    local = {"rng": rng_state(state.engine),
+             "reward_faults": dict(state.rewards.faults) if state.rewards is not None else {},
              "scorer_faults": {name: dict(s.faults) for name, s in state.scorers.items()}}
     # RNG streams differ by rank: collect them all
     ranks = ckpt_atomic.all_gather(state.world, local)
@@ -160,35 +160,31 @@ def save(state: State, cfg, logger=None) -> str:
             state.pipeline.save(tmp, state.step)
         if state.rank == 0:
             _write_rank0(state, cfg, logger, tmp, ranks, sharded)
-    root = os.path.join(cfg.out_dir, "checkpoints")
-    return ckpt_atomic.write_step_dir(root, state.step, state.rank, state.world, write,
-                                      cfg.saving.keep_checkpoints)
+    return ckpt_atomic.write_step_dir(os.path.join(cfg.out_dir, "checkpoints"), state.step, state.rank,
+                                      state.world, write, cfg.saving.keep_checkpoints)
 
 
 def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
     """Rank 0's files: the model (not sharded: the module's own tensors) or, sharded, its config; the
     tokenizer; trainer_state.pt and trainer_state.json."""
-    model, adapters = state.model, lora.is_lora(state.model)
-    if sharded is None:
-        critic = distributed.full_state_dict(state.critic) if state.critic is not None else None
-    if adapters:  # the adapters (PEFT's format) and the config; the base is --model
-        lora.save_adapters(model, tmp)
-        model.config.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
-    elif sharded is None:
+    model = state.model
+    layout = "lora" if lora.is_lora(model) else "full" if sharded is None else "sharded"
+    if layout == "full":
         model.save_pretrained(tmp)
     # sharded: the weights were written by every rank (ckpt_sharded); the critic and optimizer too
     else:
-        critic = None
+        if layout == "lora":  # the adapters (PEFT's format) and the config; the base is --model
+            lora.save_adapters(model, tmp)
         model.config.save_pretrained(tmp)
         if model.generation_config is not None:
             model.generation_config.save_pretrained(tmp)
     state.tokenizer.save_pretrained(tmp)
     # test hook (PAUSE_ENV)
     time.sleep(float(os.environ.get(PAUSE_ENV) or 0))
-    # read back with weights_only=True
-    trainer = {"optimizer": state.optimizer.state_dict() if sharded is None else None, "critic": critic,
+    # read back with weights_only=True; sharded: the critic and optimizer are in the shards
+    critic = state.critic if sharded is None else None
+    trainer = {"optimizer": state.optimizer.state_dict() if sharded is None else None,
+               "critic": distributed.full_state_dict(critic) if critic is not None else None,
                "scheduler": state.scheduler.state_dict(), "rng": [r["rng"] for r in ranks]}
     ckpt_atomic.torch_save(trainer, os.path.join(tmp, "trainer_state.pt"))
     # rank 0's metrics.jsonl
@@ -196,9 +192,8 @@ def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded
     if logfile is not None:
         logfile.flush()
     ckpt_atomic.write_json(os.path.join(tmp, "trainer_state.json"), {
-        "format": ckpt_atomic.FORMAT, "step": state.step, "config": cfg.as_flags(),
-        "layout": "lora" if adapters else "full" if sharded is None else "sharded", "sharded": sharded,
-        "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
+        "format": ckpt_atomic.FORMAT, "step": state.step, "config": cfg.as_flags(), "layout": layout,
+        "sharded": sharded, "loader": state.loader.state_dict(), "kl_ctl": state.kl_ctl.state_dict(),
         "counters": dict(state.counters), "reward_faults": [r["reward_faults"] for r in ranks],
         "scorer_faults": [r["scorer_faults"] for r in ranks],
         "metrics_bytes": os.path.getsize(logfile.name) if logfile is not None else None,

@@ -156,11 +156,12 @@ def write_step_dir(root: str, step: int, rank: int, world: int, write: Callable[
                               "space, then resume with --resume latest.")
     if rank == 0:
         shutil.rmtree(trash, ignore_errors=True)
-        complete = [(s, p) for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
+        complete = [s for s, p in list_checkpoints(root) if os.path.isfile(os.path.join(p, MANIFEST))]
         # keep the newest `keep` complete ones, delete everything older
-        for s, p in list_checkpoints(root):
-            if len(complete) >= keep and s < complete[keep - 1][0]:
-                shutil.rmtree(p, ignore_errors=True)
+        if len(complete) >= keep:
+            for s, p in list_checkpoints(root):
+                if s < complete[keep - 1]:
+                    shutil.rmtree(p, ignore_errors=True)
     return final
 
 

@@ -26,6 +26,8 @@ import sys
 import time
 from contextlib import contextmanager
 
+from tqdm import tqdm
+
 from nanorl.config_checks import ConfigError
 from nanorl.metrics import namespaced
 
@@ -153,6 +155,14 @@ def _continues(out_dir: str, resume: str) -> bool:
     return bool(resume) and os.path.realpath(os.path.dirname(os.path.normpath(resume))) == own
 
 
+def _tensorboard(log_dir: str):
+    """--tensorboard's writer, logging to log_dir."""
+    # torch's writer needs the tensorboard package (requirements.txt installs it)
+    optional_import("tensorboard", "--tensorboard", "pip install tensorboard")
+    from torch.utils.tensorboard import SummaryWriter
+    return SummaryWriter(log_dir)
+
+
 class Logger:
     """Writes metrics to out_dir/metrics.jsonl (and TensorBoard / W&B when asked); rank 0 only."""
 
@@ -165,19 +175,12 @@ class Logger:
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume else "w")
+        # line-buffered: every row is in the file once logged
+        self.file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if resume else "w", buffering=1)
         if not resume and os.path.exists(os.path.join(out_dir, OPTIMIZER_STEPS)):  # a new run: its own rows
             os.remove(os.path.join(out_dir, OPTIMIZER_STEPS))
-        self.bar = None
-        if not quiet:
-            from tqdm import tqdm
-            self.bar = tqdm(total=total_steps, dynamic_ncols=True, file=sys.stdout)
-        self.tb = None
-        if tensorboard:
-            # torch's writer needs the tensorboard package (requirements.txt installs it)
-            optional_import("tensorboard", "--tensorboard", "pip install tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(out_dir, "tb"))
+        self.bar = None if quiet else tqdm(total=total_steps, dynamic_ncols=True, file=sys.stdout)
+        self.tb = _tensorboard(os.path.join(out_dir, "tb")) if tensorboard else None
         self.wandb = None
         if wandb_project:
             self.wandb = optional_import("wandb", "--wandb-project", "pip install wandb").init(
@@ -189,7 +192,6 @@ class Logger:
         clean = {k: (float(v) if not isinstance(v, str) else v) for k, v in metrics.items()}
         self.last.update(clean)
         self.file.write(json.dumps({"step": step, **clean}) + "\n")
-        self.file.flush()
         if self.tb is not None:
             for k, v in clean.items():
                 if isinstance(v, float) and math.isfinite(v):
@@ -198,8 +200,8 @@ class Logger:
             self.wandb.log(clean, step=step)
         if self.bar is not None:
             self.bar.n = step
+            # set_postfix redraws the bar
             self.bar.set_postfix({name: f"{self.last[k]:.3g}" for name, k in self.BAR_KEYS if k in self.last})
-            self.bar.refresh()
 
     def optimizer_step(self, step: int, row: dict) -> None:
         """One optimizer step's metrics on their own axis (several per rollout: --ppo-epochs,
@@ -209,11 +211,10 @@ class Logger:
         if not self.enabled:
             return
         if self.opt_file is None:  # only runs with several optimizer steps per rollout write it
-            self.opt_file = open(os.path.join(self.out_dir, OPTIMIZER_STEPS), "a")
+            self.opt_file = open(os.path.join(self.out_dir, OPTIMIZER_STEPS), "a", buffering=1)
         axis = {"opt_step": int(row["opt_step"]), "epoch": int(row["epoch"])}
         clean = {k: float(v) for k, v in row.items() if k not in axis}
         self.opt_file.write(json.dumps({"step": step, **axis, **clean}) + "\n")
-        self.opt_file.flush()
         if self.tb is not None:
             for k, v in clean.items():
                 if math.isfinite(v):
@@ -225,13 +226,9 @@ class Logger:
 
     def close(self) -> None:
         if self.enabled:
-            if self.bar is not None:
-                self.bar.close()
-            self.file.close()
-            if self.opt_file is not None:
-                self.opt_file.close()
-            if self.tb is not None:
-                self.tb.close()
+            for out in (self.bar, self.file, self.opt_file, self.tb):
+                if out is not None:
+                    out.close()
             if self.wandb is not None:
                 self.wandb.finish()
 

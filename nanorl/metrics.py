@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import resource
 import sys
+from collections import Counter
 
 import torch
 
@@ -35,25 +36,22 @@ def name(key: str) -> str:
     rollout/; tokens_per_s → perf/; everything else a step returns comes from the update → train/."""
     if key.startswith(NAMESPACES):
         return key
-    if key.startswith("time/"):
-        return "perf/" + key
     if key.startswith("async/"):
         return ("perf/" if key.endswith("_s") else "rollout/") + key
     if key in ROLLOUT or key.startswith(ROLLOUT_GROUPS):
         return "rollout/" + key
-    if key in PERF:
+    if key in PERF or key.startswith("time/"):
         return "perf/" + key
     return "train/" + key
 
 
 def namespaced(metrics: dict) -> dict:
     """Every key renamed by `name`; two local names landing on one namespaced name is a bug: raise."""
-    out = {}
-    for k, v in metrics.items():
-        n = name(k)
-        if n in out:
-            raise ValueError(f"metrics {k!r} and another key both map to {n!r}: rename one")
-        out[n] = v
+    out = {name(k): v for k, v in metrics.items()}
+    if len(out) < len(metrics):
+        counts = Counter(name(k) for k in metrics)
+        k = next(k for k in metrics if counts[name(k)] > 1)
+        raise ValueError(f"metrics {k!r} and another key both map to {name(k)!r}: rename one")
     return out
 
 
