@@ -167,17 +167,16 @@ def save(state: State, cfg, logger=None) -> str:
 def _write_rank0(state: State, cfg, logger, tmp: str, ranks: list[dict], sharded: dict | None) -> None:
     """Rank 0's files: the model (not sharded: the module's own tensors) or, sharded, its config; the
     tokenizer; trainer_state.pt and trainer_state.json."""
-    model = state.model
-    layout = "lora" if lora.is_lora(model) else "full" if sharded is None else "sharded"
+    layout = "lora" if lora.is_lora(state.model) else "full" if sharded is None else "sharded"
     if layout == "full":
-        model.save_pretrained(tmp)
-    # sharded: the weights were written by every rank (ckpt_sharded); the critic and optimizer too
+        state.model.save_pretrained(tmp)
+    # sharded: the weights were written by every rank (ckpt_sharded); sharded and LoRA: the config
     else:
         if layout == "lora":  # the adapters (PEFT's format) and the config; the base is --model
-            lora.save_adapters(model, tmp)
-        model.config.save_pretrained(tmp)
-        if model.generation_config is not None:
-            model.generation_config.save_pretrained(tmp)
+            lora.save_adapters(state.model, tmp)
+        state.model.config.save_pretrained(tmp)
+        if state.model.generation_config is not None:
+            state.model.generation_config.save_pretrained(tmp)
     state.tokenizer.save_pretrained(tmp)
     # test hook (PAUSE_ENV)
     time.sleep(float(os.environ.get(PAUSE_ENV) or 0))

@@ -62,8 +62,6 @@ class RunDirError(ConfigError):
 LOCK_FILE = ".nanorl.lock"
 # per-optimizer-step rows, when a rollout takes several optimizer steps (Logger.optimizer_step)
 OPTIMIZER_STEPS = "optimizer_steps.jsonl"
-# what a new run would truncate (metrics.jsonl, opened "w") or rotate away (checkpoints): an earlier run
-EARLIER_RUN = ("metrics.jsonl", "checkpoints")
 # what --overwrite deletes: the earlier run's outputs (the built-in task files in out_dir/task stay)
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "rollouts", "tb", OPTIMIZER_STEPS)
 
@@ -83,7 +81,8 @@ class RunDirLock:
 
 
 def earlier_run(out_dir: str) -> list[str]:
-    """What of an earlier run out_dir holds: [] or e.g. ["metrics.jsonl (3 rows)", "2 checkpoints"]."""
+    """What of an earlier run out_dir holds: [] or e.g. ["metrics.jsonl (3 rows)", "2 checkpoints"]: what
+    a new run would truncate (metrics.jsonl, opened "w") or rotate away (checkpoints)."""
     found = []
     metrics = os.path.join(out_dir, "metrics.jsonl")
     if os.path.isfile(metrics) and os.path.getsize(metrics) > 0:
@@ -163,6 +162,12 @@ def _tensorboard(log_dir: str):
     return SummaryWriter(log_dir)
 
 
+def _wandb(project: str, config: dict):
+    """--wandb-project's W&B run, with the run's config."""
+    wandb = optional_import("wandb", "--wandb-project", "pip install wandb")
+    return wandb.init(project=project, config=config)
+
+
 class Logger:
     """Writes metrics to out_dir/metrics.jsonl (and TensorBoard / W&B when asked); rank 0 only."""
 
@@ -181,10 +186,7 @@ class Logger:
             os.remove(os.path.join(out_dir, OPTIMIZER_STEPS))
         self.bar = None if quiet else tqdm(total=total_steps, dynamic_ncols=True, file=sys.stdout)
         self.tb = _tensorboard(os.path.join(out_dir, "tb")) if tensorboard else None
-        self.wandb = None
-        if wandb_project:
-            self.wandb = optional_import("wandb", "--wandb-project", "pip install wandb").init(
-                project=wandb_project, config=config or {})
+        self.wandb = _wandb(wandb_project, config or {}) if wandb_project else None
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
