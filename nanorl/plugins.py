@@ -265,7 +265,7 @@ def all_gather(local) -> list:
 
 def metadata_metrics(samples: list, patterns: list[str], gather=all_gather) -> dict:
     """Mean of every numeric Sample.metadata field that a pattern names (exactly, or by prefix when
-    the pattern ends in "/") or that the reward returned as log-only (listed in metadata["logged"]:
+    the pattern ends in "/") or that the reward returned as log-only (named in Sample.log_only:
     nanorl/rewards.py), over the samples that have it, logged under the field's own name.
     Non-finite values are left out of the mean (and counted in `<name>/nonfinite`): a NaN from one
     sample never reaches a metric. `gather` pools the per-field sums over ranks (list of dicts; by
@@ -278,7 +278,7 @@ def metadata_sums(samples: list, patterns: list[str]) -> dict[str, list]:
     the count of non-finite ones]} (evaluation pools these per eval set, nanorl/evaluation.py)."""
     sums: dict[str, list] = {}
     for s in samples:
-        logged = s.metadata.get("logged", ())
+        logged = s.log_only or ()
         for key, value in s.metadata.items():
             named = any(key == p or (p.endswith("/") and key.startswith(p)) for p in patterns)
             # lists, strings, nested dicts: not a per-sample scalar (bools count as 0/1)

@@ -102,7 +102,7 @@ def load_reward_fn(spec: str):
 
 def score_samples(runner, tokenizer, prompts, samples) -> list:
     """Rewards of `samples` (the n responses of each prompt, consecutive) through `runner`. Log-only
-    fields ("_" keys) are moved into each sample's metadata (listed in metadata["logged"])."""
+    fields ("_" keys) are moved into each sample's metadata (named in Sample.log_only)."""
     texts = tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
     n = len(samples) // len(prompts)
     out = runner([p.text for p in prompts for _ in range(n)], texts,
@@ -128,7 +128,7 @@ def split_log_only(reward, sample):
         return reward
     logged = {k[1:]: v for k, v in reward.items() if k.startswith("_")}
     sample.metadata.update(logged)
-    sample.metadata["logged"] = sorted(set(sample.metadata.get("logged", [])) | set(logged))
+    sample.log_only = sorted(set(sample.log_only or ()) | set(logged))
     # may be {}: a dict, total 0
     return {k: v for k, v in reward.items() if not k.startswith("_")}
 

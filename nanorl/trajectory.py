@@ -52,6 +52,8 @@ class Sample:
     greedy_baseline: float | None = None      # ReMax: its prompt's greedy reward (the async worker's)
     episode: dict | None = None               # --env / --agent: how the episode went (end, turns, spans...)
     support_overflow: int | None = None       # --keep-sampling-mask on vLLM: tokens past --support-cap
+    # the metadata fields a reward returned as log-only ("_" keys, nanorl/rewards.py): logged, never trained
+    log_only: list[str] | None = None
     # a reward's credited spans ((first token, end token), value): nanorl/spans.py SpanReward
     span_credits: list[tuple[tuple[int, int], float]] | None = None
 

@@ -56,7 +56,7 @@ def test_reward_gets_the_sample_and_log_only_fields_go_to_metadata(timeout):
         runner.close()
     assert out == [{"correct": 0.0}, {"correct": 1.0}]  # "_" keys are never part of the trained reward
     for s in samples:
-        assert s.metadata["toy/len"] == 2.0 and s.metadata["logged"] == ["toy/len"]
+        assert s.metadata["toy/len"] == 2.0 and s.log_only == ["toy/len"] and "logged" not in s.metadata
     s = samples[1]
     s.reward = out[1]
     assert s.total_reward == 1.0  # a log-only 2.0 would have made it 3.0
