@@ -67,11 +67,11 @@ def _torch_forward(x, targets, inv_temp, ignore_index, want_sq=False):
         # lse = m + ls
         ls = torch.where(s > 0, s.log(), 0.0)
         p.div_(torch.where(s > 0, s, 1.0)[:, None])
+        ignored = targets[a:b] == ignore_index
         if want_sq:
-            sq[a:b] = torch.where(targets[a:b] == ignore_index, 0.0, (p * p).sum(1))
+            sq[a:b] = torch.where(ignored, 0.0, (p * p).sum(1))
         # Clamped far below any real log-prob: p·logp is then 0·finite, not 0·(−inf) = NaN.
         logp.sub_(ls[:, None]).clamp_(min=_FAR)
-        ignored = targets[a:b] == ignore_index
         z_t = z.gather(1, torch.where(ignored, 0, targets[a:b])[:, None]).squeeze(1)
         lp_c = torch.where(z_t == float("-inf"), float("-inf"), (z_t - m) - ls)
         lp[a:b] = torch.where(ignored, 0.0, lp_c)
@@ -114,9 +114,7 @@ def _backend(x, backend=None):
         if backend == "triton" and not (HAS_TRITON and (x.is_cuda or TRITON_INTERPRETED)):
             raise ValueError("backend='triton' needs triton and a CUDA tensor or TRITON_INTERPRET=1")
         return backend
-    if HAS_TRITON and (x.is_cuda or TRITON_INTERPRETED):
-        return "triton"
-    return "torch"
+    return "triton" if HAS_TRITON and (x.is_cuda or TRITON_INTERPRETED) else "torch"
 
 
 class _Rows(NamedTuple):
@@ -281,19 +279,14 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, support, inv_temp, ignore_index, chunk, backend, want_sq):
         # fp32 masters: a compute copy, not saved
-        N, w = hidden.shape[0], weight.to(hidden.dtype)
-        lp, ent = (torch.empty(N, device=hidden.device, dtype=torch.float32) for _ in range(2))
-        norm = torch.empty(2, N, device=hidden.device, dtype=torch.float32)
-        # Σπ², no grad
-        sq = torch.empty(N if want_sq else 0, device=hidden.device, dtype=torch.float32)
-        rows = ROWS[backend]
-        for a in range(0, N, chunk):
-            b = min(a + chunk, N)
-            logits = _chunk_logits(hidden, w, bias, support, a, b)
-            out = rows.forward(logits, targets[a:b], inv_temp, ignore_index, want_sq)
-            lp[a:b], ent[a:b], norm[:, a:b] = out[:3]
-            if want_sq:
-                sq[a:b] = out[3]
+        w, rows = weight.to(hidden.dtype), ROWS[backend]
+        # each chunk's (logprobs [n], entropy [n], norm [2, n], Σπ² [n] (no grad) or [0]), joined below;
+        # N = 0 runs one empty chunk, so that there is something to join
+        chunks = []
+        for a in range(0, max(hidden.shape[0], 1), chunk):
+            logits = _chunk_logits(hidden, w, bias, support, a, a + chunk)
+            chunks.append(rows.forward(logits, targets[a:a + chunk], inv_temp, ignore_index, want_sq))
+        lp, ent, norm, sq = (torch.cat(parts, dim=-1) for parts in zip(*chunks))
         ctx.save_for_backward(hidden, weight, bias, targets, support, norm, ent)
         ctx.args = (inv_temp, ignore_index, chunk, rows)
         ctx.mark_non_differentiable(sq)
@@ -315,11 +308,10 @@ class _FusedLinearLogprobEntropy(torch.autograd.Function):
         grad_b = torch.zeros(weight.shape[0], device=weight.device) if need_b else None
         for a in range(0, hidden.shape[0], chunk):
             b = min(a + chunk, hidden.shape[0])
-            # recompute, then
+            # recompute, then overwrite with its grad
             logits = _chunk_logits(hidden, w, bias, support, a, b)
-            rows.backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b],
-                          # overwrite with its grad
-                          inv_temp, ignore_index, logits)
+            rows.backward(logits, targets[a:b], norm[:, a:b], ent[a:b], g_lp[a:b], g_ent[a:b], inv_temp,
+                          ignore_index, logits)
             if need_h:
                 grad_h[a:b] = _mm(logits, w)
             if need_w:
