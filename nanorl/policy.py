@@ -131,8 +131,7 @@ def dropout_off(model) -> list[str]:
     was = []
     for config in [model.config] + ([text] if text is not model.config else []):
         for key, value in sorted(vars(config).items()):
-            dropout = "dropout" in key or key.endswith("pdrop")
-            if dropout and isinstance(value, float) and value > 0:
+            if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value > 0:
                 was.append(f"{key}={value:g}")
                 setattr(config, key, 0.0)
     for module in model.modules():
@@ -193,10 +192,10 @@ def _ensure_pad_token(tokenizer, vocab_size: int, path: str, flag: str = "--mode
 
 def _hidden(model, batch: PaddedBatch, replay=None) -> torch.Tensor:
     """Hidden states of the columns that predict the response tokens: [B, T, H]."""
-    P, T = batch.prompt_width, batch.response_ids.shape[1]
     shared = _shared_prompts(model, batch) if replay is None else None
     if shared is not None:
         return _hidden_shared_prefix(model, batch, *shared)
+    P, T = batch.prompt_width, batch.response_ids.shape[1]
     with replay if replay is not None else nullcontext():
         h = model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                              position_ids=batch.position_ids, use_cache=False).last_hidden_state
@@ -254,13 +253,12 @@ def response_logprobs(model, batch: PaddedBatch, temperature: float = 1.0, *, en
     Padding positions return 0 and get no gradient.
     """
     h = _hidden(model, batch, replay)  # [B, T, H]
-    B, T, _ = h.shape
     real = batch.attention_mask[:, batch.prompt_width:].bool()  # [B, T] real response tokens
     # Only real tokens go through the LM head (the costliest matmul with a 152k vocabulary), as in
     # the packed path (nanorl/batching.py): padding costs nothing there and gets 0 below.
     sup = support[real] if support is not None else None  # [M, K]
     lp, ent = head_logprobs(model, h[real], batch.response_ids[real], temperature, sup, impl)  # [M], [M]
-    zeros = torch.zeros(B, T, dtype=torch.float32, device=h.device)
+    zeros = torch.zeros(real.shape, dtype=torch.float32, device=h.device)  # [B, T]
     return zeros.masked_scatter(real, lp.float()), (zeros.masked_scatter(real, ent.float()) if entropy
                                                     else None)
 
