@@ -145,14 +145,14 @@ def sample_next(
     # RL math in fp32 whatever the model dtype
     logits = logits.float()
 
-    def unrestricted() -> torch.Tensor:
-        return torch.full((B, 1), -1, dtype=torch.long, device=logits.device)  # [B, 1]
+    # the support reported where nothing restricts the draw: one −1 per row ("unrestricted")
+    unrestricted = torch.full((B, 1), -1, dtype=torch.long, device=logits.device) if record_support else None
 
     if temperature == 0.0:
         tokens = logits.argmax(dim=-1)  # [B]
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)  # [B]
         _count(stats, B, 0, 0, 0)
-        return tokens, logprobs, (unrestricted() if record_support else None)
+        return tokens, logprobs, unrestricted
 
     # The trainer kernels' op (step 1 above): multiply by 1/T, never divide by T (x · 1.0 is x: no copy).
     z = logits if temperature == 1.0 else logits * (1.0 / temperature)  # [B, V]
@@ -174,7 +174,7 @@ def sample_next(
 
     if not record_support or not filtering:
         _count(stats, B, 0, 0, 0)
-        return tokens, logp_full, (unrestricted() if record_support else None)
+        return tokens, logp_full, unrestricted
 
     n_kept = keep.sum(dim=-1)  # [B]
     fits = n_kept <= support_cap  # [B] rows we can store exactly
