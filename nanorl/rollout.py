@@ -234,83 +234,64 @@ class HFEngine(RolloutEngine):
 
         device = next(self.model.parameters()).device
         B, P = len(rows), max(len(p) for _, p in rows)
-        ids = torch.tensor([[self.pad_id] * (P - len(p)) + p for _, p in rows])  # [B, P] left-padded
-        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for _, p in rows])  # [B, P]
-        ids, attn = ids.to(device), attn.to(device)
+        # [B, P] left-padded
+        ids = torch.tensor([[self.pad_id] * (P - len(p)) + p for _, p in rows], device=device)
+        attn = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for _, p in rows], device=device)  # [B, P]
         pos = (attn.cumsum(-1) - 1).clamp(min=0)  # [B, P] positions count from each row's first token
         stop = torch.tensor(sorted(set(sp.stop_token_ids)), dtype=torch.long, device=device)
         cache = DynamicCache()
-        tokens, logps, supports = [], [], []
+        steps = []  # per decode step: (token [B], logprob [B], support [B, K] or None)
         done = torch.zeros(B, dtype=torch.bool, device=device)  # [B] row has sampled a stop token
         step_ids, step_pos = ids, pos
-        recording = self._recorder()
         first, copy = self._shared_prefill(rows, device)
-        members: dict[int, list[int]] = {}  # group → its rows (until: reported once all have stopped)
-        for b, (g, _) in enumerate(rows):
-            members.setdefault(g, []).append(b)
-        reported, given, aborted = set(), {}, False  # given: the Samples `until` saw, by row
-        with recording as rec:
+        stopping = _GroupsStopping(rows, until) if until is not None else None
+        with self._recorder() as rec:
             for i in range(sp.max_new_tokens):
                 # each distinct prompt's prefill once, then copied
                 if i == 0 and first is not None:
-                    out = self.model(input_ids=ids[first], attention_mask=attn[first],
-                                     position_ids=pos[first],
-                                     past_key_values=cache, use_cache=True, **self._last_logits_only)
-                    out.past_key_values.reorder_cache(copy)  # [U, ...] -> [B, ...]: row b takes copy[b]'s
-                    logits = out.logits[:, -1].float()[copy]  # [B, V]
+                    logits = self._next_logits(cache, ids[first], attn[first], pos[first])  # [U, V]
+                    cache.reorder_cache(copy)  # [U, ...] -> [B, ...]: row b takes copy[b]'s
+                    logits = logits[copy]  # [B, V]
                 else:
-                    out = self.model(input_ids=step_ids, attention_mask=attn, position_ids=step_pos,
-                                     past_key_values=cache, use_cache=True, **self._last_logits_only)
-                    logits = out.logits[:, -1].float()  # [B, V] next-token logits, fp32 for sampling
-                cache = out.past_key_values
-                tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p,
-                                           generator=generator,
+                    logits = self._next_logits(cache, step_ids, attn, step_pos)  # [B, V]
+                tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p, generator=generator,
                                            record_support=sp.keep_support, support_cap=sp.support_cap)
                 tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)  # [B] finished rows pad
-                tokens.append(tok)
-                logps.append(lp)
-                supports.append(sup)
+                steps.append((tok, lp, sup))
                 done = done | torch.isin(tok, stop)
                 if bool(done.all()):
                     break
-                if until is not None:  # groups whose rows have all stopped, to the caller as they finish
-                    stopped = done.tolist()
-                    ready = [g for g, bs in members.items()
-                             if g not in reported and all(stopped[b] for b in bs)]
-                    if ready:
-                        reported.update(ready)
-                        so_far = self._samples(rows, tokens, logps, supports, sp, rec, P)
-                        given.update({b: so_far[b] for g in ready for b in members[g]})
-                        if until([so_far[b] for g in ready for b in members[g]]):
-                            aborted = True
-                            break
+                # groups whose rows have all stopped, to the caller as they finish
+                if stopping is not None and stopping.report(
+                        done, lambda: self._samples(rows, steps, sp, rec, P)):
+                    break
                 step_ids = tok[:, None]  # [B, 1]
                 step_pos = step_pos[:, -1:] + 1  # [B, 1]
                 attn = torch.cat([attn, torch.ones(B, 1, dtype=attn.dtype, device=device)], dim=1)
-        # the rows `until` saw come back as the very Samples it saw (it may have scored them)
-        samples = [given.get(b, s) for b, s in
-                   enumerate(self._samples(rows, tokens, logps, supports, sp, rec, P))]
-        if aborted:  # the requests still running when the caller had enough
-            stopped = done.tolist()
-            for b, s in enumerate(samples):
-                if not stopped[b]:
-                    s.status = "aborted"
-        return samples
+        samples = self._samples(rows, steps, sp, rec, P)
+        return samples if stopping is None else stopping.result(samples, done)
 
-    def _samples(self, rows, tokens, logps, supports, sp, rec, P) -> list[Sample]:
+    def _next_logits(self, cache, ids: torch.Tensor, attn: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """One forward on top of the KV cache (which it extends): the next-token logits [B, V], in fp32
+        for sampling."""
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=cache,
+                         use_cache=True, **self._last_logits_only)
+        return out.logits[:, -1].float()
+
+    def _samples(self, rows, steps, sp, rec, P) -> list[Sample]:
         """One Sample per row from the decode steps so far (each cut after its first stop token)."""
-        tokens = torch.stack(tokens, 1).cpu()  # [B, R]
-        logps = torch.stack(logps, 1).float().cpu()  # [B, R]
+        tokens = torch.stack([tok for tok, _, _ in steps], 1).cpu()  # [B, R]
+        logps = torch.stack([lp for _, lp, _ in steps], 1).float().cpu()  # [B, R]
         experts = rec.experts if rec is not None else None  # [B, P+R-1, L, k] or None
-        support = stack_steps(supports) if sp.keep_support else None  # [B, R, K], -1 padded
+        # [B, R, K], -1 padded
+        support = stack_steps([sup for _, _, sup in steps]) if sp.keep_support else None
         samples = []
         for b, (g, prompt) in enumerate(rows):
             resp = tokens[b].tolist()
             length, stopped = stop_cut(resp, sp.stop_token_ids)
             s = Sample(prompt_ids=list(prompt), response_ids=resp[:length],
-                       rollout_logprobs=logps[b, :length].tolist(),
-                       status="completed" if stopped else "truncated",
-                       weight_version=self.version, group_id=g)
+                       rollout_logprobs=logps[b, :length].tolist(), group_id=g,
+                       status="completed" if stopped else "truncated", weight_version=self.version)
             if sp.keep_support:
                 s.sampling_support = support[b, :length].to(torch.int32).cpu()  # [R, K]
             # drop the left padding: position 0 is the first prompt token
@@ -347,3 +328,38 @@ class HFEngine(RolloutEngine):
             return nullcontext(None)
         from nanorl import moe_replay
         return moe_replay.record(self.model)
+
+
+class _GroupsStopping:
+    """HFEngine.generate's `until` (over-sampling with abort, rounds.oversampled_round) over one chunk of
+    rows: between decode steps it hands `until` the n Samples of each group whose rows have all stopped,
+    and the chunk's result holds those very Samples (the caller may have scored them)."""
+
+    def __init__(self, rows: list[tuple[int, list[int]]], until: Callable[[list[Sample]], bool]):
+        self.until = until
+        self.members: dict[int, list[int]] = {}  # group → its rows (reported once all have stopped)
+        for b, (g, _) in enumerate(rows):
+            self.members.setdefault(g, []).append(b)
+        self.reported, self.given, self.aborted = set(), {}, False  # given: the Samples `until` saw, by row
+
+    def report(self, done: torch.Tensor, samples_so_far: Callable[[], list[Sample]]) -> bool:
+        """Hand `until` the groups that stopped since the last step (done [B]); True: abort the rest."""
+        stopped = done.tolist()
+        ready = [g for g, bs in self.members.items()
+                 if g not in self.reported and all(stopped[b] for b in bs)]
+        if ready:
+            self.reported.update(ready)
+            so_far = samples_so_far()
+            self.given.update({b: so_far[b] for g in ready for b in self.members[g]})
+            self.aborted = bool(self.until([so_far[b] for g in ready for b in self.members[g]]))
+        return self.aborted
+
+    def result(self, samples: list[Sample], done: torch.Tensor) -> list[Sample]:
+        # the rows `until` saw come back as the very Samples it saw (it may have scored them)
+        samples = [self.given.get(b, s) for b, s in enumerate(samples)]
+        if self.aborted:  # the requests still running when the caller had enough
+            stopped = done.tolist()
+            for b, s in enumerate(samples):
+                if not stopped[b]:
+                    s.status = "aborted"
+        return samples
