@@ -81,8 +81,7 @@ def _torch_forward(x, targets, inv_temp, ignore_index, want_sq=False):
 
 
 def _torch_backward(x, targets, norm, ent, g_lp, g_ent, inv_temp, ignore_index, out):
-    N, V = x.shape
-    for a, b in _row_chunks(N, V):
+    for a, b in _row_chunks(*x.shape):
         z = _z(x[a:b], inv_temp)                                         # [n, V]
         t = targets[a:b]
         active = t != ignore_index
