@@ -113,10 +113,9 @@ class RolloutEngine:
 def stop_token_ids(model: torch.nn.Module, tokenizer) -> tuple[int, ...]:
     """Where a response ends: the tokenizer's EOS and every EOS of the model's generation config
     (instruct models end turns with their own, e.g. Qwen's <|im_end|>)."""
-    gen = getattr(model, "generation_config", None)
-    eos = gen.eos_token_id if gen is not None else None
-    ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return tuple(sorted(i for i in ids if i is not None))
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # an id, a list or None
+    ids = [tokenizer.eos_token_id] + (eos if isinstance(eos, list) else [eos])
+    return tuple(sorted({i for i in ids if i is not None}))
 
 
 def sampling_generator(engine_generator: torch.Generator, device: torch.device) -> torch.Generator:
@@ -249,9 +248,8 @@ class HFEngine(RolloutEngine):
             for i in range(sp.max_new_tokens):
                 # each distinct prompt's prefill once, then copied
                 if i == 0 and first is not None:
-                    logits = self._next_logits(cache, ids[first], attn[first], pos[first])  # [U, V]
+                    logits = self._next_logits(cache, ids[first], attn[first], pos[first])[copy]  # [B, V]
                     cache.reorder_cache(copy)  # [U, ...] -> [B, ...]: row b takes copy[b]'s
-                    logits = logits[copy]  # [B, V]
                 else:
                     logits = self._next_logits(cache, step_ids, attn, step_pos)  # [B, V]
                 tok, lp, sup = sample_next(logits, sp.temperature, sp.top_k, sp.top_p, generator=generator,
@@ -308,13 +306,12 @@ class HFEngine(RolloutEngine):
         768 of 1152 token forwards); run once per prompt it is 96. The same numbers, not an
         approximation: a prompt's prefill does not depend on which row it sits in. Not with routing
         recorded (the recorder expects every row's prompt tokens)."""
-        groups = [g for g, _ in rows]
-        starts = [b for b in range(len(rows)) if b == 0 or groups[b] != groups[b - 1]]
-        if len(starts) == len(rows) or self.record_routing:
+        groups = torch.tensor([g for g, _ in rows], device=device)  # [B]
+        # [B] the row that starts a run of one prompt's rows
+        starts = torch.cat([groups.new_ones(1, dtype=torch.bool), groups[1:] != groups[:-1]])
+        if bool(starts.all()) or self.record_routing:
             return None, None
-        is_start = torch.zeros(len(rows), dtype=torch.long)
-        is_start[starts] = 1
-        return torch.tensor(starts, device=device), (is_start.cumsum(0) - 1).to(device)  # [U], [B]
+        return starts.nonzero().flatten(), starts.long().cumsum(0) - 1  # [U], [B]
 
     @functools.cached_property
     def _last_logits_only(self) -> dict:
