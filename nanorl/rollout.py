@@ -222,16 +222,15 @@ class HFEngine(RolloutEngine):
                     if until is not None and out and any(x.status == "aborted" for x in out):
                         out += [aborted_sample(p, g, self.version) for g, p in chunk]
                         continue
-                    out += self._generate_rows(chunk, sampling, generator, until)
+                    out += self._generate_rows(chunk, sampling, generator, device, until)
         finally:
             self.model.train(was_training)
         return out
 
     def _generate_rows(self, rows: list[tuple[int, list[int]]], sp: SamplingConfig,
-                       generator: torch.Generator, until=None) -> list[Sample]:
+                       generator: torch.Generator, device: torch.device, until=None) -> list[Sample]:
         from transformers import DynamicCache
 
-        device = next(self.model.parameters()).device
         B, P = len(rows), max(len(p) for _, p in rows)
         # [B, P] left-padded
         ids = torch.tensor([[self.pad_id] * (P - len(p)) + p for _, p in rows], device=device)
