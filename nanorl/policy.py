@@ -343,7 +343,6 @@ def frozen_copy(model, dtype: torch.dtype | None = None):
             # deepcopy takes these instead of copying the masters
             for p in model.parameters()}
     ref = copy.deepcopy(model, memo)
-    ref.requires_grad_(False)
     ref.eval()
     return ref
 
