@@ -360,8 +360,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
-def parse_args(argv: list[str] | None = None) -> Config:
-    """Flags → Config: preset values first, then every flag the user actually gave."""
+class _Help(argparse.Action):
+    """-h / --help: the flags by section with their docstrings, read from the sources (help_layout)
+    only now: a run parses its flags without them."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        _make_parser(help_layout()).print_help()
+        parser.exit()
+
+
+def _make_parser(layout: list[tuple[str, list[tuple[str, str]]]]) -> _Parser:
+    """The parser of every flag, in `layout`'s argument groups with its docstrings as help."""
     presets = "\n".join(f"  {k:<22} {v[0]}" for k, v in PRESETS.items())
     parser = _Parser(usage="%(prog)s [--algo PRESET] [--flag VALUE ...]", add_help=False,
                                      description="nanorl: RL for language models. Every flag is a field of "
@@ -369,10 +381,10 @@ def parse_args(argv: list[str] | None = None) -> Config:
                                      epilog="presets (--algo):\n" + presets,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = dict(FLAG_DEFAULTS)
-    for i, (title, items) in enumerate(help_layout()):
+    for i, (title, items) in enumerate(layout):
         group = parser.add_argument_group(title)
         if i == 0:
-            group.add_argument("-h", "--help", action="help", help="show this help message and exit")
+            group.add_argument("-h", "--help", action=_Help, help="show this help message and exit")
         for name, doc in items:
             default = defaults.pop(name)
             # argparse %-formats help strings: a literal % is doubled
@@ -386,6 +398,13 @@ def parse_args(argv: list[str] | None = None) -> Config:
     # a field without a docstring, or above every section, would have no flag
     if defaults:
         raise RuntimeError(f"Config fields outside --help's groups: {sorted(defaults)}")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> Config:
+    """Flags → Config: preset values first, then every flag the user actually gave. The flags parse
+    in one undocumented group: only --help reads their sections and docstrings (_Help)."""
+    parser = _make_parser([("flags", [(name, "") for name in FLAG_DEFAULTS])])
     given = vars(parser.parse_args(argv))
     algo = given.get("algo", Config.algo)
     if algo not in PRESETS:
