@@ -98,16 +98,21 @@ def check(cfg) -> None:
         check_estimator(cfg, ADVANTAGE_ESTIMATORS[cfg.advantage])
 
 
+def _scores_its_episodes(cfg, flag: str, who: str) -> None:
+    """--env and --agent score their own episodes: --reward and --reward-timeout would do nothing."""
+    defaults = {f.name: f.default for f in fields(cfg)}
+    # a resolved reward_timeout of 0 is fine
+    for k in ("reward", "reward_timeout"):
+        need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
+             f"--{k.replace('_', '-')} does nothing with {flag}: {who}")
+
+
 def check_env(cfg) -> None:
     """--env: its name, and the flags an environment's episodes make useless (its knobs' ranges:
     nanorl/config_groups.py Episodes)."""
     need(cfg.env in BUILTIN_ENV_NAMES or ":" in cfg.env, f"--env {cfg.env!r}: "
          f"expected one of {sorted(BUILTIN_ENV_NAMES)}, 'module:Class' or 'file.py:Class'")
-    defaults = {f.name: f.default for f in fields(cfg)}
-    # the environment scores its episodes: --reward is unused (a resolved reward_timeout of 0 is fine)
-    for k in ("reward", "reward_timeout"):
-        need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
-             f"--{k.replace('_', '-')} does nothing with --env: the environment scores its episodes")
+    _scores_its_episodes(cfg, "--env", "the environment scores its episodes")
     need(not cfg.dapo.overlong_buffer, "--overlong-buffer measures one response against max_new_tokens; "
          "an episode's length is bounded by env_max_tokens instead: not supported with --env")
     need(cfg.env != "calc" or cfg.max_new_tokens >= 12, "--env calc needs --max-new-tokens >= 12 "
@@ -118,10 +123,7 @@ def check_agent(cfg) -> None:
     """--agent: what cannot combine with a user's agent behind the endpoint (nanorl/agent.py)."""
     need(":" in cfg.agent, f"--agent {cfg.agent!r}: expected 'file.py:fn' or 'module:fn'")
     need(not cfg.env, "--agent with --env: one of them runs the episodes; pick one")
-    defaults = {f.name: f.default for f in fields(cfg)}
-    for k in ("reward", "reward_timeout"):
-        need(getattr(cfg, k) == defaults[k] or (k == "reward_timeout" and cfg.reward_timeout == 0),
-             f"--{k.replace('_', '-')} does nothing with --agent: the agent returns its episodes' rewards")
+    _scores_its_episodes(cfg, "--agent", "the agent returns its episodes' rewards")
     for flag, on in (("--over-sample", cfg.dapo.over_sample > 1),
                      ("--filter-groups", cfg.dapo.filter_groups),
                      ("--overlong-buffer", cfg.dapo.overlong_buffer),
@@ -142,18 +144,19 @@ def check_estimator(cfg, fn) -> None:
     # on-policy distillation (nanorl/teacher.py): the teacher, its estimator, and --distill-coef
     reads_teacher = "teacher_logprobs" in named
     teacher, coef = cfg.distill.teacher, cfg.distill.distill_coef
-    need(not reads_teacher or teacher, f"advantage {cfg.advantage} reads teacher_logprobs: set "
-         "--teacher PATH_OR_NAME (a model with the policy's tokenizer)")
-    need(not (reads_teacher and coef), f"distill_coef adds the distillation advantage to a "
-         f"task-reward estimator's; advantage {cfg.advantage} is that advantage alone: drop one")
-    need(not teacher or reads_teacher or coef > 0, f"--teacher does nothing with "
-         f"advantage {cfg.advantage} and distill_coef 0: use --algo distill, or --distill-coef > 0")
-    # stale samples: π_old (the trainer's newer weights) is not the policy that sampled, and the
-    # reverse-KL reward must be that one's (measured: docs/tour.md section 20)
-    stale = cfg.pipeline.async_steps and cfg.offpolicy.old_logprobs != "rollout"
-    need(not ((reads_teacher or coef) and stale),
-         "--async-steps with a teacher needs --old-logprobs rollout: the distillation reward "
-         "log π_teacher − log π_student must score the policy that sampled, not the trainer's newer one")
+    if reads_teacher or teacher or coef:
+        need(not reads_teacher or teacher, f"advantage {cfg.advantage} reads teacher_logprobs: set "
+             "--teacher PATH_OR_NAME (a model with the policy's tokenizer)")
+        need(not (reads_teacher and coef), f"distill_coef adds the distillation advantage to a "
+             f"task-reward estimator's; advantage {cfg.advantage} is that advantage alone: drop one")
+        need(not teacher or reads_teacher or coef > 0, f"--teacher does nothing with "
+             f"advantage {cfg.advantage} and distill_coef 0: use --algo distill, or --distill-coef > 0")
+        # stale samples: π_old (the trainer's newer weights) is not the policy that sampled, and the
+        # reverse-KL reward must be that one's (measured: docs/tour.md section 20)
+        stale = cfg.pipeline.async_steps and cfg.offpolicy.old_logprobs != "rollout"
+        need(not ((reads_teacher or coef) and stale),
+             "--async-steps with a teacher needs --old-logprobs rollout: the distillation reward "
+             "log π_teacher − log π_student must score the policy that sampled, not the trainer's newer one")
     need(not (cfg.kl.kl_in_reward and reads_teacher and "token_rewards" not in uses), f"kl_in_reward: "
          f"advantage {cfg.advantage} reads no reward to put the KL into; put KL in the loss (the default)")
     need("scores" in uses or "token_rewards" in uses or reads_teacher, f"advantage {cfg.advantage} "
@@ -173,12 +176,13 @@ def check_estimator(cfg, fn) -> None:
          f"reward_weights does nothing with advantage {cfg.advantage}: it reads the components one "
          "by one (gdpo_weights weighs them)")
     # an estimator reading greedy baselines (ReMax) generates inside the step, per prompt group
-    need(not (cfg.dapo.filter_groups and "baselines" in named),
-         f"filter_groups with {cfg.advantage} is not supported: it reads greedy baselines, and a "
-         "refilled group has none")
-    need(not (cfg.reward_postprocess and "baselines" in named),
-         f"reward_postprocess with advantage {cfg.advantage} is not supported: the greedy baseline "
-         "response is scored by --reward alone, outside any group")
-    need(not (cfg.pipeline.partial_rollout and "baselines" in named),
-         f"--partial-rollout with --advantage {cfg.advantage} is not supported: the greedy baseline "
-         "would be sampled from a newer version than the resumed samples it is the baseline of")
+    if "baselines" in named:
+        need(not cfg.dapo.filter_groups,
+             f"filter_groups with {cfg.advantage} is not supported: it reads greedy baselines, and a "
+             "refilled group has none")
+        need(not cfg.reward_postprocess,
+             f"reward_postprocess with advantage {cfg.advantage} is not supported: the greedy baseline "
+             "response is scored by --reward alone, outside any group")
+        need(not cfg.pipeline.partial_rollout,
+             f"--partial-rollout with --advantage {cfg.advantage} is not supported: the greedy baseline "
+             "would be sampled from a newer version than the resumed samples it is the baseline of")
