@@ -92,10 +92,9 @@ def make_accelerator(find_unused_parameters: bool = False):
     Everything nanorl relies on is passed explicitly, so an `accelerate config` file cannot change it:
     mixed_precision "no" (the model's dtype and autocast are --dtype's), dynamo_backend "no"
     (prepare_model would torch.compile the wrapper), the DDP arguments; what it would otherwise read
-    from the config and nanorl does not support is refused first (check_accelerate_env)."""
+    from the config and nanorl does not support was refused first, by `init` (check_accelerate_env)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
-    check_accelerate_env()
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", dynamo_backend="no",
                        kwargs_handlers=[ddp])
