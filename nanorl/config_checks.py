@@ -64,14 +64,15 @@ def check(cfg) -> None:
              f"--{f.name.replace('_', '-')} must be a finite number, got {value}")
     # the plug-in flags' forms (their code is loaded and checked at set-up: nanorl/plugins.py apply)
     for name in ("reward_postprocess", "sample_filter"):
-        need(not getattr(cfg, name) or ":" in getattr(cfg, name), f"{name} must be "
-             f"module:function or file.py:function, got {getattr(cfg, name)!r}")
+        spec = getattr(cfg, name)
+        need(not spec or ":" in spec, f"{name} must be module:function or file.py:function, got {spec!r}")
     # a reasoning-gym row's label is its task item, which only the task's checker (or user code: a reward
     # file, a plug-in, an environment, an agent) reads
     rg_data = cfg.train_data.startswith("reasoning_gym:")
-    need(not rg_data or cfg.reward == "reasoning_gym" or ":" in cfg.reward or cfg.plugin or cfg.env
-         or cfg.agent,
-         f"train_data {cfg.train_data.split('?')[0]} needs --reward reasoning_gym (the task's own checker)")
+    if rg_data:
+        need(cfg.reward == "reasoning_gym" or ":" in cfg.reward or cfg.plugin or cfg.env or cfg.agent,
+             f"train_data {cfg.train_data.split('?')[0]} needs --reward reasoning_gym "
+             "(the task's own checker)")
     need(cfg.reward != "reasoning_gym" or rg_data, "reward reasoning_gym scores reasoning-gym items: "
          "needs --train-data reasoning_gym:NAME")
     need(all(x.strip() for x in cfg.log_metadata.split(",")) or not cfg.log_metadata,
