@@ -376,10 +376,10 @@ def _make_parser(layout: list[tuple[str, list[tuple[str, str]]]]) -> _Parser:
     """The parser of every flag, in `layout`'s argument groups with its docstrings as help."""
     presets = "\n".join(f"  {k:<22} {v[0]}" for k, v in PRESETS.items())
     parser = _Parser(usage="%(prog)s [--algo PRESET] [--flag VALUE ...]", add_help=False,
-                                     description="nanorl: RL for language models. Every flag is a field of "
-                                     "nanorl/config.py; start with the first group.",
-                                     epilog="presets (--algo):\n" + presets,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                     description="nanorl: RL for language models. Every flag is a field of "
+                     "nanorl/config.py; start with the first group.",
+                     epilog="presets (--algo):\n" + presets,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = dict(FLAG_DEFAULTS)
     for i, (title, items) in enumerate(layout):
         group = parser.add_argument_group(title)
