@@ -364,9 +364,6 @@ class _Help(argparse.Action):
     """-h / --help: the flags by section with their docstrings, read from the sources (help_layout)
     only now: a run parses its flags without them."""
 
-    def __init__(self, option_strings, dest, **kw):
-        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kw)
-
     def __call__(self, parser, namespace, values, option_string=None):
         _make_parser(help_layout()).print_help()
         parser.exit()
@@ -384,7 +381,8 @@ def _make_parser(layout: list[tuple[str, list[tuple[str, str]]]]) -> _Parser:
     for i, (title, items) in enumerate(layout):
         group = parser.add_argument_group(title)
         if i == 0:
-            group.add_argument("-h", "--help", action=_Help, help="show this help message and exit")
+            group.add_argument("-h", "--help", action=_Help, nargs=0, default=argparse.SUPPRESS,
+                               help="show this help message and exit")
         for name, doc in items:
             default = defaults.pop(name)
             # argparse %-formats help strings: a literal % is doubled
