@@ -121,9 +121,8 @@ def setup(cfg: Config) -> Run:
     fmt = PromptFormat(cfg.prompts.system_prompt, cfg.prompts.prompt_template, cfg.prompts.chat_template,
                        cfg.chat_template_dict)
     train, skipped = build_prompts(load_rows(cfg.train_data), tokenizer, cfg.prompts.input_key,
-                                   cfg.prompts.label_key,
-                                   cfg.prompts.max_prompt_len, source=cfg.train_data, fmt=fmt,
-                                   log=print if rank == 0 else None)
+                                   cfg.prompts.label_key, cfg.prompts.max_prompt_len, source=cfg.train_data,
+                                   fmt=fmt, log=print if rank == 0 else None)
     eval_sets = load_eval_sets(cfg.test_data, tokenizer, cfg.prompts.input_key, cfg.prompts.label_key,
                                cfg.prompts.max_prompt_len,
                                fmt, limit=cfg.evaluation.eval_limit, seen={p.text for p in train})
@@ -136,9 +135,8 @@ def setup(cfg: Config) -> Run:
     kl_ctl = (AdaptiveKLController(cfg.kl_coef, cfg.kl.kl_target, horizon=10_000) if cfg.kl.kl_target
               else FixedKLController(cfg.kl_coef))
     logger = Logger(cfg.out_dir, cfg.steps, enabled=rank == 0, quiet=cfg.saving.quiet,
-                    tensorboard=cfg.saving.tensorboard,
-                    wandb_project=cfg.saving.wandb_project, config=cfg.as_flags(),
-                    resume=bool(cfg.saving.resume))
+                    tensorboard=cfg.saving.tensorboard, wandb_project=cfg.saving.wandb_project,
+                    config=cfg.as_flags(), resume=bool(cfg.saving.resume))
     # reward workers: half of this node's cores, shared by the ranks on this node (not by every node's)
     workers = max(1, min(8, (os.cpu_count() or 2) // (2 * distributed.local_world_size(world))))
     rewards = RewardRunner(load_reward_fn(cfg.reward), timeout=cfg.reward_timeout, log=logger.print,
@@ -156,8 +154,7 @@ def setup(cfg: Config) -> Run:
     run.hooks = Hooks(cfg)  # --reward-postprocess, --log-metadata (and what --plugin filled in)
     run.plan = make_plan(cfg, cfg.advantage_fn, cfg.policy_loss_fn)  # what each step computes
     run.sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
-                                  top_p=cfg.sampling.top_p,
-                                  max_new_tokens=cfg.max_new_tokens,
+                                  top_p=cfg.sampling.top_p, max_new_tokens=cfg.max_new_tokens,
                                   stop_token_ids=stop_token_ids(model, tokenizer),
                                   keep_support=cfg.sampling.keep_sampling_mask,
                                   support_cap=cfg.sampling.support_cap)
@@ -376,14 +373,11 @@ def run_training(cfg: Config) -> dict:
     if stop["now"]:
         run.logger.print(f"interrupted at step {run.step}; resume with: python train.py "
                          f"{' '.join(sys.argv[1:])} --resume latest")
-    run.logger.close()
-    run.rewards.close()
-    for scorer in run.scorers.values():
-        scorer.close()
-    if run.episodes is not None:  # tool worker processes
-        run.episodes.close()
-    run.engine.close()  # vLLM: one engine per process at a time
-    run.source.close()  # the async worker
+    # in order: the logger, the reward workers and scorers, --env's tool worker processes, the engine
+    # (vLLM: one engine per process at a time), the async worker
+    for part in (run.logger, run.rewards, *run.scorers.values(), run.episodes, run.engine, run.source):
+        if part is not None:
+            part.close()
     for sig, handler in previous.items():  # in-process callers (tests, notebooks) get theirs back
         signal.signal(sig, handler)
     return {"before": before, "after": after, "step": run.step, "last": run.logger.last,
