@@ -108,16 +108,17 @@ def train_on(learner: Learner, batch) -> dict:
             # Denominators of the whole optimizer step, over every micro-batch and rank (TRL #3021).
             n_tok, n_seq = batching.global_denominators([mini.response_mask] if mini is not None else [])
             # after the denominators: skipped rows keep their share of them
+            skip_stats = {}  # --skip-zero-advantage: the share of this step's rows it skipped
             if cfg.memory.skip_zero_advantage:
-                mini, rows, skipped = skip_zero_advantage(mini, rows)
+                mini, rows, skip_stats["rows_skipped_frac"] = skip_zero_advantage(mini, rows)
                 groups = micro_batches(learner, mini)  # re-planned (and agreed again) over the training rows
             if not groups:  # every row skipped: the whole batch's gradient is exactly 0, and AdamW
                 for p in params:  # still steps on it (its moments move the weights), as unskipped
                     p.grad = torch.zeros_like(p)
             stats = {}
             for i, mrows in enumerate(groups):
-                last = i == len(groups) - 1
-                with sync_gradients_after(learner.trained, last=last):  # one reduction per step
+                # one gradient reduction per step, in the last micro-batch's backward
+                with sync_gradients_after(learner.trained, last=i == len(groups) - 1):
                     if mrows:
                         mb = mini.select(mrows)
                         loss, m = micro_step(learner, mb, lcfg, n_tok, n_seq)
@@ -125,7 +126,6 @@ def train_on(learner: Learner, batch) -> dict:
                             mb.tensors.first_pass_mask = torch.ones_like(mb.response_mask, dtype=torch.float)
                             for k in FIRST_PASS:
                                 first[k][rows[mrows], :mb.response_ids.shape[1]] = getattr(mb.tensors, k)
-                                setattr(mb.tensors, k, None)
                     else:  # a lockstep pad: the collectives of a micro-batch, zero gradient
                         loss, m = pad_loss(learner.trained(pad_batch(learner), None)), None
                     loss = loss * loss_scale(learner.world)  # DDP's mean over ranks → the global sum
@@ -136,11 +136,8 @@ def train_on(learner: Learner, batch) -> dict:
                     (learner.scaler.scale(loss) if learner.scaler else loss).backward()  # fp16: scaled
                 if m is not None:
                     accumulate(stats, m)
-            grad_norm = sync_and_step(learner, params)
             stats = finish(stats) if stats else {}  # a rank that ran only pads has no loss metrics
-            stats["grad_norm"] = grad_norm
-            if cfg.memory.skip_zero_advantage:
-                stats["rows_skipped_frac"] = skipped
+            stats.update(grad_norm=sync_and_step(learner, params), **skip_stats)
             for k, v in stats.items():
                 sums[k], counts[k] = sums.get(k, 0.0) + v, counts.get(k, 0) + 1
             steps += 1
@@ -148,10 +145,8 @@ def train_on(learner: Learner, batch) -> dict:
                 learner.logger.optimizer_step(learner.step + 1, {"opt_step": learner.scheduler.last_epoch,
                                                                  "epoch": epoch, **stats})
     batch.tensors.update(**first)
-    out = {k: v / counts[k] for k, v in sums.items()}
-    out.update({"lr": learner.scheduler.get_last_lr()[0],
-                "skipped_updates": learner.counters["skipped_updates"]})
-    return out
+    return {**{k: v / counts[k] for k, v in sums.items()}, "lr": learner.scheduler.get_last_lr()[0],
+            "skipped_updates": learner.counters["skipped_updates"]}
 
 
 FIRST_PASS = ("first_pass_logprobs", "first_pass_entropy", "first_pass_mask")  # mask: rows it covered
@@ -204,10 +199,9 @@ def step_is_weights(cfg, old_logp, rollout_logp, mask):
 
 
 def micro_step(learner: Learner, mb, lcfg: LossConfig, n_tok: float, n_seq: float):
-    cfg = learner.cfg
+    cfg, t, mask = learner.cfg, mb.tensors, mb.response_mask
     support = mb.sampling_support if cfg.sampling.keep_sampling_mask else None
     logp, ent, values = learner.trained(mb, support)  # DDP-wrapped with several ranks (nanorl/distributed.py)
-    t, mask = mb.tensors, mb.response_mask
     # train_on keeps epoch 0's (old_policy_view)
     t.first_pass_logprobs, t.first_pass_entropy = logp.detach(), ent.detach()
     # on-policy: π_old is the current policy, detached
@@ -267,19 +261,18 @@ def sync_and_step(learner: Learner, params) -> float:
     if learner.scaler:
         learner.scaler.unscale_(learner.optimizer)
         overflow = precision.agree_found_inf(learner.scaler, learner.optimizer)
-    clip = learner.cfg.optim.grad_clip if learner.cfg.optim.grad_clip else float("inf")
-    norm = torch.nn.utils.clip_grad_norm_(params, clip)
+    norm = torch.nn.utils.clip_grad_norm_(params, learner.cfg.optim.grad_clip or float("inf"))
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP: a DTensor over the shards
     if overflow and torch.isfinite(norm):  # another rank's shard overflowed: the same skip here
         norm = torch.full_like(norm, float("inf"))
-    if torch.isfinite(norm) and learner.scaler:
-        learner.scaler.step(learner.optimizer)
-    elif torch.isfinite(norm):
-        learner.optimizer.step()
-    else:  # one bad batch must not poison the weights: skip, count, go on
+    if not torch.isfinite(norm):  # one bad batch must not poison the weights: skip, count, go on
         learner.counters["skipped_updates"] += 1
         learner.logger.print(f"step {learner.step}: non-finite gradient norm ({float(norm)}); "
                              "update skipped")
+    elif learner.scaler:
+        learner.scaler.step(learner.optimizer)
+    else:
+        learner.optimizer.step()
     if learner.scaler:
         learner.scaler.update()
     learner.optimizer.zero_grad(set_to_none=True)
