@@ -218,7 +218,7 @@ def resume_run(run: Run, path_or_latest: str) -> str | None:
 
 def evaluate_run(run: Run) -> dict:
     """Greedy (and pass@k) accuracy on every held-out set, each rank a slice (nanorl/evaluation.py)."""
-    sampling = EvalSampling.from_config(run.cfg, stop_token_ids(run.model, run.tokenizer))
+    sampling = EvalSampling.from_config(run.cfg, run.sampling.stop_token_ids)  # training's stop tokens
     return evaluate(run.eval_sets, run.engine, sampling, run.cfg.seed, rewards=run.rewards,
                     tokenizer=run.tokenizer, episodes=run.episodes, rank=run.rank, world=run.world,
                     scorers=run.scorers, reward_weights=run.reward_weights,
