@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import resource
 import sys
-from collections import Counter
 
 import torch
 
@@ -47,11 +46,12 @@ def name(key: str) -> str:
 
 def namespaced(metrics: dict) -> dict:
     """Every key renamed by `name`; two local names landing on one namespaced name is a bug: raise."""
-    out = {name(k): v for k, v in metrics.items()}
-    if len(out) < len(metrics):
-        counts = Counter(name(k) for k in metrics)
-        k = next(k for k in metrics if counts[name(k)] > 1)
-        raise ValueError(f"metrics {k!r} and another key both map to {name(k)!r}: rename one")
+    out = {}
+    for k, v in metrics.items():
+        n = name(k)
+        if n in out:
+            raise ValueError(f"metrics {k!r} and another key both map to {n!r}: rename one")
+        out[n] = v
     return out
 
 

@@ -306,9 +306,8 @@ class RewardRunner:
 
     def __init__(self, fn, timeout: float = 0.0, workers: int = 1, log=print):
         self.fn, self.timeout, self.workers, self.log = fn, timeout, workers, log
-        # a built-in takes (prompt, response, label); any other function's signature is checked here
-        self.wants_sample = fn not in BUILTIN.values() and "sample" in check_call(
-            fn, "reward", "fn(prompt, response, label[, sample])", args=3, available={"sample"})
+        self.wants_sample = "sample" in check_call(fn, "reward", "fn(prompt, response, label[, sample])",
+                                                   args=3, available={"sample"})
         # kind -> count, over the whole run (checkpointed with the trainer)
         self.faults = Counter()
         self._pool = None
