@@ -37,6 +37,39 @@ def _entropy_backend(request, monkeypatch):
         monkeypatch.setattr(entropy, "DEFAULT_BACKEND", "torch")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _warm_start_once():
+    """The built-in task's SFT warm start (nanorl/task.py) is the same ~8 s of training for every test
+    file that builds the default task, ~30 times a run: it runs once per recipe and process, and later
+    calls load its result. The key is everything the result depends on (the initial weights' bytes, the
+    items, the optimizer settings, the seed), so a cached result is the computed one, bit for bit.
+    Tests that call warm_start itself (imported by name) run the real one."""
+    import hashlib
+    import json
+
+    from nanorl import task
+    real, done = task.warm_start, {}
+
+    def once(model, tokenizer, items, steps=40, batch_size=128, lr=1e-3, seed=0):
+        recipe = [items, steps, batch_size, lr, seed, sorted(tokenizer.get_vocab().items()),
+                  tokenizer.eos_token_id, tokenizer.pad_token_id, model.config.to_dict()]
+        h = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
+        for name, t in sorted(model.state_dict().items()):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        key = h.hexdigest()
+        if key not in done:
+            real(model, tokenizer, items, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+            done[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(done[key])
+        model.eval()
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(task, "warm_start", once)
+        yield
+
+
 @pytest.fixture
 def copied_alone(tmp_path, monkeypatch):
     """copied_alone("kl") -> nanorl/kl.py copied alone into an empty folder and imported from there,

@@ -187,29 +187,34 @@ def test_split_fixed_and_agree_without_distributed():
     assert agree_num_micro_batches(7) == 7  # no process group: identity
 
 
-def test_distributed_reductions_use_max_for_counts_and_sum_for_denominators(tmp_path, monkeypatch):
-    """A real (one-rank, gloo) process group exercises the collective path; a spy on all_reduce checks
-    the ops: MAX for the micro-batch count (every rank runs as many as the busiest), SUM for counts.
-    (Two subprocess ranks would cost two torch imports, ~10 s on this CI: the ops are what matter.)"""
+def test_distributed_reductions_use_max_for_counts_and_sum_for_denominators(monkeypatch):
+    """The collective path against a planted peer rank: all_reduce is replaced by one that combines this
+    rank's tensor with a second rank's values by the op it is given, so a wrong op gives a wrong number:
+    MAX for the micro-batch count (every rank runs as many as the busiest), SUM for the token and row
+    counts. No real process group in pytest's own process: one left behind (even destroyed) can abort
+    the interpreter at exit with "terminate called without an active exception" (nanorl/rank_lifecycle.py,
+    end_process), which failed a CI run whose tests had all passed. Two gloo ranks run in
+    tests/test_reduce_metrics.py and tests/test_plugins.py."""
     import torch.distributed as dist
-    ops, real_all_reduce = [], dist.all_reduce
+    ops, world = [], {"size": 1}
+    peer = {dist.ReduceOp.MAX: torch.tensor([9]), dist.ReduceOp.SUM: torch.tensor([10, 3])}
 
-    def spy(t, op=dist.ReduceOp.SUM, group=None):
+    def all_reduce(t, op=dist.ReduceOp.SUM, group=None):
         ops.append(op)
-        return real_all_reduce(t, op=op, group=group)
+        other = peer[op]
+        t.copy_(torch.maximum(t, other) if op == dist.ReduceOp.MAX else t + other)
 
-    monkeypatch.setattr(batching.dist, "all_reduce", spy)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    monkeypatch.setattr(batching.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(batching.dist, "get_world_size", lambda group=None: world["size"])
+    monkeypatch.setattr(batching.dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(batching.dist, "all_reduce", all_reduce)
     masks = [torch.tensor([[1., 1., 0.], [0., 0., 0.]]), torch.tensor([[0., 2., 1.]])]
-    try:
-        # A world of one needs no collective (vLLM makes such a group; a forked worker must not reduce in it)
-        assert agree_num_micro_batches(5) == 5 and global_denominators(masks) == (4, 2) and ops == []
-        monkeypatch.setattr(batching.dist, "get_world_size", lambda group=None: 2)  # the collective path
-        assert agree_num_micro_batches(5) == 5
-        assert global_denominators(masks) == (4, 2)
-    finally:
-        dist.destroy_process_group()
-    assert ops == [dist.ReduceOp.MAX, dist.ReduceOp.SUM]
+    # A world of one needs no collective (vLLM makes such a group; a forked worker must not reduce in it)
+    assert agree_num_micro_batches(5) == 5 and global_denominators(masks) == (4, 2) and ops == []
+    world["size"] = 2  # the collective path: the peer runs 9 micro-batches and holds 10 tokens in 3 rows
+    assert agree_num_micro_batches(5) == 9 and agree_num_micro_batches(12) == 12
+    assert global_denominators(masks) == (14, 5)
+    assert ops == [dist.ReduceOp.MAX, dist.ReduceOp.MAX, dist.ReduceOp.SUM]
 
 
 # ----------------------------------------------------------------------------- loss normalisation
