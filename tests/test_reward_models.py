@@ -41,6 +41,11 @@ def preference_pairs(items: list[dict], seed: int = 0, per_item: int = 1) -> lis
     return [(x["prompt"], x["answer"], wrong_sum(x, rng)) for x in items for _ in range(per_item)]
 
 
+def every_wrong_sum(items: list[dict]) -> list[tuple[str, str, str]]:
+    """(prompt, right sum, wrong sum) for each of the 27 wrong sums (0-27) of every problem."""
+    return [(x["prompt"], x["answer"], str(v)) for x in items for v in range(28) if str(v) != x["answer"]]
+
+
 def _rows(tokenizer, texts: list[str], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     rows = [tokenizer(t)["input_ids"] for t in texts]
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)  # [N, S] right-padded
@@ -116,18 +121,21 @@ def make_rm(tmp_path, steps: int = 400, lr: float = 1e-3, seed: int = 0) -> str:
     loadable by RewardModel(path, ...). As real RMs do, it starts from a STRONGER model than the policy
     it will judge (nanorl.task's 200-step warm start, 98% held-out, vs the policy's 90-step 76%) with a
     fresh scalar head, and is trained on the TRAIN problems only: the 90-step policy's own wrong samples
-    (8 per problem at temperature 1, ~4700 pairs) and 3 random wrong sums per problem. Measured (1
-    thread, 2-core machine shared with 3 other jobs): ~75 s of training; it ranks the right sum above
-    the 90-step policy's wrong samples on 99.6% of held-out pairs (150 steps: 95.4%; from the 90-step
-    model itself, 300 steps: 96.5% — and GRPO then exploited the rest)."""
+    (8 per problem at temperature 1, ~4700 pairs) and every wrong sum of every problem (27 each, 21,600
+    pairs). It ranks the right sum above the 90-step policy's wrong samples on 99.8% of held-out pairs,
+    above random wrong sums on 100% (2-core AMD EPYC, 1 thread; ~100 s to build). With 3 random wrong
+    sums per problem instead of all 27 it ranked them 98.0% and 99.5% there, but misranked small sums
+    ("0+1+0=": "2" over "1") in 27 of the 90-step policy's samples on 300 train problems (now 6), and
+    GRPO on its reward found them: held-out accuracy 76.5% -> 76.5, 78.5, 79.5, 76.5% (seeds 0-3; an
+    Intel Xeon had gained 11-21 points with it). Fewer steps or the 90-step model as the start also
+    left holes that GRPO exploited (150 steps: 95.4%; from the 90-step model, 300 steps: 96.5%)."""
     from transformers import Qwen2ForSequenceClassification
     from transformers.utils import logging
 
     policy = task.make_default(str(tmp_path / "task"))["model"]
     stronger = task.make_default(str(tmp_path / "task"), sft_steps=200)["model"]
     train_items, _ = task.problems(seed=0)
-    pairs = policy_mistakes(policy, train_items, n=8, seed=seed) + preference_pairs(train_items, seed,
-                                                                                    per_item=3)
+    pairs = policy_mistakes(policy, train_items, n=8, seed=seed) + every_wrong_sum(train_items)
     verbosity = logging.get_verbosity()
     # the fresh score head's "newly initialized" report is expected here
     logging.set_verbosity_error()
@@ -323,12 +331,13 @@ def test_grpo_rewarded_only_by_the_rm_raises_held_out_accuracy(trained_rm, rm_di
     correct=0,rm=1`, so the RM's score is the whole reward; the exact-match rule still runs and is
     logged (rollout/reward/correct, eval/accuracy read --reward's verdict, not the RM's), which is how
     the gain is seen. A KL penalty to the reference (β = 0.05; InstructGPT's ~0.02) holds the policy
-    near the samples the RM was trained on, as it does in real RLHF: without it (β = 0.001, the grpo
-    preset) one seed in four found the RM's holes on an Intel Xeon — run-on answers ("9" -> "913") and
-    off-by-one sums it misranked — 76.0% -> 80.0% (seeds 1-3: 91.5, 90.5, 91.5%; on an AMD EPYC seed
-    0 had gone to 93.5%). With β = 0.05, seeds 0-3 (Intel, 1 thread): 87.0, 89.5, 97.0, 91.5%. Two
-    seeds run here, each must gain and their mean gain be ≥ 8 points. Red check: an RM trained for 1
-    step instead of 400 went 76.0% -> 0.0% (seed 0). The trainer's held-out accuracy is cross-checked by
+    near the samples the RM was trained on, as it does in real RLHF: with the grpo preset's β = 0.001 an
+    earlier, weaker RM was exploited (run-on answers, "9" -> "913", and off-by-one sums it misranked;
+    one seed in four on an Intel Xeon: 76.0% -> 80.0%). With make_rm's RM and β = 0.05, seeds 0-3
+    (2-core AMD EPYC, 1 thread): 76.5% -> 90.5, 93.0, 92.0, 89.0% (with its weaker predecessor, see
+    make_rm: 76.5, 78.5, 79.5, 76.5% here, 87.0-97.0% on the Xeon). Two seeds run here, each must gain
+    and their mean gain be ≥ 8 points. Red check: an RM trained for 1 step instead of 400 went 76.5% ->
+    0.0% (seed 0, this EPYC). The trainer's held-out accuracy is cross-checked by
     `greedy_accuracy` on the saved policy."""
     import train
 
