@@ -31,7 +31,6 @@ from nanorl.precision import autocast, fsdp_policy
 
 # a rank's process: join, fail together, end (nanorl/rank_lifecycle.py); called as distributed.<name>
 from nanorl.rank_lifecycle import (  # noqa: F401
-    check_accelerate_env,
     end_process,
     fail_together,
     init,

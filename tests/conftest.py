@@ -45,21 +45,26 @@ def _warm_start_once():
     items, the optimizer settings, the seed), so a cached result is the computed one, bit for bit.
     Tests that call warm_start itself (imported by name) run the real one."""
     import hashlib
+    import inspect
     import json
 
     from nanorl import task
     real, done = task.warm_start, {}
 
-    def once(model, tokenizer, items, steps=40, batch_size=128, lr=1e-3, seed=0):
-        recipe = [items, steps, batch_size, lr, seed, sorted(tokenizer.get_vocab().items()),
-                  tokenizer.eos_token_id, tokenizer.pad_token_id, model.config.to_dict()]
+    def once(model, tokenizer, *args, **kwargs):
+        # every argument with warm_start's own defaults filled in (items, steps, batch_size, lr, seed)
+        call = inspect.signature(real).bind(model, tokenizer, *args, **kwargs)
+        call.apply_defaults()
+        settings = {k: v for k, v in call.arguments.items() if k not in ("model", "tokenizer")}
+        recipe = [settings, sorted(tokenizer.get_vocab().items()), tokenizer.eos_token_id,
+                  tokenizer.pad_token_id, model.config.to_dict()]
         h = hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode())
         for name, t in sorted(model.state_dict().items()):
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
         key = h.hexdigest()
         if key not in done:
-            real(model, tokenizer, items, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+            real(model, tokenizer, *args, **kwargs)
             done[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
         else:
             model.load_state_dict(done[key])
