@@ -74,7 +74,7 @@ class Run:
     trained: torch.nn.Module | None = None  # policy + critic behind one forward; DDP with N ranks
     scaler: torch.amp.GradScaler | None = None  # fp16 only: the dynamic loss scale
     episodes: object | None = None  # --env's multi-turn driver / --agent's runner (nanorl/env.py, agent.py)
-    hooks: Hooks | None = None  # user plug-ins: reward post-processing, metadata metrics (nanorl/plugins.py)
+    hooks: Hooks | None = None  # --reward-postprocess, --sample-filter, --log-metadata (nanorl/plugins.py)
     # what a checkpoint saves in flight: --async-steps' end of the worker (nanorl/pipeline.py), or the
     # buffer of synchronous --partial-rollout abort (sources.Partial, also the run's source)
     pipeline: object | None = None

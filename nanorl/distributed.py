@@ -29,8 +29,10 @@ from torch.distributed.tensor import DTensor
 
 from nanorl.precision import autocast, fsdp_policy
 
-# a rank's process: join, fail together, end (nanorl/rank_lifecycle.py); called as distributed.<name>
+# a rank's process: join, fail together, end (nanorl/rank_lifecycle.py), called as distributed.<name>;
+# check_accelerate_env: make_accelerator's refusal
 from nanorl.rank_lifecycle import (  # noqa: F401
+    check_accelerate_env,
     end_process,
     fail_together,
     init,
@@ -91,9 +93,10 @@ def make_accelerator(find_unused_parameters: bool = False):
     Everything nanorl relies on is passed explicitly, so an `accelerate config` file cannot change it:
     mixed_precision "no" (the model's dtype and autocast are --dtype's), dynamo_backend "no"
     (prepare_model would torch.compile the wrapper), the DDP arguments; what it would otherwise read
-    from the config and nanorl does not support was refused first, by `init` (check_accelerate_env)."""
+    from the config and nanorl does not support is refused (check_accelerate_env: `init` ran it too)."""
     from accelerate import Accelerator, DistributedDataParallelKwargs
 
+    check_accelerate_env()
     ddp = DistributedDataParallelKwargs(find_unused_parameters=find_unused_parameters)
     return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", dynamo_backend="no",
                        kwargs_handlers=[ddp])
@@ -306,6 +309,15 @@ def all_reduce(t: torch.Tensor, op=None) -> torch.Tensor:
         if moved is not t:
             t.copy_(moved)
     return t
+
+
+def all_gather(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order; [value] in a single process."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def comm_device(group=None) -> torch.device:

@@ -7,7 +7,7 @@ Per set: `eval/<name>/accuracy` (greedy), `eval/<name>/pass@k` (k samples at the
 share with one correct), and of the greedy responses what a step's rollout/ logs (nanorl/metrics.py
 reward_metrics): `response_length_mean`, `reward_mean`, `truncated_frac`, `reward/<component>` (a dict
 reward's, the reward model's and judge's: nanorl/rounds.py scored_components) and the --log-metadata /
-log-only metadata fields (nanorl/plugins.py); `eval/accuracy` and `eval/pass@k` pooled over
+log-only metadata fields (nanorl/metrics.py); `eval/accuracy` and `eval/pass@k` pooled over
 all sets' prompts (the headline); `perf/time/eval`, the slowest rank's. With `--env` each sample is an
 episode scored by its environment (nanorl/env.py), plus `tool_use_rate`. Key choices: each rank scores
 its slice of every set (prompts r, r+N, ...) and the counts are summed, so no rank waits while another
@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from nanorl import checkpoint, distributed, reasoning_tasks
 from nanorl.data import PromptFormat, build_prompts, load_rows, parse_source
-from nanorl.plugins import all_gather, metadata_sums, pooled_means, with_fields
+from nanorl.metrics import metadata_sums, pooled_means, with_fields
 from nanorl.rewards import correct, score_samples
 from nanorl.rollout import SamplingConfig
 from nanorl.rounds import scored_components
@@ -102,7 +102,7 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
     samples (nanorl/rewards.py score_samples); episodes: --env's multi-turn driver (nanorl/env.py)
     instead, whose environment scores them. scorers, reward_weights: the reward model / judge components
     (nanorl/build.py make_scorers) beside --reward on the greedy samples, as a step scores them;
-    log_metadata: --log-metadata's patterns (nanorl/plugins.py metadata_metrics)."""
+    log_metadata: --log-metadata's patterns (nanorl/metrics.py metadata_metrics)."""
     if not sets:
         return {}
     if episodes is None and (rewards is None or tokenizer is None):
@@ -115,7 +115,7 @@ def evaluate(sets: list[EvalSet], engine, sampling: EvalSampling, seed: int, rew
     # [S, 7] summed over ranks
     counts = distributed.all_reduce(torch.stack([c for c, _ in slices]))
     # components and metadata: their keys may differ by rank
-    parts = all_gather([f for _, f in slices])
+    parts = distributed.all_gather([f for _, f in slices])
     k, out, env = sampling.pass_k, {}, episodes is not None
     for i, (s, row) in enumerate(zip(sets, counts.tolist())):
         n, greedy, passed, length, tools, truncated, reward = row

@@ -6,17 +6,21 @@ time, throughput and memory, `sync/` the engine's weight-sync check (link 8), `r
 replay. Each module keeps its short, readable local names (`pg_clipfrac`, `reward_mean`, `time/step`);
 `rl_step` hands the step's dict to `namespaced` once, so the rule lives in one place and the same names
 reach metrics.jsonl, the console, TensorBoard and W&B. Start at `name`. docs/tour.md's table gives each
-name's meaning.
+name's meaning. `with_metadata` adds the samples' own metadata fields (--log-metadata, a reward's log-only
+fields) under their own names, pooled over ranks.
 
     python -c "from nanorl.metrics import name; print(name('pg_clipfrac'), name('time/step'))"
 """
 from __future__ import annotations
 
+import math
+import numbers
 import resource
 import sys
 
 import torch
 
+from nanorl import distributed
 from nanorl.rewards import correct
 
 NAMESPACES = ("rollout/", "train/", "eval/", "perf/", "sync/", "routing/")
@@ -77,3 +81,65 @@ def memory_metrics(device: torch.device) -> dict:
     if device.type == "cuda":
         m["perf/mem/cuda_peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
     return m
+
+
+# ----------------------------------------------------------------------------- Sample.metadata fields
+
+def with_metadata(metrics: dict, samples: list, patterns: list[str]) -> dict:
+    """`metrics` plus the samples' metadata metrics (--log-metadata's `patterns`, and the reward's
+    log-only fields), logged under their own names (a name that is already a metric of the step raises:
+    rename the field). Every rank calls it: the fields are pooled over ranks first (one
+    all_gather_object), so all ranks log the same keys — a key only some ranks had would misalign the
+    metric all-reduce (nanorl/distributed.py reduce_metrics)."""
+    return with_fields(metrics, metadata_metrics(samples, patterns), "metric names of the step")
+
+
+def with_fields(metrics: dict, extra: dict, what: str) -> dict:
+    """`metrics` plus the metadata metrics `extra`; a field named like one of `metrics` (`what` they
+    are) raises: rename the field."""
+    clash = sorted(set(extra) & set(metrics))
+    if clash:
+        raise ValueError(f"Sample.metadata fields {clash} are also {what}: rename them")
+    return {**metrics, **extra}
+
+
+def metadata_metrics(samples: list, patterns: list[str], gather=distributed.all_gather) -> dict:
+    """Mean of every numeric Sample.metadata field that a pattern names (exactly, or by prefix when
+    the pattern ends in "/") or that the reward returned as log-only (named in Sample.log_only:
+    nanorl/rewards.py), over the samples that have it, logged under the field's own name.
+    Non-finite values are left out of the mean (and counted in `<name>/nonfinite`): a NaN from one
+    sample never reaches a metric. `gather` pools the per-field sums over ranks (list of dicts; by
+    default every rank's, so every rank calls it)."""
+    return pooled_means(gather(metadata_sums(samples, patterns)))
+
+
+def metadata_sums(samples: list, patterns: list[str]) -> dict[str, list]:
+    """`metadata_metrics`' fields of these samples: {name: [sum of the finite values, their count,
+    the count of non-finite ones]} (evaluation pools these per eval set, nanorl/evaluation.py)."""
+    sums: dict[str, list] = {}
+    for s in samples:
+        logged = s.log_only or ()
+        for key, value in s.metadata.items():
+            named = any(key == p or (p.endswith("/") and key.startswith(p)) for p in patterns)
+            # lists, strings, nested dicts: not a per-sample scalar (bools count as 0/1)
+            if not (key in logged or named) or not isinstance(value, numbers.Real):
+                continue
+            acc = sums.setdefault(key, [0.0, 0, 0])
+            if math.isfinite(value):
+                acc[0], acc[1] = acc[0] + float(value), acc[1] + 1
+            else:
+                acc[2] += 1
+    return sums
+
+
+def pooled_means(parts: list[dict]) -> dict:
+    """`metadata_sums` of several parts (one per rank) added up: each field's mean over the values
+    counted, and `<name>/nonfinite` where some were not finite."""
+    sums: dict[str, list] = {}
+    for part in parts:
+        for k, (total, n, bad) in part.items():
+            acc = sums.setdefault(k, [0.0, 0, 0])
+            acc[0], acc[1], acc[2] = acc[0] + total, acc[1] + n, acc[2] + bad
+    out = {k: total / n for k, (total, n, _) in sums.items() if n}
+    out.update({f"{k}/nonfinite": bad for k, (_, _, bad) in sums.items() if bad})
+    return out

@@ -17,8 +17,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
-import math
-import numbers
 import os
 import sys
 
@@ -206,8 +204,9 @@ def resolve(spec: str, what: str):
 
 
 class Hooks:
-    """The run's step hooks (train.py): the reward post-processing and the metadata fields to log.
-    (User advantage and policy-loss functions: Config.advantage_fn / policy_loss_fn.)"""
+    """The run's step hooks (train.py): --reward-postprocess, --sample-filter, and --log-metadata's
+    patterns (logged by nanorl/metrics.py with_metadata). (User advantage and policy-loss functions:
+    Config.advantage_fn / policy_loss_fn.)"""
 
     def __init__(self, cfg):
         post = cfg.reward_postprocess
@@ -234,72 +233,3 @@ class Hooks:
             raise TypeError(f"--sample-filter must return one bool per sample ({FILTER_SIGNATURE}), got "
                             f"{type(out).__name__} for {len(samples)} samples")
         return list(out)
-
-    def with_metadata(self, metrics: dict, samples: list) -> dict:
-        """`metrics` plus the step's metadata metrics, logged under their own names (a name that is
-        already a metric of the step raises: rename the field). Every rank calls it: the fields are
-        pooled over ranks first (one all_gather_object), so all ranks log the same keys — a key only
-        some ranks had would misalign the metric all-reduce (nanorl/distributed.py reduce_metrics)."""
-        return with_fields(metrics, metadata_metrics(samples, self.log_metadata), "metric names of the step")
-
-
-def with_fields(metrics: dict, extra: dict, what: str) -> dict:
-    """`metrics` plus the metadata metrics `extra`; a field named like one of `metrics` (`what` they
-    are) raises: rename the field."""
-    clash = sorted(set(extra) & set(metrics))
-    if clash:
-        raise ValueError(f"Sample.metadata fields {clash} are also {what}: rename them")
-    return {**metrics, **extra}
-
-
-def all_gather(local) -> list:
-    """Every rank's `local`, in rank order; [local] in one process (nothing to pool), as
-    nanorl/distributed.py all_reduce."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return [local]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, local)
-    return out
-
-
-def metadata_metrics(samples: list, patterns: list[str], gather=all_gather) -> dict:
-    """Mean of every numeric Sample.metadata field that a pattern names (exactly, or by prefix when
-    the pattern ends in "/") or that the reward returned as log-only (named in Sample.log_only:
-    nanorl/rewards.py), over the samples that have it, logged under the field's own name.
-    Non-finite values are left out of the mean (and counted in `<name>/nonfinite`): a NaN from one
-    sample never reaches a metric. `gather` pools the per-field sums over ranks (list of dicts; by
-    default every rank's, so every rank calls it)."""
-    return pooled_means(gather(metadata_sums(samples, patterns)))
-
-
-def metadata_sums(samples: list, patterns: list[str]) -> dict[str, list]:
-    """`metadata_metrics`' fields of these samples: {name: [sum of the finite values, their count,
-    the count of non-finite ones]} (evaluation pools these per eval set, nanorl/evaluation.py)."""
-    sums: dict[str, list] = {}
-    for s in samples:
-        logged = s.log_only or ()
-        for key, value in s.metadata.items():
-            named = any(key == p or (p.endswith("/") and key.startswith(p)) for p in patterns)
-            # lists, strings, nested dicts: not a per-sample scalar (bools count as 0/1)
-            if not (key in logged or named) or not isinstance(value, numbers.Real):
-                continue
-            acc = sums.setdefault(key, [0.0, 0, 0])
-            if math.isfinite(value):
-                acc[0], acc[1] = acc[0] + float(value), acc[1] + 1
-            else:
-                acc[2] += 1
-    return sums
-
-
-def pooled_means(parts: list[dict]) -> dict:
-    """`metadata_sums` of several parts (one per rank) added up: each field's mean over the values
-    counted, and `<name>/nonfinite` where some were not finite."""
-    sums: dict[str, list] = {}
-    for part in parts:
-        for k, (total, n, bad) in part.items():
-            acc = sums.setdefault(k, [0.0, 0, 0])
-            acc[0], acc[1], acc[2] = acc[0] + total, acc[1] + n, acc[2] + bad
-    out = {k: total / n for k, (total, n, _) in sums.items() if n}
-    out.update({f"{k}/nonfinite": bad for k, (_, _, bad) in sums.items() if bad})
-    return out

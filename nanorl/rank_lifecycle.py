@@ -34,6 +34,7 @@ def init() -> tuple[int, int, torch.device]:
 
     # before PartialState: with DeepSpeed asked for, it would initialise through deepspeed
     check_accelerate_env()
+    note_mixed_precision()
     # Read when the NCCL group is made. By default (3) NCCL's watchdog ends a rank whose collective
     # failed or timed out with abort() from its own C++ thread: no Python error, so fail_together
     # could not tell the other ranks, which waited out their own timeouts. 2 only aborts the
@@ -97,8 +98,8 @@ REFUSED_ACCELERATE = {
 def check_accelerate_env() -> None:
     """Refuse, with the setting's name, what a user's `accelerate config` asks for and nanorl does not
     support: DeepSpeed, accelerate's FSDP, Megatron-LM, tensor/context parallelism, any dynamo
-    backend. Mixed precision set there is overridden, not refused: nanorl's --dtype decides
-    (make_accelerator pins mixed_precision="no"), and a note on stderr says so."""
+    backend. `init` runs it before joining, make_accelerator (nanorl/distributed.py) again before
+    building one. Mixed precision set there is overridden, not refused: `note_mixed_precision`."""
     on = {k: v for k, v in REFUSED_ACCELERATE.items()
           if os.environ.get(k, "false").lower() in ("true", "1", "yes")}
     backend = os.environ.get("ACCELERATE_DYNAMO_BACKEND", "no")
@@ -110,6 +111,11 @@ def check_accelerate_env() -> None:
                          f"{asked}. "
                          "Run `accelerate config` again without it (or unset the variable); nanorl sets "
                          "precision with --dtype and sharding with --fsdp")
+
+
+def note_mixed_precision() -> None:
+    """A note on stderr (rank 0) when an accelerate config sets mixed precision: nanorl's --dtype
+    decides it (make_accelerator pins mixed_precision="no")."""
     mp = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
     if mp != "no" and int(os.environ.get("RANK", "0")) == 0:
         print(f"nanorl: note: accelerate's mixed_precision={mp} is ignored; nanorl's --dtype sets the "

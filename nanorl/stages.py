@@ -19,7 +19,7 @@ from nanorl import dapo, distributed, dump, precision, spans
 from nanorl.advantage import compute_advantages, reverse_kl_advantage
 from nanorl.env import turn_reward_tensor
 from nanorl.kl import kl_estimator, kl_penalized_rewards, masked_mean
-from nanorl.metrics import memory_metrics, namespaced, reward_metrics
+from nanorl.metrics import memory_metrics, namespaced, reward_metrics, with_metadata
 from nanorl.offpolicy import is_metrics, mismatch_metrics
 from nanorl.rollout import SamplingConfig
 from nanorl.rounds import Sampler, generate, score
@@ -176,7 +176,7 @@ def rollout_metrics(hooks, samples, timer, metrics: dict) -> dict:
     """The metrics of a step that made no update (--debug-rollout-only, or no rank kept a sample),
     namespaced, with the --log-metadata fields (`hooks`)."""
     timed = {f"time/{k}": v for k, v in timer.seconds.items()}
-    return hooks.with_metadata(namespaced({**metrics, **timed}), samples)
+    return with_metadata(namespaced({**metrics, **timed}), samples, hooks.log_metadata)
 
 
 def step_metrics(learner: Learner, plan, hooks, samples, batch, mask, timer, metrics: dict) -> dict:
@@ -200,7 +200,7 @@ def step_metrics(learner: Learner, plan, hooks, samples, batch, mask, timer, met
     adv = batch.tensors.advantages  # [B, T]
     metrics["advantage_abs_mean"] = float((adv.abs() * mask).sum() / mask.sum().clamp(min=1))
     metrics = namespaced({**metrics, **memory_metrics(mask.device)})
-    return hooks.with_metadata(metrics, samples)  # --log-metadata fields, under their own names
+    return with_metadata(metrics, samples, hooks.log_metadata)  # --log-metadata's, own names
 
 
 def dump_due(learner: Learner) -> bool:

@@ -192,6 +192,15 @@ def test_unsupported_accelerate_settings_are_refused(var, value, named):
     assert "does not support" in res.stderr and var in res.stderr and named in res.stderr, res.stderr[-2000:]
 
 
+def test_make_accelerator_refuses_without_init(monkeypatch):
+    """A caller that builds the Accelerator without `init` (a user's own script) gets the same refusal
+    before accelerate reads the setting."""
+    from nanorl import distributed
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="ACCELERATE_USE_DEEPSPEED.*DeepSpeed"):
+        distributed.make_accelerator()
+
+
 def test_accelerate_mixed_precision_does_not_change_nanorls():
     res = run_check({"ACCELERATE_MIXED_PRECISION": "bf16"})
     assert res.returncode == 0, res.stderr[-2000:]

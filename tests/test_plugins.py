@@ -17,7 +17,8 @@ from nanorl import plugins
 from nanorl.advantage import compute_advantages
 from nanorl.config import Config
 from nanorl.losses import LossConfig, ppo_clip_loss, total_loss
-from nanorl.plugins import Hooks, metadata_metrics
+from nanorl.metrics import metadata_metrics, with_metadata
+from nanorl.plugins import Hooks
 from nanorl.rewards import RewardRunner, score_samples
 from nanorl.trajectory import Sample, collate
 
@@ -170,9 +171,9 @@ def test_metadata_metrics_names_prefixes_and_nonfinite():
                sample(a=3.0, **{"x/p": 0.0, "y/r": 5.0})]
     assert metadata_metrics(samples, ["a", "x/"]) == {"a": 2.0, "x/p": 0.5, "x/q/nonfinite": 1}
     assert metadata_metrics(samples, ["b", "c", "d"]) == {"b": 2.0}  # only numbers are averaged
-    hooks = Hooks(Config.from_flags(log_metadata="a"))
+    patterns = Hooks(Config.from_flags(log_metadata="a")).log_metadata
     with pytest.raises(ValueError, match="also metric names of the step"):
-        hooks.with_metadata({"a": 0.0}, samples)
+        with_metadata({"a": 0.0}, samples, patterns)
 
 
 def _rank_metrics(rank, init_file, out_dir):
@@ -180,7 +181,8 @@ def _rank_metrics(rank, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:  # rank 0 has x/a = 1 only; rank 1 has x/a = 3, 5 and x/b (which rank 0 never saw)
         rows = [{"x/a": 1.0}] if rank == 0 else [{"x/a": 3.0}, {"x/a": 5.0, "x/b": 2.0}]
-        m = Hooks(Config.from_flags(log_metadata="x/")).with_metadata({}, [sample(**r) for r in rows])
+        patterns = Hooks(Config.from_flags(log_metadata="x/")).log_metadata
+        m = with_metadata({}, [sample(**r) for r in rows], patterns)
         (out_dir / f"{rank}.json").write_text(json.dumps(m))
     finally:
         dist.destroy_process_group()
