@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -118,40 +119,39 @@ class PromptFormat:
     chat_template: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
 
-    def messages(self, prompt, where: str) -> list[dict]:
-        """The chat messages of one input (a string or a list of {role, content}), formatted."""
+    def messages(self, prompt, where: str) -> tuple[list[dict], str]:
+        """(the chat messages of one input, a string or a list of {role, content}, formatted; the last
+        user turn's text, --prompt-template applied: what the reward sees as the prompt)."""
         if isinstance(prompt, str):
             msgs = [{"role": "user", "content": prompt}]
         elif isinstance(prompt, list) and prompt and all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in prompt):
             msgs = [{"role": m["role"], "content": m["content"]} for m in prompt]
-            if not any(m["role"] == "user" for m in msgs):
-                raise DataError(f"{where}: the messages have no 'user' turn "
-                                f"(roles: {[m['role'] for m in msgs]})")
         else:
             raise DataError(f"{where}: the prompt must be a string or a non-empty list of "
                             f"{{'role': str, 'content': str}} messages, got {str(prompt)[:120]!r}")
+        last = next((m for m in reversed(msgs) if m["role"] == "user"), None)
+        if last is None:
+            raise DataError(f"{where}: the messages have no 'user' turn (roles: {[m['role'] for m in msgs]})")
         # the instruction goes around the (last) user turn, as verl's preprocessing does
         if self.template:
-            last = [m for m in msgs if m["role"] == "user"][-1]
             last["content"] = self.template.replace("{prompt}", last["content"])
         if self.system_prompt:
             if msgs[0]["role"] == "system":
                 raise DataError(f"{where}: the row has its own system message and --system-prompt is "
                                 "set too; drop one")
             msgs.insert(0, {"role": "system", "content": self.system_prompt})
-        return msgs
+        return msgs, last["content"]
 
     def render(self, prompt, tokenizer, where: str = "prompt") -> tuple[list[int], str]:
         """(token ids, the user's text as the reward sees it) of one input."""
-        msgs = self.messages(prompt, where)
-        text = [m["content"] for m in msgs if m["role"] == "user"][-1]
+        msgs, text = self.messages(prompt, where)
         if self.chat_template and getattr(tokenizer, "chat_template", None):
             ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
                                                 **self.chat_template_kwargs)
             # a BatchEncoding in transformers 5
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids), text
+            return list(ids["input_ids"] if isinstance(ids, Mapping) else ids), text
         if self.chat_template_kwargs:
             raise DataError(f"--chat-template-kwargs {self.chat_template_kwargs} given, but no chat template "
                             "is used (the tokenizer has none, or --no-chat-template)")
