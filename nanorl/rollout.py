@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -305,12 +306,14 @@ class HFEngine(RolloutEngine):
         768 of 1152 token forwards); run once per prompt it is 96. The same numbers, not an
         approximation: a prompt's prefill does not depend on which row it sits in. Not with routing
         recorded (the recorder expects every row's prompt tokens)."""
-        groups = torch.tensor([g for g, _ in rows], device=device)  # [B]
-        # [B] the row that starts a run of one prompt's rows
-        starts = torch.cat([groups.new_ones(1, dtype=torch.bool), groups[1:] != groups[:-1]])
-        if bool(starts.all()) or self.record_routing:
+        # on the host, from the rows' group ids: no device sync per chunk
+        groups = [g for g, _ in rows]
+        starts = [b == 0 or g != groups[b - 1] for b, g in enumerate(groups)]  # [B] starts a run of a prompt
+        if all(starts) or self.record_routing:
             return None, None
-        return starts.nonzero().flatten(), starts.long().cumsum(0) - 1  # [U], [B]
+        firsts = [b for b, first in enumerate(starts) if first]                  # [U]
+        copies = [n - 1 for n in itertools.accumulate(starts)]                   # [B] its run in [U]
+        return torch.tensor(firsts, device=device), torch.tensor(copies, device=device)
 
     @functools.cached_property
     def _last_logits_only(self) -> dict:
