@@ -214,6 +214,13 @@ def test_prompt_format_template_system_and_chat_kwargs(chat_tok):
                                                                                                   chat_tok)
     with pytest.raises(DataError, match="3 chat messages need a chat template"):
         PromptFormat(chat_template=False).render(msgs + [{"role": "user", "content": "again"}], chat_tok)
+    # several turns: the template wraps the LAST user turn only, and that turn is the reward's prompt
+    # text even when another role follows it (an assistant turn to continue)
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+             {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]
+    ids, text = PromptFormat(template="T:{prompt}").render(turns, chat_tok)
+    assert text == "T:c" and turns[2]["content"] == "c"  # the row's own messages are not edited
+    assert "user\na<|im_end|>" in chat_tok.decode(ids) and "user\nT:c<|im_end|>" in chat_tok.decode(ids)
 
 
 def test_prompt_flags_reach_the_config():
