@@ -24,26 +24,29 @@ from nanorl import task
 from nanorl.reward_models import RewardModel
 from nanorl.weight_broadcast import free_port
 
+# every sum of three digits
+SUMS = range(28)
+
 
 def wrong_sum(item: dict, rng: random.Random) -> str:
     """A wrong sum: half the time a near miss (off by 1-3, the policy's usual mistake), else any other
-    sum of three digits (0-27)."""
+    of SUMS."""
     right = int(item["answer"])
     if rng.random() < 0.5:
-        near = [v for v in range(right - 3, right + 4) if v != right and 0 <= v <= 27]
+        near = [v for v in range(right - 3, right + 4) if v != right and v in SUMS]
         return str(rng.choice(near))
-    return str(rng.choice([v for v in range(28) if v != right]))
+    return str(rng.choice([v for v in SUMS if v != right]))
 
 
-def preference_pairs(items: list[dict], seed: int = 0, per_item: int = 1) -> list[tuple[str, str, str]]:
-    """(prompt, chosen, rejected), `per_item` per problem: chosen = the right sum, rejected = a wrong one."""
+def preference_pairs(items: list[dict], seed: int = 0) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected), one per problem: chosen = the right sum, rejected = a wrong one."""
     rng = random.Random(seed)
-    return [(x["prompt"], x["answer"], wrong_sum(x, rng)) for x in items for _ in range(per_item)]
+    return [(x["prompt"], x["answer"], wrong_sum(x, rng)) for x in items]
 
 
 def every_wrong_sum(items: list[dict]) -> list[tuple[str, str, str]]:
-    """(prompt, right sum, wrong sum) for each of the 27 wrong sums (0-27) of every problem."""
-    return [(x["prompt"], x["answer"], str(v)) for x in items for v in range(28) if str(v) != x["answer"]]
+    """(prompt, right sum, wrong sum) for each of the 27 wrong sums (SUMS) of every problem."""
+    return [(x["prompt"], x["answer"], str(v)) for x in items for v in SUMS if v != int(x["answer"])]
 
 
 def _rows(tokenizer, texts: list[str], width: int) -> tuple[torch.Tensor, torch.Tensor]:
