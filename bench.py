@@ -30,12 +30,15 @@ import time
 
 import torch
 import transformers
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 # the entries: components, whole steps, train.py runs, the real model
 from bench_components import ComponentEntries
 from bench_real import RealModelEntries, smollm2_path
 from bench_runs import RunEntries
-from bench_steps import StepEntries
+from bench_steps import QUICK_SHAPE, StepEntries
+from nanorl.policy import load_model
+from nanorl.task import make_real_shape
 
 
 # ----------------------------------------------------------------------------- measurement helpers
@@ -152,6 +155,18 @@ class Bench(ComponentEntries, StepEntries, RunEntries, RealModelEntries):
             note = ", ".join(([f"{tokens / s['median']:.0f} tok/s"] if tokens else []) +
                              [(notes or {}).get(k, "")])
             self.add(bench, case, k, s, baseline=i == 0, note=note.strip(", "), **(extra or {}).get(k, {}))
+
+    def real_shape_model(self) -> tuple:
+        """(model, its name): the 2-layer Qwen2.5-0.5B shape (nanorl/task.py make_real_shape), loaded in
+        fp32 on the device. Quick: that config at QUICK_SHAPE's sizes, built in memory: the figures mean
+        nothing there, and backward through the 152k-token head was half of the quick run's time."""
+        if not self.quick:
+            path = make_real_shape(os.path.join(self.workdir, "real_shape"))["model"]
+            return load_model(path, self.device)[0], "Qwen2.5-0.5B shape L=2"
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, **QUICK_SHAPE)).to(self.device)
+        model.config.use_cache = False  # as load_model: training forwards never need the KV cache
+        return model, f"quick shape L=2 V={QUICK_SHAPE['vocab_size']} H={QUICK_SHAPE['hidden_size']}"
 
     def peak_mib(self, step) -> float | None:
         return peak_mib(step, self.device)

@@ -27,7 +27,7 @@ from bench_steps import micro_batch_loss, random_batch
 from nanorl import pipeline, precision, sources
 from nanorl.config import PRESETS, Config, parse_args
 from nanorl.policy import load_model
-from nanorl.task import make_default, make_real_shape
+from nanorl.task import make_default
 from train import evaluate_run, rl_step, setup
 
 
@@ -41,15 +41,16 @@ class RunEntries:
         over the loaded model: the first step, which creates the gradients and AdamW's moments (and the
         second step's peak as torch's allocator counts it: deterministic, gradients again). LoRA:
         rank 8 on every linear layer, no reference copy (adapters off). Then the same state arithmetic
-        for Qwen2.5-0.5B / 7B / 32B (counted on meta-device models) on one 80 GB / 141 GB GPU."""
+        for Qwen2.5-0.5B / 7B / 32B (counted on meta-device models) on one 80 GB / 141 GB GPU. Quick: a
+        tiny stand-in for the measured model (Bench.real_shape_model)."""
         from nanorl import lora
         from nanorl.policy import frozen_copy
-        path = make_real_shape(os.path.join(self.workdir, "real_shape"))["model"]
         rng, (P, R) = np.random.default_rng(0), self.pick((64, 64), (4, 4))
         lens = [(int(rng.integers(P // 2, 3 * P // 2)), int(rng.integers(R // 2, 3 * R // 2)))
                 for _ in range(4)]
         for rank in (8, 0):  # LoRA first: the full run's freed pages cannot hide its peak
-            model = load_model(path, self.device)[0].train()
+            model, name = self.real_shape_model()
+            model.train()
             if rank:
                 lora.apply(model, rank, 32.0, 0.0, "all-linear")
             ref = None if rank else frozen_copy(model, torch.bfloat16)
@@ -62,7 +63,7 @@ class RunEntries:
             sizes["KL reference"] = sum(p.numel() * p.element_size() for p in ref.parameters()) if ref else 0
             state = sum(sizes.values())
             parts = " + ".join(f"{k} {v / 2**20:.1f}" for k, v in sizes.items())
-            self.add("lora_memory", f"Qwen2.5-0.5B shape L=2, {int(mb.attention_mask.sum())} tokens, bf16",
+            self.add("lora_memory", f"{name}, {int(mb.attention_mask.sum())} tokens, bf16",
                      f"LoRA r={rank}, all-linear" if rank else "full fine-tuning", dict(median=took[0]),
                      baseline=not rank, peak_mib=peak, state_bytes=state,
                      note=f"trainer state {state / 2**20:.0f} MiB = {parts}; 2nd step allocates "

@@ -26,9 +26,13 @@ from nanorl.config import Config
 from nanorl.losses import LossConfig, total_loss
 from nanorl.policy import load_model, response_logprobs
 from nanorl.rollout import SamplingConfig
-from nanorl.task import build_model, make_default, make_real_shape
+from nanorl.task import QWEN25_05B, build_model, make_default, make_real_shape
 from nanorl.trajectory import Sample, collate
 from train import rl_step, setup
+
+# --quick's stand-in for the Qwen2.5-0.5B shape: its config (tied head, RoPE θ, norms) at tiny widths
+QUICK_SHAPE = {**QWEN25_05B, "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128,
+               "num_attention_heads": 2}
 
 
 def random_batch(lengths: list, V: int, device, seed: int = 0):
@@ -118,11 +122,10 @@ class StepEntries:
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
         from nanorl.rollout import HFEngine
-        from nanorl.task import ENDOFTEXT, QWEN25_05B, make_real_shape
+        from nanorl.task import ENDOFTEXT
 
         (prompts_n, n, P, R) = self.pick((8, 4, 64, 64), (2, 2, 8, 4))
-        shape = self.pick(QWEN25_05B, {**QWEN25_05B, "vocab_size": 1024, "hidden_size": 64,
-                                       "intermediate_size": 128, "num_attention_heads": 2})
+        shape = self.pick(QWEN25_05B, QUICK_SHAPE)
         pad = self.pick(ENDOFTEXT, 0)
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(Qwen2Config(num_hidden_layers=2, pad_token_id=pad, **shape)).eval()
@@ -183,8 +186,9 @@ class StepEntries:
         """Peak memory per token of one policy-loss fwd+bwd micro-batch on the real-shape model (2 layers,
         bf16 autocast, fp32 masters), and its time: checkpointing off/on × padded rows / one packed row.
         Peaks at N/2 and N tokens give the slope, what one more token costs beyond the fixed part (the
-        152k-vocabulary head and the [V, H] gradients). One timed call each: on CPU a call takes seconds."""
-        model = load_model(make_real_shape(os.path.join(self.workdir, "real_shape"))["model"], self.device)[0]
+        152k-vocabulary head and the [V, H] gradients). One timed call each: on CPU a call takes seconds.
+        Quick: a tiny stand-in model (Bench.real_shape_model)."""
+        model, name = self.real_shape_model()
         # as measured for docs/bench_results.md: then a bf16 grad_hidden was
         if self.device.type == "cpu":
             # ~100x slower on CPU (entropy._mm has since routed CPU half GEMMs through fp32)
@@ -211,8 +215,8 @@ class StepEntries:
         model.train()
         # makes the gradients
         step(mbs[1], False, False)
-        case = (f"Qwen2.5-0.5B shape L=2, {n[1]} tokens in {len(lens)} rows ({mbs[1].attention_mask.numel()} "
-                f"padded), bf16 autocast")
+        padded = mbs[1].attention_mask.numel()
+        case = f"{name}, {n[1]} tokens in {len(lens)} rows ({padded} padded), bf16 autocast"
         # baseline first
         for ckpt, packed in ((False, False), (True, False), (False, True), (True, True)):
             half, full = (self.peak_mib(partial(step, b, ckpt, packed)) or 0.0 for b in mbs)
